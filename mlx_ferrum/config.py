@@ -1,0 +1,164 @@
+"""RuntimeConfig: every runtime knob, each readable from its ``FERRUM_*`` variable.
+
+Precedence: an explicit constructor argument beats the environment, and the
+environment beats the default. A field left as ``None`` is resolved in
+``__post_init__``; after construction every field holds a concrete, validated value
+(``max_num_blocks`` and ``kv_capacity`` may stay ``None``: they are then sized from
+the memory budget and the model, by the executor).
+
+Names follow ferrum (``FERRUM_METAL_PAGED_KV``) and vLLM (``block_size``,
+``max_num_seqs``, ``max_num_batched_tokens``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
+
+from .errors import ConfigurationError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(var: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ConfigurationError(f"{var}={raw!r} is not a boolean: use 1 or 0")
+
+
+def _parse_int(var: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigurationError(f"{var}={raw!r} is not an integer: set it to a whole number") from None
+
+
+def _parse_float(var: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ConfigurationError(f"{var}={raw!r} is not a number: set it to e.g. 0.7") from None
+
+
+def _parse_layout(var: str, raw: str) -> str:
+    v = raw.strip().lower()
+    if v in ("paged",) or v in _TRUE:
+        return "paged"
+    if v in ("contiguous",) or v in _FALSE:
+        return "contiguous"
+    raise ConfigurationError(f"{var}={raw!r} is not valid: use 1 (paged) or 0 (contiguous)")
+
+
+# field -> (environment variable, parser, default)
+_ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
+    "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
+    "block_size": ("FERRUM_PAGED_BLOCK_SIZE", _parse_int, 16),
+    "max_num_blocks": ("FERRUM_KV_MAX_BLOCKS", _parse_int, None),
+    "kv_capacity": ("FERRUM_KV_CAPACITY", _parse_int, None),
+    "max_num_seqs": ("FERRUM_PAGED_MAX_SEQS", _parse_int, 32),
+    "prefill_chunk_size": ("FERRUM_CHUNKED_PREFILL", _parse_int, 512),
+    "max_num_batched_tokens": ("FERRUM_MAX_BATCHED_TOKENS", _parse_int, 2048),
+    "prefix_cache": ("FERRUM_PREFIX_CACHE", _parse_bool, False),
+    "metal_kernels": ("FERRUM_METAL_KERNELS", _parse_bool, True),
+    "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
+    "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
+}
+
+#: Pool size in bytes used to size the paged pool where no Metal device reports a
+#: working-set size (Linux CPU, CUDA): 1 GiB of K+V over all layers.
+DEFAULT_KV_POOL_BYTES = 1 << 30
+
+
+@dataclass
+class RuntimeConfig:
+    """Runtime settings of executors and the engine.
+
+    Fields (environment variable, default):
+
+    - ``kv_layout`` (``FERRUM_METAL_PAGED_KV``: 1 = ``"paged"``, 0/unset = ``"contiguous"``).
+    - ``block_size`` (``FERRUM_PAGED_BLOCK_SIZE``, 16): tokens per KV block; a power of two in [8, 128].
+    - ``max_num_blocks`` (``FERRUM_KV_MAX_BLOCKS``, None = sized from the memory budget):
+      blocks in the paged pool (each layer has a pool of this many blocks).
+    - ``kv_capacity`` (``FERRUM_KV_CAPACITY``, None = the model's ``max_position_embeddings``):
+      max tokens per sequence; the contiguous cache preallocates up to it when set.
+    - ``max_num_seqs`` (``FERRUM_PAGED_MAX_SEQS``, 32): max sequences per engine step.
+    - ``prefill_chunk_size`` (``FERRUM_CHUNKED_PREFILL``, 512): max prompt tokens per sequence per step.
+    - ``max_num_batched_tokens`` (``FERRUM_MAX_BATCHED_TOKENS``, 2048): token budget of one engine step.
+    - ``prefix_cache`` (``FERRUM_PREFIX_CACHE``, 0): share full prompt blocks by hash.
+    - ``metal_kernels`` (``FERRUM_METAL_KERNELS``, 1): 0 forces the pure-MLX reference attention.
+    - ``kv_memory_fraction`` (``FERRUM_KV_MEMORY_FRACTION``, 0.5): share of the Metal
+      working set (minus weights) given to the paged pool when ``max_num_blocks`` is unset.
+    - ``kv_cache_step`` (``FERRUM_KV_CACHE_STEP``, 256): growth step, in tokens, of the contiguous cache.
+
+    Raises:
+        ConfigurationError: a value is malformed; the message names the variable or field.
+    """
+
+    kv_layout: Optional[str] = None
+    block_size: Optional[int] = None
+    max_num_blocks: Optional[int] = None
+    kv_capacity: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    prefill_chunk_size: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    prefix_cache: Optional[bool] = None
+    metal_kernels: Optional[bool] = None
+    kv_memory_fraction: Optional[float] = None
+    kv_cache_step: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        explicit = set()
+        for f in fields(self):
+            if getattr(self, f.name) is not None:
+                explicit.add(f.name)
+                continue
+            var, parse, default = _ENV[f.name]
+            raw = os.environ.get(var)
+            setattr(self, f.name, parse(var, raw) if raw is not None else default)
+        self._validate(explicit)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "RuntimeConfig":
+        """Build a config from the environment, with explicit ``overrides`` winning.
+
+        Raises:
+            ConfigurationError: a variable or override is malformed.
+        """
+        return cls(**overrides)
+
+    def _name(self, field_name: str, explicit: set) -> str:
+        var = _ENV[field_name][0]
+        return f"RuntimeConfig.{field_name}" if field_name in explicit else var
+
+    def _validate(self, explicit: set) -> None:
+        n = lambda f: self._name(f, explicit)  # noqa: E731
+        if self.kv_layout not in ("contiguous", "paged"):
+            raise ConfigurationError(
+                f"{n('kv_layout')}={self.kv_layout!r} is not valid: use 'contiguous' or 'paged'"
+            )
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 8 or bs > 128 or bs & (bs - 1):
+            raise ConfigurationError(
+                f"{n('block_size')}={bs!r} is not valid: use a power of two from 8 to 128 (e.g. 16)"
+            )
+        for name in ("max_num_blocks", "kv_capacity"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer or leave it unset")
+        for name in ("max_num_seqs", "prefill_chunk_size", "max_num_batched_tokens", "kv_cache_step"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        f = self.kv_memory_fraction
+        if not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ConfigurationError(f"{n('kv_memory_fraction')}={f!r} is not valid: use a number in (0, 1]")
+
+    @property
+    def paged(self) -> bool:
+        """True when the paged block-pool layout is selected."""
+        return self.kv_layout == "paged"

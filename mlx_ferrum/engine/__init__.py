@@ -1,0 +1,1 @@
+"""Engine: requests -> scheduler -> executor -> sampler -> detokenizer."""

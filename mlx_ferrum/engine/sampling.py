@@ -1,0 +1,426 @@
+"""Sampling: ``SamplingParams``, logits processors and a batched, per-row-seeded sampler.
+
+Processing order for one step (Hugging Face ``generate``'s warper order, also vLLM's):
+
+1. repetition penalty on the raw logits (Keskar et al. 2019, "CTRL", section 4.1;
+   HF ``RepetitionPenaltyLogitsProcessor``);
+2. temperature;
+3. top-k (Fan et al. 2018, "Hierarchical Neural Story Generation");
+4. top-p / nucleus (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration");
+5. min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
+   Coherent LLM Outputs");
+6. a categorical draw by the Gumbel-max trick (``argmax(logits + Gumbel noise)``), the
+   noise drawn from the row's own PRNG key.
+
+Rows with ``temperature == 0`` take the argmax of the penalised logits instead.
+
+Every processor takes ``logits`` of shape ``[B, V]`` (cast to float32) and per-row
+parameters (a Python scalar shared by all rows, or a length-``B`` sequence / mx array),
+and returns a new ``[B, V]`` float32 array; filtered entries become ``-inf``. Ties at a
+top-k / top-p threshold are all kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..errors import ExecutorError, SamplingParamsError
+
+__all__ = [
+    "SamplingParams",
+    "SamplerState",
+    "SampleResult",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "apply_min_p",
+    "sample",
+]
+
+_NEG_INF = float("-inf")
+RowParam = Union[float, int, Sequence[float], mx.array]
+
+
+# ---------------------------------------------------------------------------
+# parameters
+# ---------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens.
+
+    Fields (validated on construction):
+
+    - ``temperature`` (float >= 0): divides the logits; ``0`` means greedy (argmax).
+    - ``top_p`` (float in (0, 1]): nucleus sampling; ``1`` is off.
+    - ``top_k`` (int >= 1, or ``0`` / ``-1`` for off): keep the ``k`` largest logits.
+    - ``min_p`` (float in [0, 1]): drop tokens whose probability is below
+      ``min_p * max probability``; ``0`` is off.
+    - ``repetition_penalty`` (float > 0): CTRL penalty on every token already seen
+      (prompt and output); ``1`` is off.
+    - ``seed`` (int in [0, 2**64) or ``None``): the row's PRNG seed; ``None`` draws one
+      from MLX's global generator (so ``mx.random.seed`` makes it reproducible).
+    - ``max_tokens`` (int >= 1): tokens to generate at most.
+    - ``stop`` (list of non-empty str; a single str is accepted): stop strings,
+      excluded from the output.
+    - ``stop_token_ids`` (list of int >= 0): ids that end generation besides EOS.
+    - ``logprobs`` (int >= 0 or ``None``): also return the chosen token's log-probability
+      and that many top alternatives.
+    - ``ignore_eos`` (bool): keep generating past EOS.
+
+    Raises:
+        SamplingParamsError: a field is out of range (the message names the field and
+            the accepted range).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[int] = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(name, accepted):
+            raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {accepted}")
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "use a finite number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
+            bad("top_p", "use a number in (0, 1] (1 = off)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "use an int >= 1, or 0 / -1 for off")
+        if not _is_number(self.min_p) or not (0 <= self.min_p <= 1):
+            bad("min_p", "use a number in [0, 1] (0 = off)")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "use a finite number > 0 (1 = off)")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**64)):
+            bad("seed", "use None or an int in [0, 2**64)")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "use an int >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        self.stop = list(self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "use a string or a list of non-empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "use a list of ints >= 0")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "use None or an int >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "use True or False")
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature == 0``: the sampler takes the argmax."""
+        return self.temperature == 0
+
+
+# ---------------------------------------------------------------------------
+# logits processors
+# ---------------------------------------------------------------------------
+
+
+def _rows(value: RowParam, batch: int, dtype=mx.float32) -> mx.array:
+    """A per-row parameter as a ``[B, 1]`` array (a scalar is broadcast)."""
+    if isinstance(value, mx.array):
+        arr = value.astype(dtype)
+    elif isinstance(value, (int, float)):
+        arr = mx.full((batch,), value, dtype=dtype)
+    else:
+        arr = mx.array(list(value), dtype=dtype)
+    if arr.size != batch:
+        raise ExecutorError(f"a per-row sampling parameter has {arr.size} values for a batch of {batch} rows")
+    return arr.reshape(batch, 1)
+
+
+def _as_2d(logits: mx.array) -> mx.array:
+    if logits.ndim != 2:
+        raise ExecutorError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    return logits.astype(mx.float32)
+
+
+def apply_repetition_penalty(logits: mx.array, history: Sequence[Sequence[int]], penalty: RowParam) -> mx.array:
+    """Penalise every token id that occurs in a row's history.
+
+    For each id in ``history[b]`` (counted once, however often it occurs), a positive
+    logit is divided by ``penalty[b]`` and a negative one multiplied by it (CTRL,
+    Keskar et al. 2019; the same as HF ``RepetitionPenaltyLogitsProcessor``).
+    Ids outside ``[0, V)`` are ignored.
+
+    Args:
+        logits: ``[B, V]``, any float dtype.
+        history: ``B`` sequences of token ids (prompt and generated).
+        penalty: > 0 per row; ``1`` leaves the row unchanged.
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Raises:
+        ExecutorError: ``logits`` is not 2-D, or ``history`` / ``penalty`` have the wrong length.
+    """
+    x = _as_2d(logits)
+    batch, vocab = x.shape
+    if len(history) != batch:
+        raise ExecutorError(f"repetition penalty got {len(history)} histories for {batch} rows")
+    pen = _rows(penalty, batch)
+    rows: list[int] = []
+    cols: list[int] = []
+    for b, ids in enumerate(history):
+        unique = {int(t) for t in ids if 0 <= int(t) < vocab}
+        rows.extend([b] * len(unique))
+        cols.extend(unique)
+    if not rows:
+        return x
+    seen = mx.zeros((batch, vocab), dtype=mx.bool_).at[mx.array(rows), mx.array(cols)].add(True)
+    penalised = mx.where(x < 0, x * pen, x / pen)
+    return mx.where(seen, penalised, x)
+
+
+def apply_temperature(logits: mx.array, temperature: RowParam) -> mx.array:
+    """``logits / temperature`` per row.
+
+    Args:
+        logits: ``[B, V]``.
+        temperature: > 0 per row (greedy rows must be handled by the caller).
+
+    Returns:
+        ``[B, V]`` float32.
+    """
+    x = _as_2d(logits)
+    return x / _rows(temperature, x.shape[0])
+
+
+def apply_top_k(logits: mx.array, top_k: Union[int, Sequence[int], mx.array]) -> mx.array:
+    """Keep each row's ``k`` largest logits (and any tied with the k-th); ``k <= 0`` is off.
+
+    Top-k sampling, Fan et al. 2018. ``k >= V`` keeps everything.
+
+    Args:
+        logits: ``[B, V]``.
+        top_k: int per row.
+
+    Returns:
+        ``[B, V]`` float32, filtered entries ``-inf``.
+    """
+    x = _as_2d(logits)
+    batch, vocab = x.shape
+    if isinstance(top_k, int):
+        if top_k <= 0 or top_k >= vocab:
+            return x
+        # One shared k: a partial selection is enough.
+        kth = mx.min(mx.topk(x, top_k, axis=-1), axis=-1, keepdims=True)
+        return mx.where(x < kth, _NEG_INF, x)
+    k = _rows(top_k, batch, mx.int32)
+    k = mx.where(k <= 0, vocab, mx.minimum(k, vocab))
+    ascending = mx.sort(x, axis=-1)
+    kth = mx.take_along_axis(ascending, vocab - k, axis=-1)
+    return mx.where(x < kth, _NEG_INF, x)
+
+
+def apply_top_p(logits: mx.array, top_p: RowParam) -> mx.array:
+    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches ``p``.
+
+    Holtzman et al. 2019. A token is kept when the probability mass of the tokens
+    ranked strictly above it is below ``p``, so the most likely token always survives.
+    ``p >= 1`` is off.
+
+    Args:
+        logits: ``[B, V]`` (already temperature-scaled).
+        top_p: in (0, 1] per row.
+
+    Returns:
+        ``[B, V]`` float32, filtered entries ``-inf``.
+    """
+    x = _as_2d(logits)
+    batch = x.shape[0]
+    p = _rows(top_p, batch)
+    order = mx.argsort(-x, axis=-1)
+    sorted_logits = mx.take_along_axis(x, order, axis=-1)
+    sorted_probs = mx.softmax(sorted_logits, axis=-1)
+    mass_above = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+    n_keep = mx.maximum(mx.sum(mass_above < p, axis=-1, keepdims=True), 1)
+    threshold = mx.take_along_axis(sorted_logits, n_keep - 1, axis=-1)
+    filtered = mx.where(x < threshold, _NEG_INF, x)
+    return mx.where(p >= 1.0, x, filtered)
+
+
+def apply_min_p(logits: mx.array, min_p: RowParam) -> mx.array:
+    """Min-p filter: drop tokens with probability below ``min_p`` times the top probability.
+
+    Nguyen et al. 2024. Computed in log space: keep ``logit >= max_logit + log(min_p)``.
+    ``min_p == 0`` is off.
+
+    Args:
+        logits: ``[B, V]`` (already temperature-scaled).
+        min_p: in [0, 1] per row.
+
+    Returns:
+        ``[B, V]`` float32, filtered entries ``-inf``.
+    """
+    x = _as_2d(logits)
+    m = _rows(min_p, x.shape[0])
+    log_ratio = mx.where(m > 0, mx.log(mx.maximum(m, 1e-38)), _NEG_INF)
+    threshold = mx.max(x, axis=-1, keepdims=True) + log_ratio
+    return mx.where(x < threshold, _NEG_INF, x)
+
+
+# ---------------------------------------------------------------------------
+# per-request state and the batched sampler
+# ---------------------------------------------------------------------------
+
+
+def _random_key() -> mx.array:
+    """A PRNG key drawn from MLX's global generator (reproducible under ``mx.random.seed``)."""
+    key = mx.random.randint(0, 2**31 - 1, shape=(2,)).astype(mx.uint32)
+    mx.eval(key)
+    return key
+
+
+@dataclass
+class SamplerState:
+    """One request's sampling state.
+
+    - ``params``: its :class:`SamplingParams`.
+    - ``key``: its PRNG key (``mx.random.key(seed)``, uint32 ``[2]``), split once per
+      sampled step, so a seed gives the same tokens whatever else shares the batch.
+    - ``history``: token ids seen so far (prompt, then each sampled token), read by the
+      repetition penalty.
+    """
+
+    params: SamplingParams
+    key: mx.array
+    history: list[int] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> "SamplerState":
+        """A fresh state: key from ``params.seed`` (or MLX's global generator); history = prompt."""
+        key = mx.random.key(params.seed) if params.seed is not None else _random_key()
+        return cls(params=params, key=key, history=[int(t) for t in prompt_ids])
+
+    def next_key(self) -> mx.array:
+        """Split the key: keep one half, return the other for this step's draw."""
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token (for the repetition penalty)."""
+        self.history.append(int(token_id))
+
+
+@dataclass
+class SampleResult:
+    """What :func:`sample` returns.
+
+    - ``tokens``: ``[B]`` int32, the chosen ids.
+    - ``logprobs``: ``[B]`` float32, ``log_softmax(raw logits)`` at the chosen ids, or
+      ``None`` when no row asked for logprobs.
+    - ``top_ids`` / ``top_logprobs``: ``[B, K]`` int32 / float32, the ``K`` most likely
+      ids by raw log-probability, best first, ``K`` = the largest ``logprobs`` asked in
+      the batch (a row asking fewer reads its first ``params.logprobs`` columns);
+      ``None`` when ``K == 0``.
+    """
+
+    tokens: mx.array
+    logprobs: Optional[mx.array] = None
+    top_ids: Optional[mx.array] = None
+    top_logprobs: Optional[mx.array] = None
+
+
+def _gumbel(vocab: int, key: mx.array) -> mx.array:
+    """Standard Gumbel noise ``[V]`` float32, finite everywhere (uniforms kept off 0 and 1)."""
+    u = mx.random.uniform(shape=(vocab,), key=key)
+    u = mx.clip(u, 1e-30, 1.0 - 2.0**-24)
+    return -mx.log(-mx.log(u))
+
+
+def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True) -> SampleResult:
+    """Pick one token per row of ``logits``.
+
+    Row ``b`` uses ``states[b].params``: repetition penalty, then greedy argmax when
+    ``temperature == 0``, else temperature, top-k, top-p, min-p and a Gumbel-max draw
+    with noise from the row's own key (split once per call for sampled rows).
+
+    Args:
+        logits: ``[B, V]`` (or ``[B, 1, V]``) logits of the next token, any float dtype.
+        states: ``B`` :class:`SamplerState`, one per row.
+        record: append each chosen token to its state's history (this evaluates the
+            tokens). Pass ``False`` to keep the result lazy and call
+            :meth:`SamplerState.append` yourself.
+
+    Returns:
+        :class:`SampleResult`.
+
+    Raises:
+        ExecutorError: ``logits`` is not ``[B, V]`` / ``[B, 1, V]`` or ``len(states) != B``.
+    """
+    if logits.ndim == 3 and logits.shape[1] == 1:
+        logits = logits.reshape(logits.shape[0], logits.shape[2])
+    raw = _as_2d(logits)
+    batch, vocab = raw.shape
+    if len(states) != batch:
+        raise ExecutorError(f"sample() got {len(states)} sampler states for {batch} rows of logits")
+    params = [s.params for s in states]
+
+    x = raw
+    if any(p.repetition_penalty != 1.0 for p in params):
+        x = apply_repetition_penalty(x, [s.history for s in states], [p.repetition_penalty for p in params])
+
+    greedy_rows = [p.greedy for p in params]
+    argmax = mx.argmax(x, axis=-1).astype(mx.int32)
+    if all(greedy_rows):
+        tokens = argmax
+    else:
+        y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
+        ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        if any(ks):
+            y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
+        if any(p.top_p < 1.0 for p in params):
+            y = apply_top_p(y, [p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            y = apply_min_p(y, [p.min_p for p in params])
+        zeros = mx.zeros((vocab,), dtype=mx.float32)
+        noise = mx.stack([zeros if g else _gumbel(vocab, s.next_key()) for g, s in zip(greedy_rows, states)])
+        sampled = mx.argmax(y + noise, axis=-1).astype(mx.int32)
+        tokens = mx.where(mx.array(greedy_rows), argmax, sampled)
+
+    result = SampleResult(tokens=tokens)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    if asked:
+        logp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+        result.logprobs = mx.take_along_axis(logp, tokens.reshape(batch, 1), axis=-1).reshape(batch)
+        k = min(max(asked), vocab)
+        if k > 0:
+            part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+            part_lp = mx.take_along_axis(logp, part, axis=-1)
+            order = mx.argsort(-part_lp, axis=-1)
+            result.top_ids = mx.take_along_axis(part, order, axis=-1)
+            result.top_logprobs = mx.take_along_axis(part_lp, order, axis=-1)
+    if record:
+        for state, tok in zip(states, tokens.tolist()):
+            state.append(tok)
+    return result

@@ -1,0 +1,98 @@
+"""Exception types that users of mlx_ferrum catch.
+
+Every error message names the problem and the fix. All errors derive from
+:class:`FerrumError`, so ``except mf.errors.FerrumError`` catches everything
+this package raises on purpose.
+"""
+
+from __future__ import annotations
+
+
+class FerrumError(Exception):
+    """Base class of every error raised on purpose by mlx_ferrum."""
+
+
+class ConfigurationError(FerrumError, ValueError):
+    """A runtime setting (a ``FERRUM_*`` variable or a ``RuntimeConfig`` field) is malformed.
+
+    The message names the variable or field, the value found and the values accepted.
+    """
+
+
+class ModelLoadError(FerrumError):
+    """A checkpoint cannot be loaded: base class of the loader's errors."""
+
+
+class ConfigNotFoundError(ModelLoadError, FileNotFoundError):
+    """``config.json`` is missing from a checkpoint folder (the message names the path)."""
+
+
+class MalformedConfigError(ModelLoadError, ValueError):
+    """``config.json`` (or another checkpoint json) cannot be parsed or lacks a required key."""
+
+
+class MissingShardError(ModelLoadError, FileNotFoundError):
+    """A safetensors shard listed in ``model.safetensors.index.json`` is absent, or no weights exist."""
+
+
+class UnsupportedArchitectureError(ModelLoadError, ValueError):
+    """``model_type`` is not one this package implements (the message lists the supported ones)."""
+
+
+class WeightShapeError(ModelLoadError, ValueError):
+    """A stored tensor's shape disagrees with the config (names tensor, expected and found shapes)."""
+
+
+class MissingWeightError(ModelLoadError, KeyError):
+    """A parameter the model needs is absent from the checkpoint, or an unexpected one is present."""
+
+
+class TokenizerError(FerrumError):
+    """The tokenizer files are missing or malformed, or a chat template cannot be rendered."""
+
+
+class ChatTemplateError(TokenizerError):
+    """A chat template is missing, or raised (``raise_exception``) while rendering."""
+
+
+class SamplingParamsError(FerrumError, ValueError):
+    """A ``SamplingParams`` field is out of range (the message names the field and the range)."""
+
+
+class PromptTooLongError(FerrumError, ValueError):
+    """A prompt (plus ``max_tokens`` where it must fit) exceeds the context the model or cache allows."""
+
+
+class KvCacheError(FerrumError):
+    """Base class of KV-cache bookkeeping errors."""
+
+
+class KvCacheExhaustedError(KvCacheError, MemoryError):
+    """The paged block pool (or a contiguous cache's capacity) cannot hold the requested tokens.
+
+    Nothing was allocated when this is raised: allocation is all-or-nothing.
+    """
+
+
+class DoubleFreeError(KvCacheError):
+    """A block was freed whose reference count is already zero."""
+
+
+class UnknownBlockError(KvCacheError, IndexError):
+    """A block id outside ``[0, num_blocks)`` was freed or acquired."""
+
+
+class UnknownCacheError(KvCacheError, KeyError):
+    """A ``cache_id`` is not (or no longer) held by the executor; it may have been released."""
+
+
+class ExecutorError(FerrumError):
+    """An executor was called in a way it cannot serve (shut down, bad input shape, ...)."""
+
+
+class KernelError(FerrumError):
+    """A Metal kernel cannot be built or launched for the given shapes or dtypes."""
+
+
+class RequestError(FerrumError):
+    """An engine request cannot be served (unknown request id, or it alone cannot fit the pool)."""

@@ -1,0 +1,38 @@
+"""Executors: the ``ModelExecutor`` protocol, ``LlmExecutor`` and ``PagedAttentionExecutor``."""
+
+from .attention import AttentionMetadata
+from .llm_executor import LlmExecutor, SeqWork
+from .types import (
+    AttentionType,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorCapabilities,
+    ExecutorMemoryUsage,
+    ExecutorState,
+    ExecutorStatus,
+    KvCacheHandle,
+    MemoryRequirements,
+    ModelExecutor,
+    ModelInfo,
+    PrefillInput,
+    PrefillOutput,
+)
+
+__all__ = [
+    "AttentionMetadata",
+    "AttentionType",
+    "DecodeInput",
+    "DecodeOutput",
+    "ExecutorCapabilities",
+    "ExecutorMemoryUsage",
+    "ExecutorState",
+    "ExecutorStatus",
+    "KvCacheHandle",
+    "LlmExecutor",
+    "MemoryRequirements",
+    "ModelExecutor",
+    "ModelInfo",
+    "PrefillInput",
+    "PrefillOutput",
+    "SeqWork",
+]

@@ -1,0 +1,184 @@
+"""AttentionMetadata and the one attention call every model layer makes.
+
+The executor builds one :class:`AttentionMetadata` per forward pass and hands it to
+the model; each attention layer calls :func:`apply_rope` and :func:`attention` with
+it. Nothing is global: the metadata carries the positions, the cache of whichever
+layout is in use, and (paged) the ``slot_mapping``, ``block_tables`` and
+``context_lens`` the kernels need. This mirrors nano-vllm's context object and vLLM's
+``AttentionMetadata``.
+
+Layouts:
+
+- ``"none"``: no cache; causal attention over the given tokens (tests, scoring).
+- ``"contiguous"``: batch row ``b`` has its own list of per-layer
+  :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`; every row brings ``L`` new tokens
+  at positions ``offsets[b] .. offsets[b]+L-1``. Rows of different cache lengths are
+  batched by right-padding the gathered K/V to the longest and masking the pad
+  (``-inf``), so one forward pass serves them all; the pad costs a copy of
+  ``B * max_len`` K/V entries per layer.
+- ``"paged"``: tokens of all sequences are packed into one row (``input_ids [1, T]``),
+  decode tokens first (one per decoding sequence), then each prefilling sequence's
+  chunk. K/V go to the shared pool through ``slot_mapping``; decode rows run
+  :func:`~mlx_ferrum.kernels.paged_attention_decode`, prefill rows
+  :func:`~mlx_ferrum.kernels.paged_prefill_attention`. No padding anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from .. import kernels
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything an attention layer needs besides q, k and v.
+
+    Attributes:
+        layout: ``"none"``, ``"contiguous"`` or ``"paged"``.
+        offsets: ``[B]`` int32 (none/contiguous): position of row ``b``'s first new token.
+        caches: contiguous: ``caches[b][layer]`` is row ``b``'s cache of that layer.
+        pad_mask: contiguous: ``[B, 1, L, max_len]`` additive mask for padded rows, or None.
+        positions: paged: ``[T]`` int32 position of each packed token.
+        pool: paged: the :class:`~mlx_ferrum.kv_cache.PagedKvPool`.
+        slot_mapping: paged: ``[T]`` int32 pool slot of each packed token.
+        block_tables: paged: ``[num_seqs, max_blocks]`` int32, decode sequences first.
+        context_lens: paged: ``[num_seqs]`` int32, tokens stored after this step's writes.
+        query_start_loc: paged: ``[num_seqs + 1]`` int32 prefix sums of tokens per sequence.
+        num_decode_seqs: paged: the leading sequences that bring exactly one token.
+        host_context_lens, host_query_start_loc: the same as Python lists (no read-back).
+        logits_indices: ``[N]`` int32 rows of the flattened ``B*L`` tokens whose logits
+            are wanted, or None for all.
+    """
+
+    layout: str = "none"
+    offsets: Optional[mx.array] = None
+    caches: Optional[list] = None
+    pad_mask: Optional[mx.array] = None
+    positions: Optional[mx.array] = None
+    pool: Any = None
+    slot_mapping: Optional[mx.array] = None
+    block_tables: Optional[mx.array] = None
+    context_lens: Optional[mx.array] = None
+    query_start_loc: Optional[mx.array] = None
+    num_decode_seqs: int = 0
+    host_context_lens: list = field(default_factory=list)
+    host_query_start_loc: list = field(default_factory=list)
+    logits_indices: Optional[mx.array] = None
+
+
+def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
+    """Rotate ``x`` ``[B, H, L, D]`` by the positions ``meta`` assigns its tokens.
+
+    Paged (packed) tokens each have their own position, so they are rotated as
+    ``T`` rows of length 1 with per-row offsets.
+    """
+    if meta is None or meta.layout == "none" and meta.offsets is None:
+        return rope(x, 0)
+    if meta.layout == "paged":
+        b, h, t, d = x.shape  # b == 1
+        xt = x[0].transpose(1, 0, 2)[:, :, None, :]  # [T, H, 1, D]
+        y = rope(xt, meta.positions)
+        return y[:, :, 0, :].transpose(1, 0, 2)[None]
+    return rope(x, meta.offsets)
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, meta: Optional[AttentionMetadata], layer: int, scale: float
+) -> mx.array:
+    """Store this step's K/V in the cache ``meta`` names and attend.
+
+    Args:
+        q: ``[B, num_heads, L, head_dim]`` (RoPE applied).
+        k, v: ``[B, num_kv_heads, L, head_dim]`` (RoPE applied to k).
+        meta: the step's metadata (``None``: causal, no cache).
+        layer: index of the calling layer, to pick its cache.
+        scale: softmax scale.
+
+    Returns:
+        ``[B, num_heads, L, head_dim]`` in q's dtype.
+    """
+    if meta is None or meta.layout == "none":
+        mask = "causal" if q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    if meta.layout == "contiguous":
+        return _contiguous(q, k, v, meta, layer, scale)
+    if meta.layout == "paged":
+        return _paged(q, k, v, meta, layer, scale)
+    raise ValueError(f"unknown KV layout {meta.layout!r}")
+
+
+def _contiguous(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.array:
+    b, _, l, _ = q.shape
+    if b == 1:
+        keys, values = meta.caches[0][layer].append(k, v)
+        mask = "causal" if l > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    ks, vs = [], []
+    for i in range(b):
+        ki, vi = meta.caches[i][layer].append(k[i : i + 1], v[i : i + 1])
+        ks.append(ki)
+        vs.append(vi)
+    max_len = max(x.shape[2] for x in ks)
+    pad = lambda x: x if x.shape[2] == max_len else mx.pad(x, [(0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)])  # noqa: E731
+    keys = mx.concatenate([pad(x) for x in ks], axis=0)
+    values = mx.concatenate([pad(x) for x in vs], axis=0)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=meta.pad_mask)
+
+
+def contiguous_pad_mask(cache_lens_after: list[int], new_tokens: int, dtype) -> Optional[mx.array]:
+    """Additive mask ``[B, 1, L, max_len]`` for right-padded contiguous rows.
+
+    Row ``b`` stores ``cache_lens_after[b]`` tokens after this step; its ``L`` new
+    tokens are the last ``L`` of them, and query ``j`` may see keys ``0 .. len-L+j``.
+    """
+    max_len = max(cache_lens_after)
+    if len(cache_lens_after) == 1:
+        return None
+    lens = mx.array(cache_lens_after, dtype=mx.int32)[:, None, None, None]
+    kpos = mx.arange(max_len)[None, None, None, :]
+    qpos = lens - new_tokens + mx.arange(new_tokens)[None, None, :, None]
+    return mx.where(kpos <= qpos, 0.0, _NEG_INF).astype(dtype)
+
+
+def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.array:
+    # packed: q [1, H, T, D] -> [T, H, D]
+    qt = q[0].transpose(1, 0, 2)
+    kt = k[0].transpose(1, 0, 2)
+    vt = v[0].transpose(1, 0, 2)
+    pool = meta.pool
+    pool.write(layer, meta.slot_mapping, kt, vt)
+    kp, vp = pool.k[layer], pool.v[layer]
+    nd = meta.num_decode_seqs
+    n_seqs = len(meta.host_context_lens)
+    parts = []
+    if nd:
+        parts.append(
+            kernels.paged_attention_decode(
+                qt[:nd], kp, vp, meta.block_tables[:nd], meta.context_lens[:nd], scale
+            )
+        )
+    if nd < n_seqs:
+        qsl = meta.host_query_start_loc
+        base = qsl[nd]
+        rel = [x - base for x in qsl[nd:]]
+        parts.append(
+            kernels.paged_prefill_attention(
+                qt[base:],
+                kp,
+                vp,
+                meta.block_tables[nd:],
+                meta.context_lens[nd:],
+                mx.array(rel, dtype=mx.int32),
+                scale,
+                host_context_lens=meta.host_context_lens[nd:],
+                host_query_start_loc=rel,
+            )
+        )
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    return out.transpose(1, 0, 2)[None]

@@ -1,0 +1,143 @@
+"""Pure-MLX paged attention: the test oracle and the fallback where Metal is absent.
+
+Layout (vLLM's, see Kwon et al., "Efficient Memory Management for Large Language
+Model Serving with PagedAttention", SOSP 2023):
+
+- ``k_pool``, ``v_pool``: ``[num_blocks, num_kv_heads, block_size, head_dim]`` in the
+  model dtype, shared by all sequences.
+- ``block_tables``: ``[num_seqs, max_blocks_per_seq]`` int32; row ``i`` maps logical block
+  ``j`` of sequence ``i`` to a physical block. Entries past a sequence's last block
+  are ignored (any value in range).
+- ``context_lens``: ``[num_seqs]`` int32, tokens stored for each sequence, the new
+  tokens included (they are written to the pool before attention runs).
+
+Both functions gather each sequence's blocks into a dense ``[num_kv_heads, T, head_dim]``
+view and call ``mx.fast.scaled_dot_product_attention`` (which handles GQA and
+accumulates in float32) with an additive mask, so they are exact up to the
+dtype's rounding of the gathered values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+_NEG_INF = float("-inf")
+
+
+def _gather(pool: mx.array, table: mx.array) -> mx.array:
+    """``pool[table]`` as a dense ``[..., num_kv_heads, len(table)*block_size, head_dim]``."""
+    g = pool[table]  # [..., nb, KVH, bs, D]
+    nb, kvh, bs, d = g.shape[-4:]
+    g = mx.swapaxes(g, -4, -3)  # [..., KVH, nb, bs, D]
+    return g.reshape(*g.shape[:-4], kvh, nb * bs, d)
+
+
+def paged_attention_decode(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """Attention of one query token per sequence over its paged K/V.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]``, float32/float16/bfloat16.
+        k_pool, v_pool: ``[num_blocks, num_kv_heads, block_size, head_dim]``, q's dtype.
+            ``num_heads % num_kv_heads == 0`` (grouped-query attention).
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32. ``max_blocks_per_seq *
+            block_size`` must cover the longest context; the cost grows with it.
+        context_lens: ``[num_seqs]`` int32, each in ``[1, max_blocks_per_seq*block_size]``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in q's dtype: for sequence ``i``,
+        ``softmax(q_i K_i^T * scale) V_i`` over its first ``context_lens[i]`` tokens.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    bs = k_pool.shape[2]
+    keys = _gather(k_pool, block_tables)  # [S, KVH, T, D]
+    values = _gather(v_pool, block_tables)
+    t = keys.shape[2]
+    valid = mx.arange(t)[None, :] < context_lens[:, None]  # [S, T]
+    mask = mx.where(valid, 0.0, _NEG_INF).astype(q.dtype)[:, None, None, :]
+    out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, mask=mask)
+    return out[:, :, 0, :]
+
+
+def paged_prefill_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+) -> mx.array:
+    """Causal attention of several new tokens per sequence over cached prefix plus themselves.
+
+    Queries are packed (varlen): sequence ``i`` owns rows ``query_start_loc[i] :
+    query_start_loc[i+1]`` of ``q``; call that count ``q_len_i``. Those are the last
+    ``q_len_i`` tokens of its context, already written to the pool, so query ``j``
+    sits at position ``p = context_lens[i] - q_len_i + j`` and attends keys ``0..p``.
+    Used for prefill, chunked prefill, prefix-cache hits and ``forward_verify``.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, float32/float16/bfloat16.
+        k_pool, v_pool: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
+        context_lens: ``[num_seqs]`` int32, including the new tokens.
+        query_start_loc: ``[num_seqs + 1]`` int32 prefix sums of the query lengths.
+        scale: softmax scale.
+        host_context_lens, host_query_start_loc: the same values as Python ints, when
+            the caller has them, to avoid reading the arrays back.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    """
+    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+    bs = k_pool.shape[2]
+    outs = []
+    for i, clen in enumerate(ctx):
+        q0, q1 = qsl[i], qsl[i + 1]
+        qlen = q1 - q0
+        if qlen == 0:
+            continue
+        nb = -(-clen // bs)
+        table = block_tables[i, :nb]
+        keys = _gather(k_pool, table)[None, :, :clen]  # [1, KVH, clen, D]
+        values = _gather(v_pool, table)[None, :, :clen]
+        qi = mx.swapaxes(q[q0:q1], 0, 1)[None]  # [1, H, qlen, D]
+        qpos = mx.arange(clen - qlen, clen)[:, None]
+        allowed = mx.arange(clen)[None, :] <= qpos  # [qlen, clen]
+        mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
+        o = mx.fast.scaled_dot_product_attention(qi, keys, values, scale=scale, mask=mask)
+        outs.append(mx.swapaxes(o[0], 0, 1))  # [qlen, H, D]
+    if not outs:
+        return mx.zeros_like(q)
+    return mx.concatenate(outs, axis=0)
+
+
+def write_kv_slots(pool: mx.array, slot_mapping: mx.array, new: mx.array) -> None:
+    """Write new tokens' K (or V) into a pool in place, through an MLX indexed update.
+
+    Args:
+        pool: ``[num_blocks, num_kv_heads, block_size, head_dim]``; updated in place (the
+            Python object is rebound to the scatter's result; MLX reuses the buffer when
+            this object holds the only reference).
+        slot_mapping: ``[num_tokens]`` int32, ``block * block_size + offset`` per token.
+        new: ``[num_tokens, num_kv_heads, head_dim]``, cast to the pool dtype.
+    """
+    bs = pool.shape[2]
+    kvh = pool.shape[1]
+    blocks = (slot_mapping // bs)[:, None]
+    offsets = (slot_mapping % bs)[:, None]
+    heads = mx.arange(kvh)[None, :]
+    pool[blocks, heads, offsets] = new.astype(pool.dtype)

@@ -1,0 +1,22 @@
+"""KV cache layouts: contiguous per-sequence buffers, or one paged block pool.
+
+- :class:`ContiguousKvCache`: ``[1, num_kv_heads, capacity, head_dim]`` per layer and sequence.
+- :class:`PagedKvPool`: ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer, shared.
+- :class:`BlockAllocator`, :class:`PagedKvCacheManager`: host-side bookkeeping of the pool.
+"""
+
+from .block_allocator import BlockAllocator
+from .contiguous import ContiguousKvCache
+from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
+from .pool import PagedKvPool, bytes_per_block, default_num_blocks
+
+__all__ = [
+    "AppendResult",
+    "BlockAllocator",
+    "ContiguousKvCache",
+    "PagedKvCacheManager",
+    "PagedKvPool",
+    "SequenceBlocks",
+    "bytes_per_block",
+    "default_num_blocks",
+]

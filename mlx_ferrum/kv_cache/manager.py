@@ -1,0 +1,321 @@
+"""PagedKvCacheManager: per-sequence block tables over one shared block pool.
+
+Host-side bookkeeping only (vLLM's block manager; Kwon et al., SOSP 2023). The
+scheduler reads it to decide admission and preemption; the executor uses it to
+build ``slot_mapping`` and ``block_tables``. The pool arrays belong to the executor:
+when an append must copy a shared block first (copy-on-write), the manager returns
+the ``(src, dst)`` block pairs and the executor copies them before writing.
+
+Prefix caching (``FERRUM_PREFIX_CACHE``): each full block is keyed by a hash chain,
+``hash(parent_hash, its token ids)``, so a key names the whole prefix up to that
+block. A new sequence whose prompt starts with cached blocks shares them by
+reference count (``match_prefix``) and prefills only the rest. Freed hashed blocks
+stay reusable until evicted, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Sequence
+
+from ..errors import KvCacheError, KvCacheExhaustedError, UnknownCacheError
+from .block_allocator import BlockAllocator
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's share of the pool.
+
+    Attributes:
+        block_ids: physical block ids, logical order (the host mirror of ``block_table``).
+        num_tokens: tokens stored (the sequence's ``context_len``).
+        token_ids: the stored tokens' ids, kept only with prefix caching.
+        block_hashes: hash-chain keys of the leading full blocks registered so far.
+    """
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[Hashable] = field(default_factory=list)
+
+
+@dataclass
+class AppendResult:
+    """Where ``n`` new tokens go.
+
+    Attributes:
+        slots: ``n`` slot indices, ``block_id * block_size + offset``.
+        copies: ``(src_block, dst_block)`` pairs the executor must copy in the pool
+            before writing (copy-on-write of a shared partial block).
+    """
+
+    slots: list[int]
+    copies: list[tuple[int, int]]
+
+
+class PagedKvCacheManager:
+    """Block tables of many sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Args:
+        num_blocks: blocks in the pool (each layer's pool has this many).
+        block_size: tokens per block.
+        max_blocks_per_seq: longest block table a sequence may have (capacity / block_size).
+        prefix_cache: share full blocks across sequences by hash chain.
+
+    Raises (from its methods):
+        KvCacheExhaustedError: the pool cannot hold the new tokens (nothing changes).
+        UnknownCacheError: an unknown ``cache_id``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_blocks_per_seq: int, prefix_cache: bool = False):
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.prefix_cache = prefix_cache
+        self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
+        self.seqs: dict[Hashable, SequenceBlocks] = {}
+        self._hash_to_block: dict[Hashable, int] = {}
+        self._block_to_hash: dict[int, Hashable] = {}
+        self.prefix_queries = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ----------------------------------------------------------------- lookup
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.allocator.num_blocks
+
+    def _seq(self, cache_id: Hashable) -> SequenceBlocks:
+        try:
+            return self.seqs[cache_id]
+        except KeyError:
+            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released") from None
+
+    def has(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds a block table."""
+        return cache_id in self.seqs
+
+    def create(self, cache_id: Hashable) -> None:
+        """Start an empty sequence.
+
+        Raises:
+            KvCacheError: ``cache_id`` already exists.
+        """
+        if cache_id in self.seqs:
+            raise KvCacheError(f"KV cache {cache_id!r} already exists")
+        self.seqs[cache_id] = SequenceBlocks()
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored for ``cache_id`` (its ``context_len``)."""
+        return self._seq(cache_id).num_tokens
+
+    def block_table(self, cache_id: Hashable) -> list[int]:
+        """Physical block ids of ``cache_id`` in logical order (a copy)."""
+        return list(self._seq(cache_id).block_ids)
+
+    # ----------------------------------------------------------------- growth
+    def blocks_needed(self, cache_id: Optional[Hashable], n: int) -> int:
+        """New blocks an append of ``n`` tokens would take (copy-on-write included)."""
+        seq = self.seqs.get(cache_id) if cache_id is not None else None
+        if seq is None:
+            return -(-n // self.block_size)
+        have = len(seq.block_ids) * self.block_size
+        need = max(0, -(-(seq.num_tokens + n - have) // self.block_size))
+        if n and self._last_block_is_shared_partial(seq):
+            need += 1
+        return need
+
+    def can_append(self, cache_id: Optional[Hashable], n: int) -> bool:
+        """True when ``n`` more tokens fit in the free blocks."""
+        return self.blocks_needed(cache_id, n) <= self.allocator.num_free
+
+    def _last_block_is_shared_partial(self, seq: SequenceBlocks) -> bool:
+        if not seq.block_ids or seq.num_tokens % self.block_size == 0:
+            return False
+        if seq.num_tokens < (len(seq.block_ids) - 1) * self.block_size:
+            return False  # the partial block is not the last one held (after truncate we drop those)
+        last = seq.block_ids[seq.num_tokens // self.block_size]
+        return self.allocator.ref_counts[last] > 1
+
+    def append_slots(self, cache_id: Hashable, n: int, token_ids: Optional[Sequence[int]] = None) -> AppendResult:
+        """Reserve slots for ``n`` new tokens of ``cache_id``, allocating blocks on demand.
+
+        Args:
+            token_ids: the new tokens' ids (needed with prefix caching to hash full blocks).
+
+        Raises:
+            KvCacheExhaustedError: the pool (or ``max_blocks_per_seq``) cannot hold them;
+                nothing was allocated.
+        """
+        seq = self._seq(cache_id)
+        bs = self.block_size
+        end = seq.num_tokens + n
+        if -(-end // bs) > self.max_blocks_per_seq:
+            raise KvCacheExhaustedError(
+                f"sequence {cache_id!r} would hold {end} tokens, more than its capacity of "
+                f"{self.max_blocks_per_seq * bs}: raise FERRUM_KV_CAPACITY or shorten the request"
+            )
+        copies: list[tuple[int, int]] = []
+        cow = n > 0 and self._last_block_is_shared_partial(seq)
+        new_needed = max(0, -(-end // bs) - len(seq.block_ids))
+        fresh = self.allocator.allocate_n(new_needed + (1 if cow else 0))
+        if cow:
+            idx = seq.num_tokens // bs
+            src, dst = seq.block_ids[idx], fresh.pop()
+            self.allocator.free(src)
+            seq.block_ids[idx] = dst
+            copies.append((src, dst))
+        seq.block_ids.extend(fresh)
+        start = seq.num_tokens
+        slots = [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        seq.num_tokens = end
+        if self.prefix_cache:
+            if token_ids is None or len(token_ids) != n:
+                raise KvCacheError("prefix caching needs the token ids of every appended token")
+            seq.token_ids.extend(int(t) for t in token_ids)
+            self._register_full_blocks(seq)
+        return AppendResult(slots, copies)
+
+    # ---------------------------------------------------------------- release
+    def truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens and free the blocks past them.
+
+        A kept block that becomes partial loses its prefix-cache key (its tail will be
+        overwritten); if it is shared, the next append copies it first.
+
+        Raises:
+            KvCacheError: ``new_len`` is negative or above ``num_tokens``.
+        """
+        seq = self._seq(cache_id)
+        if not 0 <= new_len <= seq.num_tokens:
+            raise KvCacheError(f"cannot truncate {cache_id!r} of {seq.num_tokens} tokens to {new_len}")
+        keep = -(-new_len // self.block_size)
+        for b in seq.block_ids[keep:]:
+            self.allocator.free(b)
+        del seq.block_ids[keep:]
+        seq.num_tokens = new_len
+        full = new_len // self.block_size
+        if self.prefix_cache:
+            del seq.token_ids[new_len:]
+            del seq.block_hashes[full:]
+            if full < keep:
+                partial = seq.block_ids[full]
+                if self.allocator.ref_counts[partial] == 1 and partial in self._block_to_hash:
+                    # its tail will be overwritten, so its key no longer describes it
+                    self._on_evict(partial)
+                    self.allocator.mark_cached(partial, False)
+
+    def release(self, cache_id: Hashable) -> None:
+        """Free every block of ``cache_id`` and forget it.
+
+        Raises:
+            UnknownCacheError: unknown ``cache_id``.
+        """
+        seq = self.seqs.pop(cache_id, None)
+        if seq is None:
+            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
+        for b in seq.block_ids:
+            self.allocator.free(b)
+
+    def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        """Make ``new_cache_id`` share all of ``cache_id``'s blocks (copy-on-write on append).
+
+        Raises:
+            UnknownCacheError: unknown ``cache_id``.
+            KvCacheError: ``new_cache_id`` exists.
+        """
+        src = self._seq(cache_id)
+        self.create(new_cache_id)
+        dst = self.seqs[new_cache_id]
+        for b in src.block_ids:
+            self.allocator.acquire(b)
+        dst.block_ids = list(src.block_ids)
+        dst.num_tokens = src.num_tokens
+        dst.token_ids = list(src.token_ids)
+        dst.block_hashes = list(src.block_hashes)
+
+    # ---------------------------------------------------------- prefix cache
+    def _on_evict(self, block: int) -> None:
+        h = self._block_to_hash.pop(block, None)
+        if h is not None and self._hash_to_block.get(h) == block:
+            del self._hash_to_block[h]
+
+    def _register_full_blocks(self, seq: SequenceBlocks) -> None:
+        bs = self.block_size
+        full = seq.num_tokens // bs
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            seq.block_hashes.append(h)
+            b = seq.block_ids[i]
+            if h not in self._hash_to_block and b not in self._block_to_hash:
+                self._hash_to_block[h] = b
+                self._block_to_hash[b] = h
+                self.allocator.mark_cached(b)
+
+    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Share the cached full blocks that begin ``token_ids`` with the new, empty ``cache_id``.
+
+        At most ``len(token_ids) - 1`` tokens are reused, so the last prompt token is
+        always recomputed and yields logits.
+
+        Returns:
+            Tokens reused (a multiple of ``block_size``); the caller prefills the rest.
+
+        Raises:
+            KvCacheError: ``cache_id`` is not empty.
+        """
+        seq = self._seq(cache_id)
+        if seq.num_tokens:
+            raise KvCacheError(f"match_prefix needs an empty sequence; {cache_id!r} holds {seq.num_tokens} tokens")
+        if not self.prefix_cache:
+            return 0
+        bs = self.block_size
+        self.prefix_queries += 1
+        self.prefix_query_tokens += len(token_ids)
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(int(t) for t in token_ids[i * bs : (i + 1) * bs])
+            h = hash((parent, chunk))
+            b = self._hash_to_block.get(h)
+            if b is None:
+                break
+            self.allocator.acquire(b)
+            seq.block_ids.append(b)
+            seq.block_hashes.append(h)
+            seq.token_ids.extend(chunk)
+            seq.num_tokens += bs
+            parent = h
+        self.prefix_hit_tokens += seq.num_tokens
+        return seq.num_tokens
+
+    # ---------------------------------------------------------------- metrics
+    def cache_metrics_snapshot(self) -> dict:
+        """Pool occupancy: total/used/free blocks, utilization (0-1), peak, prefix-cache hit rate."""
+        a = self.allocator
+        used = a.num_in_use
+        return {
+            "block_size": self.block_size,
+            "total_blocks": a.num_blocks,
+            "used_blocks": used,
+            "free_blocks": a.num_free,
+            "cached_free_blocks": len(a._evictable),
+            "utilization": used / a.num_blocks,
+            "peak_blocks": a.peak_in_use,
+            "num_sequences": len(self.seqs),
+            "prefix_cache": self.prefix_cache,
+            "prefix_hit_rate": (self.prefix_hit_tokens / self.prefix_query_tokens) if self.prefix_query_tokens else 0.0,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "evictions": a.num_evictions,
+        }
+
+    def check_invariants(self) -> None:
+        """Assert reference counts equal the block-table references (for tests)."""
+        self.allocator.check_invariants()
+        counts = [0] * self.num_blocks
+        for seq in self.seqs.values():
+            assert len(seq.block_ids) == -(-seq.num_tokens // self.block_size), "block table length mismatch"
+            for b in seq.block_ids:
+                counts[b] += 1
+        assert counts == self.allocator.ref_counts, "reference counts do not balance"

@@ -1,0 +1,97 @@
+"""PagedKvPool: the per-layer K and V block pools of the paged layout.
+
+Each layer owns one ``k`` and one ``v`` array of shape
+``[num_blocks, num_kv_heads, block_size, head_dim]`` in the model dtype, shared by
+every sequence. Writes go through an MLX indexed update (``pool[idx] = new``), which
+MLX performs in the pool's own buffer as long as the pool array has no other live
+reference; so this object is the only holder of each pool and never hands out
+pool arrays to be kept (``mx.fast.metal_kernel`` cannot write in place at all: its
+outputs are always fresh arrays).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..config import DEFAULT_KV_POOL_BYTES
+from ..kernels.reference import write_kv_slots
+
+
+class PagedKvPool:
+    """K/V block pools of all layers.
+
+    Args:
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim: the pool shape.
+        dtype: the model's dtype.
+
+    Attributes:
+        k, v: lists (one entry per layer) of ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype):
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.shape = shape
+        self.dtype = dtype
+        self.k = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer pool."""
+        return self.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all K and V pools."""
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array) -> None:
+        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``."""
+        write_kv_slots(self.k[layer], slot_mapping, k)
+        write_kv_slots(self.v[layer], slot_mapping, v)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of shared blocks)."""
+        if not copies:
+            return
+        src = mx.array([s for s, _ in copies], dtype=mx.int32)
+        dst = mx.array([d for _, d in copies], dtype=mx.int32)
+        for pools in (self.k, self.v):
+            for pool in pools:
+                pool[dst] = pool[src]
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> int:
+    """Bytes one block id costs across all layers, K and V together."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.size
+
+
+def default_num_blocks(
+    num_layers: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype,
+    weight_bytes: int,
+    memory_fraction: float,
+) -> int:
+    """Blocks to give the pool when ``FERRUM_KV_MAX_BLOCKS`` is unset.
+
+    On a Mac: ``memory_fraction * (max_recommended_working_set_size - weight_bytes)``.
+    Elsewhere (no Metal): ``DEFAULT_KV_POOL_BYTES`` (1 GiB) of K+V. At least 16 blocks.
+    """
+    per = bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype)
+    budget = DEFAULT_KV_POOL_BYTES
+    try:
+        if mx.metal.is_available():
+            ws = int(mx.metal.device_info()["max_recommended_working_set_size"])
+            budget = int(memory_fraction * max(0, ws - weight_bytes))
+    except Exception:  # noqa: BLE001 - device_info is best effort; fall back to the default
+        pass
+    return max(16, budget // per)

@@ -1,0 +1,371 @@
+"""Checkpoint loader: a Hugging Face folder or hub id -> a ready MLX model.
+
+The folder layout is the one ``transformers``' ``save_pretrained`` writes:
+``config.json``, and ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
+shards listed by ``model.safetensors.index.json``. MLX affine-quantized
+checkpoints (written by mlx-lm's ``convert``) add ``config["quantization"] =
+{"group_size", "bits", [mode], [per-module entries]}`` and, for every quantized
+module ``p``, the tensors ``p.weight`` (packed uint32), ``p.scales`` and
+``p.biases``.
+
+Reference: the checkpoint format of Hugging Face ``transformers``
+(``PreTrainedModel.save_pretrained``) and the quantized format of mlx-lm
+(``mlx_lm/utils.py``: ``load_model``, ``quantize_model``). The code here is
+written from those formats, not copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import (
+    ConfigNotFoundError,
+    ConfigurationError,
+    MalformedConfigError,
+    MissingShardError,
+    MissingWeightError,
+    ModelLoadError,
+    UnsupportedArchitectureError,
+    WeightShapeError,
+)
+from .llama import SUPPORTED_MODEL_TYPES, Model, ModelArgs
+
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Only what loading needs: configs and tokenizer json, the HF-named weight files
+# (never Mistral's duplicate ``consolidated.safetensors``), chat templates, and
+# the SentencePiece / tiktoken files some tokenizers ship instead of tokenizer.json.
+HUB_ALLOW_PATTERNS = (
+    "*.json",
+    "model*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.jinja",
+)
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """True when ``name`` cannot be a hub repo id (``name`` or ``owner/name``)."""
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or "\\" in name
+        or name.count("/") > 1
+    )
+
+
+def resolve_model_path(path_or_repo_id: Union[str, os.PathLike], revision: Optional[str] = None) -> Path:
+    """Return the local folder of a checkpoint, downloading it from the hub if needed.
+
+    Args:
+        path_or_repo_id: a local checkpoint folder, or a Hugging Face hub repo id
+            (``"Qwen/Qwen2.5-0.5B-Instruct"``).
+        revision: hub branch, tag or commit; ignored for a local folder.
+
+    Returns:
+        The folder holding ``config.json`` and the weights. An existing local folder
+        is returned as given and the network is never touched. Anything else is a
+        hub id fetched with ``huggingface_hub.snapshot_download`` (with its progress
+        bar; it honours ``HF_HUB_OFFLINE`` and the local cache), restricted to
+        :data:`HUB_ALLOW_PATTERNS`.
+
+    Raises:
+        ModelLoadError: the path exists but is not a folder; the name looks like a
+            local path (absolute, ``./``, ``~``, more than one ``/``) but no such
+            folder exists; or the hub download failed (unknown repo, no network,
+            offline mode without a cached copy). The message names the repo id.
+    """
+    name = os.fspath(path_or_repo_id)
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise ModelLoadError(f"{name!r} is a file; pass the checkpoint folder that holds config.json")
+    if _looks_like_local_path(name):
+        raise ModelLoadError(
+            f"no checkpoint folder at {name!r} (and it is not a hub repo id of the form 'owner/name')"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=list(HUB_ALLOW_PATTERNS)))
+    except Exception as exc:  # hub errors have many types (HTTP, offline, validation, OS)
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        hint = (
+            "HF_HUB_OFFLINE is set and the repo is not in the local cache"
+            if offline
+            else "check the repo id, your network and, for gated repos, `huggingface-cli login`"
+        )
+        raise ModelLoadError(
+            f"cannot download {name!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
+
+
+def load_config(path: Union[str, os.PathLike]) -> dict:
+    """Read ``config.json`` from a checkpoint folder.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The parsed json object (a dict), unchanged.
+
+    Raises:
+        ConfigNotFoundError: ``{path}/config.json`` does not exist (message names the path).
+        MalformedConfigError: the file is not valid json, or not a json object.
+    """
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise ConfigNotFoundError(f"{file} not found: a checkpoint folder needs a config.json")
+    return _read_json(file)
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MalformedConfigError(f"{file} is not valid json: {exc}") from exc
+    if not isinstance(data, dict):
+        raise MalformedConfigError(f"{file} must hold a json object, found {type(data).__name__}")
+    return data
+
+
+def _load_safetensors(file: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(file), format="safetensors")
+    except Exception as exc:  # mlx raises RuntimeError/ValueError on a corrupt header
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
+def load_weights(path: Union[str, os.PathLike]) -> dict[str, mx.array]:
+    """Read every tensor of a checkpoint folder, in the dtype it is stored in.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        ``{name: array}`` with the checkpoint's names and dtypes (bf16 stays bf16;
+        packed quantized weights are uint32). When ``model.safetensors.index.json``
+        exists it decides which shards are read; else ``model.safetensors``.
+
+    Raises:
+        MissingShardError: a shard named by the index is absent (message names the
+            shard), or the folder has neither weights file.
+        MissingWeightError: a tensor the index maps to a shard is not in that shard.
+        MalformedConfigError: the index is not valid json or lacks ``weight_map``.
+        ModelLoadError: a safetensors file cannot be parsed.
+    """
+    folder = Path(path)
+    index_file = folder / INDEX_FILE
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise MalformedConfigError(f"{index_file} has no 'weight_map' object")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise MissingShardError(
+                    f"shard {shard!r} listed in {index_file} is missing from {folder}; "
+                    "re-download the checkpoint"
+                )
+        weights: dict[str, mx.array] = {}
+        for shard in shards:
+            weights.update(_load_safetensors(folder / shard))
+        absent = sorted(k for k, shard in weight_map.items() if k not in weights)
+        if absent:
+            raise MissingWeightError(
+                f"{len(absent)} tensors listed in {index_file} are not in their shards: {_preview(absent)}"
+            )
+        return weights
+    single = folder / SINGLE_WEIGHTS_FILE
+    if single.is_file():
+        return _load_safetensors(single)
+    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    hint = ""
+    if any(n.endswith(".bin") or n.endswith(".pt") or n.endswith(".pth") for n in found):
+        hint = " (PyTorch .bin/.pt weights are not read: convert them to safetensors)"
+    raise MissingShardError(
+        f"no weights in {folder}: expected {SINGLE_WEIGHTS_FILE} or {INDEX_FILE}{hint}; found {found}"
+    )
+
+
+def _preview(names: list[str], n: int = 8) -> str:
+    more = f", ... ({len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _quantization_spec(config: dict) -> Optional[dict]:
+    """The MLX quantization dict of a config, or None for a float checkpoint.
+
+    mlx-lm writes the same dict under ``quantization`` and ``quantization_config``;
+    a ``quantization_config`` with a ``quant_method`` is a non-MLX format (AWQ,
+    GPTQ, bitsandbytes, fp8, ...), which this loader does not read.
+    """
+    quant = config.get("quantization")
+    if quant is None:
+        quant = config.get("quantization_config")
+        if quant is not None and "quant_method" in quant:
+            raise ModelLoadError(
+                f"quantization method {quant['quant_method']!r} is not supported; "
+                "only MLX affine checkpoints (config 'quantization': {group_size, bits}) load"
+            )
+    if quant is None:
+        return None
+    if not isinstance(quant, dict) or "group_size" not in quant or "bits" not in quant:
+        raise MalformedConfigError(f"config 'quantization' must be a dict with group_size and bits, found {quant!r}")
+    return quant
+
+
+def _quantize(model: nn.Module, quant: dict, weights: dict[str, mx.array]) -> None:
+    """Swap in QuantizedLinear / QuantizedEmbedding exactly where ``p.scales`` is stored.
+
+    The stored tensors decide *where*; the per-module config entry (or, when the
+    config has none, the shapes of the stored tensors, falling back to the global
+    ``group_size``/``bits``) decides *how*. A shape that still disagrees is caught
+    afterwards by the shape check, naming the tensor.
+    """
+    default = {"group_size": quant["group_size"], "bits": quant["bits"], "mode": quant.get("mode", "affine")}
+
+    def predicate(path: str, module: nn.Module) -> Union[bool, dict]:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        entry = quant.get(path)
+        if isinstance(entry, dict):
+            return {**default, **{k: v for k, v in entry.items() if k in ("group_size", "bits", "mode")}}
+        return _params_from_shapes(path, module, weights) or dict(default)
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def _params_from_shapes(path: str, module: nn.Module, weights: dict[str, mx.array]) -> Optional[dict]:
+    """group_size and bits implied by the stored packed weight and scales (affine only)."""
+    in_dims = module.weight.shape[-1]
+    packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
+    if packed.dtype != mx.uint32 or not mx.issubdtype(scales.dtype, mx.floating):
+        return None
+    bits, rem_b = divmod(packed.shape[-1] * 32, in_dims)
+    group_size, rem_g = divmod(in_dims, max(scales.shape[-1], 1))
+    if rem_b or rem_g or bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
+        return None
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Check that ``weights`` holds exactly the model's parameters, with their shapes.
+
+    Args:
+        model: the (possibly quantized) model, before its weights are loaded.
+        weights: ``{name: array}`` after ``model.sanitize``.
+
+    Raises:
+        MissingWeightError: parameters absent from the checkpoint, or tensors the
+            model has no parameter for (both lists are named).
+        WeightShapeError: a tensor's shape differs from the parameter's (names the
+            tensor, the expected and the found shape).
+    """
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_preview(missing)}")
+        if unexpected:
+            parts.append(f"not parameters of the model: {_preview(unexpected)}")
+        raise MissingWeightError(
+            "checkpoint tensors do not match the config (" + "; ".join(parts) + ")"
+        )
+    for name, param in expected.items():
+        found = weights[name]
+        if tuple(found.shape) != tuple(param.shape):
+            raise WeightShapeError(
+                f"tensor {name!r} has shape {tuple(found.shape)}, but the config implies "
+                f"{tuple(param.shape)}: config.json and the weights disagree"
+            )
+
+
+def _resolve_dtype(dtype: Any) -> Optional[mx.Dtype]:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ConfigurationError(f"dtype={dtype!r} is not supported: use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if isinstance(dtype, mx.Dtype) and mx.issubdtype(dtype, mx.floating):
+        return dtype
+    raise ConfigurationError(f"dtype={dtype!r} is not a floating type: use mx.float16, mx.bfloat16 or mx.float32")
+
+
+def load_model(
+    path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None
+) -> tuple[Model, dict, Path]:
+    """Load a checkpoint folder or hub id into an evaluated :class:`Model`.
+
+    Args:
+        path_or_repo_id: local folder or hub repo id (see :func:`resolve_model_path`).
+        dtype: ``None`` keeps each tensor's stored dtype; ``mx.float16`` /
+            ``mx.bfloat16`` / ``mx.float32`` (or their names) casts every floating
+            tensor, including quantization scales and biases. Packed uint32
+            quantized weights are never cast.
+        revision: hub revision, for hub ids only.
+
+    Returns:
+        ``(model, config, folder)``: the model in eval mode with its parameters
+        evaluated, the ``config.json`` dict, and the local folder it came from.
+
+    Raises:
+        ConfigNotFoundError, MalformedConfigError: see :func:`load_config`.
+        UnsupportedArchitectureError: ``model_type`` is not in ``SUPPORTED_MODEL_TYPES``
+            (the message lists them).
+        MissingShardError: see :func:`load_weights`.
+        MissingWeightError, WeightShapeError: see :func:`check_weights`.
+        ModelLoadError: download failure, unreadable safetensors, or a non-MLX
+            quantization format.
+        ConfigurationError: ``dtype`` is not a floating type.
+    """
+    target = _resolve_dtype(dtype)
+    folder = resolve_model_path(path_or_repo_id, revision=revision)
+    config = load_config(folder)
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise MalformedConfigError(f"{folder / CONFIG_FILE} has no 'model_type'")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"model_type {model_type!r} ({folder / CONFIG_FILE}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    args = ModelArgs.from_dict(config)
+    quant = _quantization_spec(config)
+    weights = load_weights(folder)
+    model = Model(args)
+    weights = model.sanitize(weights)
+    if quant is not None:
+        _quantize(model, quant, weights)
+    check_weights(model, weights)
+    if target is not None:
+        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config, folder
+
+
+__all__ = [
+    "HUB_ALLOW_PATTERNS",
+    "check_weights",
+    "load_config",
+    "load_model",
+    "load_weights",
+    "resolve_model_path",
+]
