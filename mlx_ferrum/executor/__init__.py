@@ -2,6 +2,7 @@
 
 from .attention import AttentionMetadata
 from .llm_executor import LlmExecutor, SeqWork
+from .paged_attention_executor import IdentityAttentionModel, PagedAttentionExecutor
 from .types import (
     AttentionType,
     DecodeInput,
@@ -28,7 +29,9 @@ __all__ = [
     "ExecutorState",
     "ExecutorStatus",
     "KvCacheHandle",
+    "IdentityAttentionModel",
     "LlmExecutor",
+    "PagedAttentionExecutor",
     "MemoryRequirements",
     "ModelExecutor",
     "ModelInfo",

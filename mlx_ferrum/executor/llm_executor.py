@@ -64,7 +64,10 @@ class SeqWork:
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
-    """The activation dtype of ``model``: its embedding's float dtype (scales if quantized)."""
+    """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
+    (the scales' dtype if quantized)."""
+    if isinstance(getattr(model, "dtype", None), mx.Dtype):
+        return model.dtype
     emb = model.model.embed_tokens
     w = getattr(emb, "scales", None)
     return (w if w is not None else emb.weight).dtype
@@ -92,6 +95,8 @@ class LlmExecutor:
         model: the loaded model (``model.args`` a ``ModelArgs``).
         config: runtime settings; ``None`` reads them from the environment.
         model_id: a name for :attr:`info`.
+        manager: an existing paged manager to use (paged layout only); its block size
+            and block count size the pool.
 
     Raises (from its calls):
         PromptTooLongError: tokens beyond ``kv_capacity()``.
@@ -100,7 +105,13 @@ class LlmExecutor:
         ExecutorError: malformed input, or a call after ``shutdown``.
     """
 
-    def __init__(self, model: nn.Module, config: Optional[RuntimeConfig] = None, model_id: str = "model"):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Optional[RuntimeConfig] = None,
+        model_id: str = "model",
+        manager: Optional[PagedKvCacheManager] = None,
+    ):
         self.model = model
         self.config = config if config is not None else RuntimeConfig()
         args = model.args
@@ -127,7 +138,15 @@ class LlmExecutor:
         self._contiguous: dict[str, list[ContiguousKvCache]] = {}
         self.manager: Optional[PagedKvCacheManager] = None
         self.pool: Optional[PagedKvPool] = None
-        if self.layout == "paged":
+        if manager is not None and self.layout != "paged":
+            raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
+        if self.layout == "paged" and manager is not None:
+            self.manager = manager
+            self.pool = PagedKvPool(
+                args.num_hidden_layers, manager.num_blocks, args.num_key_value_heads, manager.block_size,
+                args.head_dim, self.dtype,
+            )
+        elif self.layout == "paged":
             bs = self.config.block_size
             num_blocks = self.config.max_num_blocks or default_num_blocks(
                 args.num_hidden_layers,
