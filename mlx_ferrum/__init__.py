@@ -13,6 +13,7 @@ Public API (see ``docs/architecture.md``)::
 from . import errors
 from .api import GenerationChunk, executor_for, generate, load, stream_generate
 from .config import RuntimeConfig
+from .engine import AsyncEngine, Engine, RequestOutput
 from .engine.sampling import SamplingParams
 from .executor import (
     DecodeInput,
@@ -32,6 +33,9 @@ from .tokenizer import Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncEngine",
+    "Engine",
+    "RequestOutput",
     "DecodeInput",
     "DecodeOutput",
     "ExecutorCapabilities",

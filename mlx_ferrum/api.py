@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 
 from .config import RuntimeConfig
+from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplerState, SamplingParams, sample
 from .engine.stop import StopStringMatcher
 from .errors import PromptTooLongError
 from .executor import DecodeInput, LlmExecutor, PrefillInput
 from .models.loader import load_model
 from .tokenizer import Tokenizer
-
-Prompt = Union[str, Sequence[dict], Sequence[int], mx.array]
-
 
 def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
@@ -90,19 +88,6 @@ class GenerationChunk:
     generation_tps: float = 0.0
     peak_memory: int = 0
     logprob: Optional[float] = None
-
-
-def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt: text (encoded, BOS per ``tokenizer_config``), OpenAI-style
-    messages (rendered with the chat template), or token ids as they are."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, mx.array):
-        return [int(t) for t in prompt.reshape(-1).tolist()]
-    prompt = list(prompt)
-    if prompt and isinstance(prompt[0], dict):
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
-    return [int(t) for t in prompt]
 
 
 def _peak_memory() -> int:

@@ -468,7 +468,10 @@ class StreamingDetokenizer:
     Each step decodes a few tokens, not the whole sequence.
 
     Invariant: ``"".join(add_token(i) for i in ids) + finalize() == tokenizer.decode(ids)``
-    (with the same ``skip_special_tokens``).
+    (with the same ``skip_special_tokens``). One exception, for invalid UTF-8 only: the
+    ``ByteFallback`` decoder turns a whole run of ``<0xXX>`` tokens into U+FFFD when any
+    byte of the run is invalid, so a valid character already emitted from the start of
+    such a run stays as it was, where ``decode`` of the whole ids would show U+FFFD.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):

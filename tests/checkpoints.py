@@ -412,8 +412,10 @@ def _config(family: str, vocab_size: int, tok, dtype: str) -> dict:
 def random_weights(family: str, vocab_size: int) -> dict[str, np.ndarray]:
     """float32 weights under the Hugging Face names of the family, fixed seed.
 
-    Linear weights ~ N(0, 0.06^2), embeddings and lm_head ~ N(0, 0.1^2), norm
-    weights ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.05^2): logits come out O(1).
+    Linear weights ~ N(0, 0.15^2), embeddings and lm_head ~ N(0, 0.1^2), norm
+    weights ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.05^2): logits come out O(1), and the
+    layers outweigh the embedding in the residual stream, so tied-embedding models
+    do not simply repeat their input token under greedy decoding.
     """
     s = _SPECS[family]
     rng = np.random.default_rng(1000 + s.seed)
@@ -430,10 +432,10 @@ def random_weights(family: str, vocab_size: int) -> dict[str, np.ndarray]:
     for i in range(s.num_hidden_layers):
         p = f"model.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = norm(h)
-        w[f"{p}.self_attn.q_proj.weight"] = normal((nq, h), 0.06)
-        w[f"{p}.self_attn.k_proj.weight"] = normal((nkv, h), 0.06)
-        w[f"{p}.self_attn.v_proj.weight"] = normal((nkv, h), 0.06)
-        w[f"{p}.self_attn.o_proj.weight"] = normal((h, nq), 0.06)
+        w[f"{p}.self_attn.q_proj.weight"] = normal((nq, h), 0.15)
+        w[f"{p}.self_attn.k_proj.weight"] = normal((nkv, h), 0.15)
+        w[f"{p}.self_attn.v_proj.weight"] = normal((nkv, h), 0.15)
+        w[f"{p}.self_attn.o_proj.weight"] = normal((h, nq), 0.15)
         if s.qkv_bias:
             w[f"{p}.self_attn.q_proj.bias"] = normal((nq,), 0.05)
             w[f"{p}.self_attn.k_proj.bias"] = normal((nkv,), 0.05)
@@ -446,9 +448,9 @@ def random_weights(family: str, vocab_size: int) -> dict[str, np.ndarray]:
                 1.0 / s.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd)
             ).astype(np.float32)
         w[f"{p}.post_attention_layernorm.weight"] = norm(h)
-        w[f"{p}.mlp.gate_proj.weight"] = normal((inter, h), 0.06)
-        w[f"{p}.mlp.up_proj.weight"] = normal((inter, h), 0.06)
-        w[f"{p}.mlp.down_proj.weight"] = normal((h, inter), 0.06)
+        w[f"{p}.mlp.gate_proj.weight"] = normal((inter, h), 0.15)
+        w[f"{p}.mlp.up_proj.weight"] = normal((inter, h), 0.15)
+        w[f"{p}.mlp.down_proj.weight"] = normal((h, inter), 0.15)
     w["model.norm.weight"] = norm(h)
     if not s.tie_word_embeddings:
         w["lm_head.weight"] = normal((vocab_size, h), 0.1)

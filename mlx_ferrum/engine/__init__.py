@@ -1,1 +1,25 @@
-"""Engine: requests -> scheduler -> executor -> sampler -> detokenizer."""
+"""Engine: requests -> scheduler -> executor -> sampler -> detokenizer.
+
+- :class:`Engine`: continuous batching with chunked prefill, preemption, prefix caching.
+- :class:`AsyncEngine`: an asyncio front.
+- :class:`SamplingParams`, :func:`sample`: sampling.
+"""
+
+from .async_engine import AsyncEngine
+from .engine import Engine, RequestOutput
+from .sampling import SamplerState, SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import RequestMetrics, Sequence, SequenceStatus
+
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplerState",
+    "SamplingParams",
+    "Scheduler",
+    "Sequence",
+    "SequenceStatus",
+    "sample",
+]

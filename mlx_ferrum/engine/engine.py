@@ -1,0 +1,358 @@
+"""Engine: requests -> Scheduler -> executor -> sampler -> detokenizer.
+
+Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
+``step()`` asks the scheduler which sequences run, packs their new tokens (prefill
+chunks and decode tokens together) into ONE executor call, samples the sequences
+whose chunk reached their last token in one batched ``sample()``, detokenizes, checks
+stops, and frees the caches of finished requests at once.
+
+``add_request`` and ``abort`` are thread-safe: any thread may submit while another
+drives ``step()``. :meth:`Engine.stream` drives the loop itself; :class:`AsyncEngine`
+(``mlx_ferrum.engine.async_engine``) drives it from a background thread for asyncio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence as Seq, Union
+
+import mlx.core as mx
+
+from ..config import RuntimeConfig
+from ..errors import FerrumError, PromptTooLongError, RequestError
+from ..executor import LlmExecutor, SeqWork
+from .prompt import Prompt, encode_prompt
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import RequestMetrics, Sequence, SequenceStatus
+
+_req_ids = itertools.count()
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step.
+
+    Attributes:
+        request_id: the request.
+        text: all text generated so far (stop strings trimmed).
+        delta: text added by this step.
+        token_ids: all generated token ids.
+        new_token_ids: ids added by this step.
+        finished: True once it ended; then ``finish_reason`` is ``"stop"``,
+            ``"length"``, ``"abort"`` or ``"error"`` (with ``error`` set).
+        logprobs: log-probability of each generated token, when asked.
+        top_logprobs: per token, ``{token_id: logprob}`` of the top alternatives, when asked.
+        metrics: timings (:class:`~mlx_ferrum.engine.sequence.RequestMetrics`).
+        prompt_token_ids: the prompt.
+    """
+
+    request_id: str
+    text: str
+    delta: str
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+    metrics: RequestMetrics
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[dict]] = None
+    error: Optional[str] = None
+
+
+class Engine:
+    """A continuous-batching engine over one model.
+
+    Args:
+        model, tokenizer: from :func:`mlx_ferrum.load` (tokenizer may be None when every
+            prompt is token ids; then outputs carry no text).
+        config: runtime settings (``kv_layout``, budgets, prefix caching ...); None
+            reads the environment. The paged layout is what makes continuous batching
+            efficient; the contiguous layout works with padded batches and no preemption.
+        executor: an existing executor to use instead of building one.
+
+    Raises (from its calls):
+        RequestError: unknown request id, or a request that alone cannot fit the pool.
+        PromptTooLongError: a prompt that fills the context.
+        SamplingParamsError: invalid sampling parameters.
+    """
+
+    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None, executor: Optional[LlmExecutor] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config if config is not None else RuntimeConfig()
+        self.executor = executor if executor is not None else LlmExecutor(model, self.config)
+        self.scheduler = Scheduler(self.config, self.executor.manager, self.executor.kv_capacity())
+        self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._lock = threading.RLock()  # guards scheduler and sequences
+        self._step_lock = threading.Lock()  # one step at a time
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
+        self._finished_ttft: list[float] = []
+        self._finished_itl: list[float] = []
+        self.num_steps = 0
+        self.num_prefilled_tokens = 0
+        self.num_generated_tokens = 0
+        self._start = time.time()
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+    ) -> str:
+        """Queue a request (text, chat messages or token ids); returns its id. Thread-safe.
+
+        Raises:
+            PromptTooLongError: the prompt fills the context.
+            RequestError: the id is in use, or the prompt is empty.
+        """
+        params = params if params is not None else SamplingParams()
+        ids = encode_prompt(self.tokenizer, prompt)
+        cap = self.executor.kv_capacity()
+        if len(ids) >= cap:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and the context holds {cap}: shorten it or raise FERRUM_KV_CAPACITY"
+            )
+        rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
+        seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
+        with self._lock:
+            if rid in self._seqs:
+                raise RequestError(f"request id {rid!r} is in use: pick another")
+            self._seqs[rid] = seq
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its KV blocks; its output ends with ``"abort"``.
+
+        Raises:
+            RequestError: unknown (or already finished and collected) request id.
+        """
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                raise RequestError(f"unknown request {request_id!r}: it finished or was never added")
+            if seq.finished:
+                return
+            self._finish(seq, "abort")
+            self._pending.append(self._output(seq, "", []))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request waits or runs (or has an output not yet returned)."""
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.metrics.finished_time = time.time()
+        self.scheduler.remove(seq)
+        self.executor.release_cache(seq.request_id)
+        self._seqs.pop(seq.request_id, None)
+        m = seq.metrics
+        if m.ttft is not None:
+            self._finished_ttft.append(m.ttft)
+        self._finished_itl.extend(m.inter_token_latencies)
+
+    def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
+        want_lp = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=seq.text,
+            delta=delta,
+            token_ids=list(seq.output_ids),
+            new_token_ids=new_ids,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+            prompt_token_ids=seq.prompt_ids,
+            logprobs=list(seq.logprobs) if want_lp else None,
+            top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
+            error=seq.error,
+        )
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for each request that changed."""
+        with self._step_lock:
+            with self._lock:
+                outputs, self._pending = self._pending, []
+                plan = self.scheduler.schedule()
+                for seq in plan.rejected:
+                    self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
+                                 "raise FERRUM_KV_MAX_BLOCKS or shorten it")
+                    outputs.append(self._output(seq, "", []))
+                items = plan.items
+                now = time.time()
+                work = []
+                for it in items:
+                    s = it.seq
+                    if s.metrics.first_scheduled_time is None:
+                        s.metrics.first_scheduled_time = now
+                    work.append(SeqWork(s.request_id, s.token_at(s.num_computed, s.num_computed + it.num_tokens)))
+            if not items:
+                return outputs
+            try:
+                logits = self.executor.run(work)
+            except FerrumError as e:
+                with self._lock:
+                    for it in items:
+                        if not it.seq.finished:
+                            self._finish(it.seq, "error", str(e))
+                            outputs.append(self._output(it.seq, "", []))
+                return outputs
+            with self._lock:
+                self.num_steps += 1
+                sampled = []
+                for it, row in zip(items, logits):
+                    s = it.seq
+                    if s.finished:  # aborted while the step ran
+                        continue
+                    samples = it.samples
+                    if s.num_computed < len(s.prompt_ids):
+                        self.num_prefilled_tokens += it.num_tokens
+                        s.metrics.num_prefilled_tokens += it.num_tokens
+                    s.num_computed += it.num_tokens
+                    if samples:
+                        sampled.append((s, row))
+                if sampled:
+                    outputs.extend(self._sample_and_emit(sampled))
+            return outputs
+
+    def _sample_and_emit(self, sampled: list) -> list[RequestOutput]:
+        seqs = [s for s, _ in sampled]
+        rows = mx.concatenate([r for _, r in sampled], axis=0)
+        res = sample(rows, [s.sampler for s in seqs])
+        tokens = res.tokens.tolist()
+        lps = res.logprobs.tolist() if res.logprobs is not None else None
+        tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+        now = time.time()
+        outs = []
+        cap = self.executor.kv_capacity()
+        for b, (s, tok) in enumerate(zip(seqs, tokens)):
+            m = s.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.token_times.append(now)
+            self.num_generated_tokens += 1
+            if lps is not None and s.params.logprobs is not None:
+                s.logprobs.append(lps[b])
+                if tops is not None and s.params.logprobs:
+                    k = s.params.logprobs
+                    s.top_logprobs.append(dict(zip(tops[0][b][:k], tops[1][b][:k])))
+            s.output_ids.append(tok)
+            delta = ""
+            reason = None
+            if tok in s.stop_ids:
+                reason = "stop"
+                if s.detok is not None:
+                    delta = s.matcher.feed(s.detok.finalize()).text + s.matcher.flush()
+            else:
+                if s.detok is not None:
+                    chk = s.matcher.feed(s.detok.add_token(tok))
+                    delta = chk.text
+                    if chk.stopped:
+                        reason = "stop"
+                if reason is None and (len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap):
+                    reason = "length"
+                    if s.detok is not None:
+                        tail = s.matcher.feed(s.detok.finalize())
+                        delta += tail.text
+                        if tail.stopped:
+                            reason = "stop"
+                        else:
+                            delta += s.matcher.flush()
+            s.text += delta
+            if reason is not None:
+                self._finish(s, reason)
+            outs.append(self._output(s, delta, [tok]))
+        return outs
+
+    # -------------------------------------------------------- conveniences
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one or one each")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> Iterator[RequestOutput]:
+        """Add one request and yield its outputs as they come, stepping the engine.
+
+        Other requests in the engine advance too. Closing the iterator early aborts
+        the request.
+        """
+        rid = self.add_request(prompt, params, request_id)
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        done = out.finished
+        finally:
+            if not done:
+                try:
+                    self.abort(rid)
+                except RequestError:
+                    pass
+
+    # -------------------------------------------------------------- metrics
+    def stats(self) -> dict:
+        """Engine metrics: queue and running counts, token counters, TTFT and inter-token
+        latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
+        def pct(xs, q):
+            if not xs:
+                return 0.0
+            ys = sorted(xs)
+            return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
+
+        with self._lock:
+            kv = self.executor.cache_metrics_snapshot()
+            ttft, itl = self._finished_ttft, self._finished_itl
+            return {
+                "num_waiting": len(self.scheduler.waiting),
+                "num_running": len(self.scheduler.running),
+                "num_steps": self.num_steps,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefilled_tokens": self.num_prefilled_tokens,
+                "generated_tokens": self.num_generated_tokens,
+                "ttft_mean": sum(ttft) / len(ttft) if ttft else 0.0,
+                "ttft_p50": pct(ttft, 0.5),
+                "ttft_p90": pct(ttft, 0.9),
+                "itl_mean": sum(itl) / len(itl) if itl else 0.0,
+                "itl_p50": pct(itl, 0.5),
+                "itl_p90": pct(itl, 0.9),
+                "itl_p99": pct(itl, 0.99),
+                "kv_blocks_used": kv.get("used_blocks"),
+                "kv_blocks_free": kv.get("free_blocks"),
+                "kv_blocks_total": kv.get("total_blocks"),
+                "prefix_cache_hit_rate": kv.get("prefix_hit_rate", 0.0),
+                "kv": kv,
+            }

@@ -1,0 +1,184 @@
+"""Scheduler: which sequences run in the next step, and how many tokens each brings.
+
+First come, first served, in the style of vLLM's unified scheduler (and nano-vllm):
+
+- Running sequences go first, in admission order. A decoding sequence brings one token;
+  one still prefilling brings its next chunk (at most ``prefill_chunk_size`` tokens).
+  Chunks and decode tokens of all sequences go into ONE forward pass.
+- Then waiting sequences are admitted while there are sequence slots
+  (``max_num_seqs``), token budget (``max_num_batched_tokens``) and free blocks. With
+  prefix caching, an admitted sequence first takes the cached blocks of its prompt.
+- Preemption by recompute: when the pool cannot grow a running sequence, the most
+  recently admitted running sequence is preempted: its blocks are freed and it returns
+  to the front of the waiting queue, to be recomputed (prompt + outputs so far) later.
+
+The scheduler reads and writes only the host-side
+:class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (block tables), never arrays. The
+executor appends the slots when it runs the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import RuntimeConfig
+from ..kv_cache import PagedKvCacheManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledItem:
+    """``num_tokens`` new tokens of ``seq`` (from ``seq.num_computed`` on) for this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so its logits are sampled."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: the items to run, and sequences preempted or refused."""
+
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step's forward pass."""
+        return sum(i.num_tokens for i in self.items)
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill and preemption by recompute.
+
+    Args:
+        config: budgets (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_chunk_size``).
+        manager: the executor's paged manager, or None for the contiguous layout (no
+            block accounting then: admission is bounded by ``max_num_seqs`` only).
+        max_seq_len: most tokens per sequence.
+    """
+
+    def __init__(self, config: RuntimeConfig, manager: Optional[PagedKvCacheManager], max_seq_len: int):
+        self.config = config
+        self.manager = manager
+        self.max_seq_len = max_seq_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._order = 0
+        self._reserved = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues (its blocks are freed by the engine)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _fits(self, seq: Sequence, n: int) -> bool:
+        """True when ``n`` more tokens of ``seq`` fit beside the blocks this step already reserved."""
+        if self.manager is None:
+            return True
+        cid = seq.request_id if self.manager.has(seq.request_id) else None
+        return self.manager.blocks_needed(cid, n) <= self.manager.allocator.num_free - self._reserved
+
+    def _reserve(self, seq: Sequence, n: int) -> None:
+        if self.manager is not None:
+            cid = seq.request_id if self.manager.has(seq.request_id) else None
+            self._reserved += self.manager.blocks_needed(cid, n)
+
+    def _alone_cannot_fit(self, seq: Sequence) -> bool:
+        if self.manager is None:
+            return False
+        need = -(-seq.num_tokens // self.manager.block_size)
+        return need > self.manager.num_blocks
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        if self.manager is not None and self.manager.has(victim.request_id):
+            self.manager.release(victim.request_id)
+        victim.num_computed = 0
+        victim.status = SequenceStatus.WAITING
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring)."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.prefill_chunk_size
+        self._reserved = 0
+
+        # running sequences, oldest first; preempt the youngest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.remaining, chunk, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._fits(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted itself; the loop index now points at the next one
+            self._reserve(seq, n)
+            out.items.append(ScheduledItem(seq, n))
+            budget -= n
+            i += 1
+
+        # admit waiting sequences, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._alone_cannot_fit(seq):
+                self.waiting.popleft()
+                out.rejected.append(seq)
+                continue
+            if self.manager is not None and not self.manager.has(seq.request_id):
+                self.manager.create(seq.request_id)
+                if seq.num_computed == 0 and self.manager.prefix_cache:
+                    cached = self.manager.match_prefix(seq.request_id, seq.token_at(0, seq.num_tokens))
+                    seq.num_computed = cached
+                    if seq.metrics.num_preemptions == 0:
+                        seq.metrics.num_cached_tokens = cached
+            n = min(seq.remaining, chunk, budget)
+            if not self._fits(seq, n):
+                if self.manager is not None and self.manager.num_tokens(seq.request_id) == seq.num_computed:
+                    # give the shared prefix blocks back; they are matched again next time
+                    self.manager.release(seq.request_id)
+                    seq.num_computed = 0
+                if not self.running and not out.items:
+                    # nothing runs and it still does not fit: only eviction of cached
+                    # blocks could help, and allocation already evicts, so refuse it
+                    self.waiting.popleft()
+                    out.rejected.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._order += 1
+            seq.order = self._order
+            self.running.append(seq)
+            self._reserve(seq, n)
+            out.items.append(ScheduledItem(seq, n))
+            budget -= n
+        return out
