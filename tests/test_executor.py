@@ -180,3 +180,18 @@ def test_capabilities_and_status_tell_the_truth(cfg):
     assert st.memory_usage.used_bytes > 0
     ex.warmup()
     assert ex.status().is_ready
+
+
+def test_reference_decode_ignores_non_finite_stale_slots():
+    from mlx_ferrum.kernels.reference import paged_attention_decode
+
+    pool_k = mx.random.normal((4, 2, 8, 8))
+    pool_v = mx.random.normal((4, 2, 8, 8))
+    q = mx.random.normal((1, 4, 8))
+    tables = mx.array([[2, 1]], dtype=mx.int32)
+    lens = mx.array([11], dtype=mx.int32)
+    clean = paged_attention_decode(q, pool_k, pool_v, tables, lens, 0.35)
+    pool_k[1, :, 5:] = float("nan")  # past the 11th token of the sequence
+    pool_v[1, :, 5:] = float("inf")
+    dirty = paged_attention_decode(q, pool_k, pool_v, tables, lens, 0.35)
+    np.testing.assert_array_equal(np.array(clean), np.array(dirty))

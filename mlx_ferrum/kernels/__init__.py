@@ -2,10 +2,105 @@
 
 ``paged_attention_decode`` and ``paged_prefill_attention`` take the arguments of the
 functions of the same names in :mod:`mlx_ferrum.kernels.reference`, and dispatch to
-the Metal kernels (``mlx_ferrum.kernels.metal``) when Metal is available and
-``FERRUM_METAL_KERNELS`` is not ``0``; else to the reference.
+the Metal kernels (:mod:`mlx_ferrum.kernels.metal`) when Metal is available (or a
+test launcher is installed with :func:`mlx_ferrum.kernels.metal.use_launcher`) and
+``FERRUM_METAL_KERNELS`` / ``RuntimeConfig.metal_kernels`` is not ``0``; else to
+the reference. A shape the kernels do not take goes to the reference, and the
+reason is logged once (logger ``mlx_ferrum.kernels``, level INFO).
 """
 
-from .reference import paged_attention_decode, paged_prefill_attention, write_kv_slots
+from __future__ import annotations
 
-__all__ = ["paged_attention_decode", "paged_prefill_attention", "write_kv_slots"]
+import logging
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..config import RuntimeConfig
+from . import metal, reference
+from .reference import write_kv_slots
+
+__all__ = ["paged_attention_decode", "paged_prefill_attention", "write_kv_slots", "metal_path_enabled"]
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _fallback(kernel: str, reason: str) -> None:
+    msg = f"{kernel}: using the pure-MLX reference: {reason}"
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.info(msg)
+
+
+def metal_path_enabled() -> bool:
+    """True when attention runs on the Metal kernels: Metal (or a test launcher) is
+    present and ``FERRUM_METAL_KERNELS`` is not 0.
+
+    Raises:
+        ConfigurationError: a ``FERRUM_*`` variable is malformed.
+    """
+    if not RuntimeConfig().metal_kernels:
+        return False
+    return metal.launcher_forced() or mx.metal.is_available()
+
+
+def paged_attention_decode(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """Decode attention over paged K/V; see :func:`mlx_ferrum.kernels.reference.paged_attention_decode`.
+
+    Shapes: q ``[num_seqs, num_heads, head_dim]``, pools ``[num_blocks, num_kv_heads,
+    block_size, head_dim]``, block_tables ``[num_seqs, max_blocks]`` int32,
+    context_lens ``[num_seqs]`` int32; returns ``[num_seqs, num_heads, head_dim]`` in q's dtype.
+    Runs the Metal kernel (vLLM paged attention v1/v2) when enabled and the shape
+    is supported, else the reference.
+    """
+    if metal_path_enabled():
+        reason = metal.decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
+        if reason is None:
+            return metal.paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
+        _fallback("paged_attention_decode", reason)
+    return reference.paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+) -> mx.array:
+    """Causal varlen prefill attention over paged K/V; see
+    :func:`mlx_ferrum.kernels.reference.paged_prefill_attention`.
+
+    Shapes: q ``[num_tokens, num_heads, head_dim]``, query_start_loc ``[num_seqs + 1]``
+    int32, the rest as for decode; returns ``[num_tokens, num_heads, head_dim]``.
+    Runs the Metal kernel (FlashAttention-style tiles over the paged layout) when
+    enabled and the shape is supported, else the reference.
+    """
+    if metal_path_enabled():
+        ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+        qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+        reason = metal.prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
+        if reason is None:
+            return metal.paged_prefill_attention(
+                q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
+                host_context_lens=ctx, host_query_start_loc=qsl,
+            )
+        _fallback("paged_prefill_attention", reason)
+        host_context_lens, host_query_start_loc = ctx, qsl
+    return reference.paged_prefill_attention(
+        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
+        host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
+    )

@@ -63,6 +63,11 @@ def paged_attention_decode(
     values = _gather(v_pool, block_tables)
     t = keys.shape[2]
     valid = mx.arange(t)[None, :] < context_lens[:, None]  # [S, T]
+    # slots past a context may hold stale non-finite values (a reused block); a masked
+    # score of NaN would still poison the softmax, so zero them rather than only mask
+    vmask = valid[:, None, :, None]
+    keys = mx.where(vmask, keys, 0)
+    values = mx.where(vmask, values, 0)
     mask = mx.where(valid, 0.0, _NEG_INF).astype(q.dtype)[:, None, None, :]
     out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, mask=mask)
     return out[:, :, 0, :]

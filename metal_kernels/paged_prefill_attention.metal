@@ -1,0 +1,141 @@
+// paged_prefill_attention: causal attention of several new tokens per sequence
+// over the sequence's cached prefix in the pool plus themselves.
+//
+// File layout: see paged_attention_decode.metal (documentation, then
+// "// --- header ---", then "// --- body ---").
+//
+// Algorithm: FlashAttention-style tiling (Dao et al., 2022) over vLLM's paged
+// layout (Kwon et al., SOSP 2023): a threadgroup takes up to NUM_SIMD consecutive
+// query rows of one sequence and one head (one row per simdgroup), stages
+// KV_TILE tokens of K and V at a time in threadgroup memory (as float), and each
+// simdgroup updates its row's online softmax (float32 max, sum and output).
+// Query row j of a sequence with q_len new tokens and context_len tokens sits at
+// position context_len - q_len + j and attends to keys 0..position.
+//
+// Launch (built by mlx_ferrum/kernels/metal.py):
+//   grid        = (num_tiles * NUM_SIMD * 32, num_heads, 1) threads
+//   threadgroup = (NUM_SIMD * 32, 1, 1): one group per (tile of rows, head)
+// Inputs:
+//   q            [num_tokens, num_heads, HEAD_DIM] T (packed rows of all sequences)
+//   k_pool       [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] T
+//   v_pool       same as k_pool
+//   block_tables [num_seqs * max_blocks_per_seq] int32, padded to >= 8 elements
+//   tiles        [num_tiles * 4] int32, padded to >= 8 elements: per tile the
+//                sequence, its first q row, its row count (<= NUM_SIMD) and the
+//                position of its first row; a tile never spans two sequences
+//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq
+//   scale        0-d float32
+// Output:
+//   out          [num_tokens, num_heads, HEAD_DIM] T
+// Template: T, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE, NUM_SIMD, KV_TILE
+//   (tokens staged per step: a power of two dividing BLOCK_SIZE, with
+//   2 * KV_TILE * HEAD_DIM * 4 bytes of threadgroup memory).
+// --- header ---
+// Lanes that share one token's dot product: the largest power of two <= 32 that
+// divides head_dim (see paged_attention_decode.metal).
+constexpr int pa_lanes_per_token(int head_dim) {
+  int lanes = 32;
+  while (lanes > 1 && head_dim % lanes != 0) {
+    lanes /= 2;
+  }
+  return lanes;
+}
+// --- body ---
+  constexpr int LPT = pa_lanes_per_token(HEAD_DIM);
+  constexpr int TPS = 32 / LPT;
+  constexpr int EPL = HEAD_DIM / LPT;
+  constexpr int TG = NUM_SIMD * 32;
+
+  threadgroup float k_tile[KV_TILE * HEAD_DIM];
+  threadgroup float v_tile[KV_TILE * HEAD_DIM];
+
+  const int tile = threadgroup_position_in_grid.x;
+  const int head = threadgroup_position_in_grid.y;
+  const int num_heads = params[0];
+  const int num_kv_heads = params[1];
+  const int max_blocks = params[2];
+  const int seq = tiles[4 * tile];
+  const int row0 = tiles[4 * tile + 1];
+  const int num_rows = tiles[4 * tile + 2];
+  const int pos0 = tiles[4 * tile + 3];
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int lane = thread_index_in_simdgroup;
+  const int sg = simdgroup_index_in_threadgroup;
+  const int tid = thread_index_in_threadgroup;
+  const int tok_group = lane / LPT;
+  const int r = lane % LPT;
+
+  // Idle simdgroups (a short last tile) still stage K/V and meet every barrier.
+  const bool active = sg < num_rows;
+  const int pos = pos0 + sg;
+  const int last_pos = pos0 + num_rows - 1;
+  const int64_t out_row = (int64_t(row0) + sg) * num_heads + head;
+
+  float qv[EPL];
+  float acc[EPL];
+  for (int i = 0; i < EPL; ++i) {
+    qv[i] = active ? float(q[out_row * HEAD_DIM + r + i * LPT]) * scale : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = -INFINITY;
+  float l = 0.0f;
+
+  const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
+  const int64_t block_stride = head_stride * num_kv_heads;
+  for (int k0 = 0; k0 <= last_pos; k0 += KV_TILE) {
+    const int physical_block = block_tables[int64_t(seq) * max_blocks + k0 / BLOCK_SIZE];
+    const int64_t base = physical_block * block_stride + kv_head * head_stride + (k0 % BLOCK_SIZE) * HEAD_DIM;
+    for (int e = tid; e < KV_TILE * HEAD_DIM; e += TG) {
+      // Slots past the last needed key may hold garbage (even NaN): stage zeros.
+      const bool needed = k0 + e / HEAD_DIM <= last_pos;
+      k_tile[e] = needed ? float(k_pool[base + e]) : 0.0f;
+      v_tile[e] = needed ? float(v_pool[base + e]) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    if (active) {
+      for (int t0 = 0; t0 < KV_TILE; t0 += TPS) {
+        const int t = t0 + tok_group;
+        const bool valid = t < KV_TILE && k0 + t <= pos;
+        float s = 0.0f;
+        if (valid) {
+          for (int i = 0; i < EPL; ++i) {
+            s += qv[i] * k_tile[t * HEAD_DIM + r + i * LPT];
+          }
+        }
+        for (int o = LPT / 2; o > 0; o /= 2) {
+          s += simd_shuffle_xor(s, ushort(o));
+        }
+        s = valid ? s : -INFINITY;
+        // Keys are visited in order, so a step with no valid key ends the tile.
+        const float step_max = simd_max(s);
+        if (step_max == -INFINITY) {
+          break;
+        }
+        const float m_new = max(m, step_max);
+        const float correction = exp(m - m_new);
+        const float p = valid ? exp(s - m_new) : 0.0f;
+        l = l * correction + simd_sum(r == 0 ? p : 0.0f);
+        for (int i = 0; i < EPL; ++i) {
+          const float v = valid ? float(v_tile[t * HEAD_DIM + r + i * LPT]) : 0.0f;
+          acc[i] = acc[i] * correction + p * v;
+        }
+        m = m_new;
+      }
+    }
+    // The next tile overwrites k_tile/v_tile: every row must be done with this one.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (active) {
+    for (int o = LPT; o < 32; o *= 2) {
+      for (int i = 0; i < EPL; ++i) {
+        acc[i] += simd_shuffle_xor(acc[i], ushort(o));
+      }
+    }
+    if (tok_group == 0) {
+      for (int i = 0; i < EPL; ++i) {
+        out[out_row * HEAD_DIM + r + i * LPT] = static_cast<T>(acc[i] / l);
+      }
+    }
+  }

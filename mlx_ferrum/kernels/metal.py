@@ -1,0 +1,467 @@
+"""Metal paged-attention kernels, launched through ``mx.fast.metal_kernel``.
+
+The kernel sources live in ``metal_kernels/*.metal`` (one kernel per file: a
+documentation preamble, then ``// --- header ---``, then ``// --- body ---``; see
+:func:`load_kernel_source`). Each ``mx.fast.metal_kernel`` object is built once per
+launcher and cached. The functions here take exactly the arguments of the
+functions of the same names in :mod:`mlx_ferrum.kernels.reference` and compute the
+same thing; :func:`decode_unsupported_reason` / :func:`prefill_unsupported_reason`
+say when a shape is outside what the kernels take (dispatch in
+:mod:`mlx_ferrum.kernels` then uses the reference).
+
+MLX facts the wrappers respect (MLX 0.32, ``backend/common/metal_kernel.cpp``):
+inputs of fewer than 8 elements become ``constant`` pointers, so small metadata
+arrays are padded to 8 elements; outputs are fresh and uninitialised, so every
+output element is written by the kernels; kernels cannot update inputs in place.
+
+Test hook: :func:`use_launcher` substitutes the kernel factory (e.g. the CPU
+harness, :func:`mlx_ferrum.testing.metal_harness.metal_kernel`) and makes the
+Metal path available where MLX has no Metal back-end.
+
+Algorithms: vLLM paged attention v1/v2 (Kwon et al., SOSP 2023) with online
+softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022); see
+``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+from ..errors import KernelError
+
+HEADER_MARK = "// --- header ---"
+BODY_MARK = "// --- body ---"
+
+#: Simdgroups per decode threadgroup (128 threads).
+DECODE_NUM_SIMD = 4
+#: Query rows (one per simdgroup) per prefill threadgroup (256 threads).
+PREFILL_NUM_SIMD = 8
+#: Tokens per decode partition; contexts that can be longer (``max_blocks_per_seq *
+#: block_size`` > this) are split over partitions and merged by the reduce kernel.
+DECODE_PARTITION_SIZE = 512
+#: Float elements of K (and as many of V) staged per prefill step: 16 KiB of the
+#: 32 KiB of threadgroup memory.
+PREFILL_TILE_ELEMENTS = 2048
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+#: Small arrays are padded to this many elements so they stay ``device`` pointers.
+MIN_DEVICE_ELEMENTS = 8
+
+
+# ------------------------------------------------------------------ sources
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel file split into the parts ``mx.fast.metal_kernel`` takes.
+
+    ``header_line`` and ``body_line`` are the 1-based lines of the file where the
+    header and the body text start (for error messages that point into the file).
+    """
+
+    name: str
+    path: Path
+    header: str
+    body: str
+    header_line: int
+    body_line: int
+
+
+def _candidate_dirs() -> list[Path]:
+    here = Path(__file__).resolve()
+    dirs = [
+        here.parents[1] / "metal_kernels",  # wheel: package-dir maps it to mlx_ferrum/metal_kernels
+        here.parents[2] / "metal_kernels",  # source checkout / editable install: <repo>/metal_kernels
+    ]
+    try:
+        from importlib.resources import files
+
+        dirs.append(Path(str(files("mlx_ferrum.metal_kernels"))))
+    except Exception:  # noqa: BLE001 - not installed as a package: the paths above decide
+        pass
+    return dirs
+
+
+@lru_cache(maxsize=None)
+def kernels_dir() -> Path:
+    """Directory holding the ``.metal`` files.
+
+    Looked for inside the package as installed from a wheel
+    (``mlx_ferrum/metal_kernels``), then beside it in a source checkout or editable
+    install (``<repo>/metal_kernels``), then through importlib.resources.
+
+    Raises:
+        KernelError: no candidate holds ``paged_attention_decode.metal``.
+    """
+    tried = _candidate_dirs()
+    for d in tried:
+        if (d / "paged_attention_decode.metal").is_file():
+            return d
+    raise KernelError(
+        "metal_kernels/ not found (looked in " + ", ".join(map(str, tried)) + "): reinstall mlx_ferrum"
+    )
+
+
+def parse_kernel_file(name: str, path: Path, text: str) -> KernelSource:
+    """Split a ``.metal`` file's text at the header and body marker lines.
+
+    Raises:
+        KernelError: a marker line is missing or out of order.
+    """
+    lines = text.splitlines(keepends=True)
+    stripped = [ln.strip() for ln in lines]
+    try:
+        h = stripped.index(HEADER_MARK)
+        b = stripped.index(BODY_MARK)
+    except ValueError:
+        raise KernelError(f"{path}: needs a '{HEADER_MARK}' line and a '{BODY_MARK}' line") from None
+    if b < h:
+        raise KernelError(f"{path}: '{HEADER_MARK}' must come before '{BODY_MARK}'")
+    header = "".join(lines[h + 1 : b])
+    body = "".join(lines[b + 1 :])
+    return KernelSource(name, path, header, body, h + 2, b + 2)
+
+
+_ORIGINS: dict[str, tuple[str, int]] = {}
+
+
+@lru_cache(maxsize=None)
+def load_kernel_source(name: str) -> KernelSource:
+    """The parts of ``metal_kernels/<name>.metal``.
+
+    Raises:
+        KernelError: the file is missing or malformed.
+    """
+    path = kernels_dir() / f"{name}.metal"
+    if not path.is_file():
+        raise KernelError(f"kernel source {path} is missing")
+    src = parse_kernel_file(name, path, path.read_text())
+    if src.header:
+        _ORIGINS[src.header] = (str(path), src.header_line)
+    _ORIGINS[src.body] = (str(path), src.body_line)
+    return src
+
+
+def source_origin(text: str) -> Optional[tuple[str, int]]:
+    """``(path, first line)`` of a header or body loaded by :func:`load_kernel_source`, else None."""
+    return _ORIGINS.get(text)
+
+
+# ----------------------------------------------------------------- launcher
+
+_lock = threading.Lock()
+_launcher: Optional[Callable[..., Any]] = None
+_kernels: dict[tuple, Any] = {}
+
+
+@contextmanager
+def use_launcher(factory: Callable[..., Any]) -> Iterator[None]:
+    """Use ``factory`` instead of ``mx.fast.metal_kernel`` inside the ``with`` block.
+
+    ``factory`` takes ``mx.fast.metal_kernel``'s arguments and returns a callable
+    taking those of the object it returns. While it is installed, dispatch in
+    :mod:`mlx_ferrum.kernels` treats the Metal path as available (unless
+    ``FERRUM_METAL_KERNELS=0``), so tests can stand the CPU harness in for a GPU::
+
+        with metal.use_launcher(metal_harness.metal_kernel):
+            out = mlx_ferrum.kernels.paged_attention_decode(...)
+    """
+    global _launcher
+    with _lock:
+        previous, _launcher = _launcher, factory
+    try:
+        yield
+    finally:
+        with _lock:
+            _launcher = previous
+
+
+def launcher_forced() -> bool:
+    """True inside :func:`use_launcher`."""
+    return _launcher is not None
+
+
+def _kernel(name: str, input_names: Sequence[str], output_names: Sequence[str]) -> Any:
+    factory = _launcher or mx.fast.metal_kernel
+    key = (factory, name)
+    k = _kernels.get(key)
+    if k is None:
+        src = load_kernel_source(name)
+        k = factory(
+            name=name,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            source=src.body,
+            header=src.header,
+        )
+        _kernels[key] = k
+    return k
+
+
+# -------------------------------------------------------------- shape rules
+
+
+def _pad(a: mx.array) -> mx.array:
+    a = a.reshape(-1)
+    if a.size >= MIN_DEVICE_ELEMENTS:
+        return a
+    return mx.concatenate([a, mx.zeros((MIN_DEVICE_ELEMENTS - a.size,), a.dtype)])
+
+
+def _params(*values: int) -> mx.array:
+    vals = list(values) + [0] * (MIN_DEVICE_ELEMENTS - len(values))
+    return mx.array(vals, dtype=mx.int32)
+
+
+def _common_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array) -> Optional[str]:
+    if q.ndim != 3 or k_pool.ndim != 4 or v_pool.ndim != 4 or block_tables.ndim != 2:
+        return "q must be 3-d, the pools 4-d and block_tables 2-d"
+    if k_pool.shape != v_pool.shape:
+        return f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ in shape"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} (the kernels take float32, float16 and bfloat16)"
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        return f"q ({q.dtype}) and the pools ({k_pool.dtype}, {v_pool.dtype}) differ in dtype"
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, num_kv_heads, block_size, pool_dim = k_pool.shape
+    if pool_dim != head_dim:
+        return f"head_dim of q ({head_dim}) and of the pools ({pool_dim}) differ"
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"
+    if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
+        return f"block_size {block_size} (the kernels take powers of two from 8 to 256)"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    if q.shape[0] == 0:
+        return "no query rows"
+    return None
+
+
+def decode_unsupported_reason(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array
+) -> Optional[str]:
+    """Why :func:`paged_attention_decode` cannot take these arrays, or None when it can.
+
+    Reads only shapes and dtypes (no device synchronisation).
+    """
+    reason = _common_reason(q, k_pool, v_pool, block_tables)
+    if reason:
+        return reason
+    if block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
+        return "block_tables and context_lens must have one row per sequence of q"
+    return None
+
+
+def prefill_unsupported_reason(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    host_context_lens: Sequence[int],
+    host_query_start_loc: Sequence[int],
+) -> Optional[str]:
+    """Why :func:`paged_prefill_attention` cannot take these arrays, or None when it can."""
+    reason = _common_reason(q, k_pool, v_pool, block_tables)
+    if reason:
+        return reason
+    qsl = list(host_query_start_loc)
+    if len(qsl) != len(host_context_lens) + 1 or len(host_context_lens) > block_tables.shape[0]:
+        return "query_start_loc must have num_seqs + 1 entries and block_tables a row per sequence"
+    if qsl[0] != 0 or qsl[-1] != q.shape[0]:
+        return "query_start_loc does not cover the rows of q (first must be 0, last num_tokens)"
+    for i, ctx in enumerate(host_context_lens):
+        qlen = qsl[i + 1] - qsl[i]
+        if qlen < 0 or qlen > ctx:
+            return f"sequence {i} has {qlen} new tokens but a context of {ctx}"
+    return None
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(x, 1).bit_length() - 1)
+
+
+def paged_attention_decode(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """Attention of one query token per sequence over its paged K/V, on the Metal kernels.
+
+    Same contract as :func:`mlx_ferrum.kernels.reference.paged_attention_decode`:
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]`` float32/float16/bfloat16; head_dim a
+            multiple of 8 up to 256.
+        k_pool, v_pool: ``[num_blocks, num_kv_heads, block_size, head_dim]``, q's dtype;
+            block_size a power of two from 8 to 256; ``num_heads % num_kv_heads == 0``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids.
+        context_lens: ``[num_seqs]`` int32, each in ``[1, max_blocks_per_seq * block_size]``.
+        scale: softmax scale.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in q's dtype. When ``max_blocks_per_seq *
+        block_size`` exceeds :data:`DECODE_PARTITION_SIZE`, the context is split over
+        partitions (one threadgroup each) and merged by ``paged_attention_reduce``.
+
+    Raises:
+        KernelError: the shapes or dtypes are outside what the kernel takes (see
+            :func:`decode_unsupported_reason`).
+    """
+    reason = decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
+    if reason:
+        raise KernelError(f"paged_attention_decode kernel: {reason}")
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_pool.shape
+    max_blocks = block_tables.shape[1]
+    psize = max(block_size, -(-DECODE_PARTITION_SIZE // block_size) * block_size)
+    num_partitions = -(-(max_blocks * block_size) // psize)
+    partitioned = num_partitions > 1
+    tg = DECODE_NUM_SIMD * 32
+    tables = _pad(block_tables.astype(mx.int32))
+    lens = _pad(context_lens.astype(mx.int32))
+    scale_arr = mx.array(scale, dtype=mx.float32)
+    params = _params(num_heads, num_kv_heads, max_blocks, num_partitions)
+    kernel = _kernel(
+        "paged_attention_decode",
+        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale"],
+        ["out", "max_logits", "exp_sums"],
+    )
+    out_dtype = mx.float32 if partitioned else q.dtype
+    stats_shape = (num_seqs, num_heads, num_partitions) if partitioned else (1,)
+    outs = kernel(
+        inputs=[q, k_pool, v_pool, tables, lens, params, scale_arr],
+        template=[
+            ("T", q.dtype),
+            ("OutT", out_dtype),
+            ("HEAD_DIM", head_dim),
+            ("BLOCK_SIZE", block_size),
+            ("NUM_SIMD", DECODE_NUM_SIMD),
+            ("PARTITION_SIZE", psize if partitioned else 0),
+        ],
+        grid=(num_heads * tg, num_seqs, num_partitions),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[
+            (num_seqs, num_heads, num_partitions, head_dim) if partitioned else q.shape,
+            stats_shape,
+            stats_shape,
+        ],
+        output_dtypes=[out_dtype, mx.float32, mx.float32],
+    )
+    if not partitioned:
+        return outs[0]
+    reduce = _kernel(
+        "paged_attention_reduce",
+        ["tmp_out", "max_logits", "exp_sums", "context_lens", "params"],
+        ["out"],
+    )
+    return reduce(
+        inputs=[outs[0], outs[1], outs[2], lens, _params(num_heads, num_partitions, psize)],
+        template=[("T", q.dtype), ("HEAD_DIM", head_dim)],
+        grid=(head_dim, num_heads, num_seqs),
+        threadgroup=(head_dim, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def prefill_tiles(
+    host_context_lens: Sequence[int], host_query_start_loc: Sequence[int], rows: int = PREFILL_NUM_SIMD
+) -> list[int]:
+    """Flattened ``[seq, first_row, num_rows, first_position]`` per prefill threadgroup.
+
+    Each sequence's query rows are cut into tiles of at most ``rows`` rows, so a
+    tile never spans two sequences. Row ``j`` of sequence ``i`` sits at position
+    ``context_lens[i] - q_len_i + j``.
+    """
+    tiles: list[int] = []
+    for i, ctx in enumerate(host_context_lens):
+        q0, q1 = host_query_start_loc[i], host_query_start_loc[i + 1]
+        for r in range(q0, q1, rows):
+            tiles += [i, r, min(rows, q1 - r), ctx - (q1 - q0) + (r - q0)]
+    return tiles
+
+
+def paged_prefill_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+) -> mx.array:
+    """Causal attention of several new tokens per sequence over its paged K/V, on the Metal kernel.
+
+    Same contract as :func:`mlx_ferrum.kernels.reference.paged_prefill_attention`:
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` (rows of all sequences, packed).
+        k_pool, v_pool: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
+        context_lens: ``[num_seqs]`` int32, including the new tokens.
+        query_start_loc: ``[num_seqs + 1]`` int32 prefix sums of the query lengths.
+        scale: softmax scale.
+        host_context_lens, host_query_start_loc: the same values as Python ints (read
+            from the arrays when None: the tiling is decided on the host).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        KernelError: shapes outside what the kernel takes (see :func:`prefill_unsupported_reason`).
+    """
+    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
+    if reason:
+        raise KernelError(f"paged_prefill_attention kernel: {reason}")
+    tiles = prefill_tiles(ctx, qsl)
+    if not tiles:
+        return mx.zeros_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, num_kv_heads, block_size, _ = k_pool.shape
+    kv_tile = min(block_size, _pow2_floor(PREFILL_TILE_ELEMENTS // head_dim))
+    tg = PREFILL_NUM_SIMD * 32
+    kernel = _kernel(
+        "paged_prefill_attention",
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["out"],
+    )
+    return kernel(
+        inputs=[
+            q,
+            k_pool,
+            v_pool,
+            _pad(block_tables.astype(mx.int32)),
+            _pad(mx.array(tiles, dtype=mx.int32)),
+            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            mx.array(scale, dtype=mx.float32),
+        ],
+        template=[
+            ("T", q.dtype),
+            ("HEAD_DIM", head_dim),
+            ("BLOCK_SIZE", block_size),
+            ("NUM_SIMD", PREFILL_NUM_SIMD),
+            ("KV_TILE", kv_tile),
+        ],
+        grid=(len(tiles) // 4 * tg, num_heads, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]

@@ -1,0 +1,422 @@
+"""The Metal paged-attention kernels (metal_kernels/*.metal), run in the CPU harness.
+
+Each kernel is compared with two independent oracles: the pure-MLX reference
+(mlx_ferrum.kernels.reference, gather + mx.fast.scaled_dot_product_attention) and a
+float64 numpy implementation of softmax(q K^T * scale) V over exactly the valid
+keys. Pool slots no sequence owns hold NaN in the kernels' input, so reading past a
+context fails the test. Tolerances per dtype (|got - want| <= atol + rtol*|want|):
+float32 2e-5/2e-5, float16 2e-3/4e-3, bfloat16 1.6e-2/1.6e-2 (see
+mlx_ferrum.testing.paged_cases.TOLERANCES).
+
+The default sample covers GQA ratios 1/2/4/8, head dims 8..256 (8, 16, 24, 32, 40,
+64, 80, 96, 128, 256), block sizes 8/16/32, all three dtypes, context length 1,
+lengths on and off block boundaries and multi-partition contexts; the full cross
+product runs under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_ferrum.kernels as kernels
+from mlx_ferrum.errors import KernelError
+from mlx_ferrum.kernels import metal, reference
+from mlx_ferrum.testing import metal_harness as mh
+from mlx_ferrum.testing.paged_cases import (
+    decode_case,
+    max_violation,
+    numpy_decode,
+    numpy_prefill,
+    prefill_case,
+    without_garbage,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+F32, F16, BF16 = mx.float32, mx.float16, mx.bfloat16
+
+needs_clang = pytest.mark.skipif(
+    not mh.clang_available(),
+    reason="clang++-19 not installed (apt-get install -y clang-19): the Metal harness compiles kernels with it",
+)
+harness = [pytest.mark.harness, needs_clang]
+
+
+def _run_decode(case):
+    with metal.use_launcher(mh.metal_kernel):
+        return metal.paged_attention_decode(
+            case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale
+        )
+
+
+def _run_prefill(case):
+    with metal.use_launcher(mh.metal_kernel):
+        return metal.paged_prefill_attention(
+            case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens,
+            case.query_start_loc, case.scale,
+        )
+
+
+def _check_decode(case, dtype):
+    got = _run_decode(case)
+    assert got.shape == case.q.shape and got.dtype == dtype
+    clean = without_garbage(case)
+    ref = reference.paged_attention_decode(
+        clean.q, clean.k_pool, clean.v_pool, clean.block_tables, clean.context_lens, clean.scale
+    )
+    assert max_violation(got, numpy_decode(case), dtype) <= 0, "kernel disagrees with the numpy oracle"
+    assert max_violation(got, np.array(ref.astype(mx.float32)).astype(np.float64), dtype) <= 0, \
+        "kernel disagrees with the MLX reference"
+
+
+def _check_prefill(case, dtype):
+    got = _run_prefill(case)
+    assert got.shape == case.q.shape and got.dtype == dtype
+    clean = without_garbage(case)
+    ref = reference.paged_prefill_attention(
+        clean.q, clean.k_pool, clean.v_pool, clean.block_tables, clean.context_lens,
+        clean.query_start_loc, clean.scale,
+    )
+    assert max_violation(got, numpy_prefill(case), dtype) <= 0, "kernel disagrees with the numpy oracle"
+    assert max_violation(got, np.array(ref.astype(mx.float32)).astype(np.float64), dtype) <= 0, \
+        "kernel disagrees with the MLX reference"
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, context lengths, dtype)
+DECODE_CASES = [
+    (8, 4, 8, 16, [1], F32),               # the test model's shape, context 1
+    (4, 4, 16, 8, [7, 8, 9], F16),         # GQA 1, around a block boundary
+    (8, 4, 32, 32, [33, 64], BF16),        # GQA 2
+    (16, 4, 64, 16, [100, 1], F32),        # GQA 4
+    (8, 1, 80, 8, [45], F16),              # GQA 8, head_dim 80
+    (8, 1, 96, 16, [17, 250], BF16),       # head_dim 96
+    (4, 2, 128, 32, [31, 129], F16),       # head_dim 128
+    (4, 1, 256, 8, [60], F32),             # head_dim 256
+    (2, 2, 24, 16, [15, 16], BF16),        # 3 dims per lane
+    (2, 1, 40, 8, [3, 10, 19, 26], F32),   # four sequences
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,ctxs,dtype", DECODE_CASES)
+@pytest.mark.harness
+@needs_clang
+def test_decode_matches_oracles(h, kvh, d, bs, ctxs, dtype):
+    _check_decode(decode_case(len(ctxs) * 7 + d, ctxs, h, kvh, d, bs, dtype), dtype)
+
+
+def _random_shapes(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        ratio = int(rng.choice([1, 2, 4, 8]))
+        kvh = int(rng.choice([1, 2]))
+        d = int(rng.choice([8, 16, 32, 48, 64, 80, 96, 112, 128, 256]))
+        bs = int(rng.choice([8, 16, 32]))
+        ctxs = [int(c) for c in rng.integers(1, 200, size=int(rng.integers(1, 4)))]
+        yield ratio * kvh, kvh, d, bs, ctxs, [F32, F16, BF16][int(rng.integers(3))]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,ctxs,dtype", list(_random_shapes(2024, 4)))
+@pytest.mark.harness
+@needs_clang
+def test_decode_random_shapes(h, kvh, d, bs, ctxs, dtype):
+    _check_decode(decode_case(sum(ctxs), ctxs, h, kvh, d, bs, dtype), dtype)
+
+
+@pytest.mark.parametrize(
+    "h,kvh,d,bs,ctxs,dtype,psize",
+    [
+        (4, 2, 8, 16, [200, 65, 1], F32, 64),   # 4 partitions; the short sequences leave some empty
+        (8, 2, 128, 16, [150], BF16, 32),
+        (4, 1, 64, 8, [96, 40], F16, 32),       # contexts ending exactly on a partition boundary
+    ],
+)
+@pytest.mark.harness
+@needs_clang
+def test_decode_partitions(monkeypatch, h, kvh, d, bs, ctxs, dtype, psize):
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+    before = mh.LAUNCHES["paged_attention_reduce"]
+    _check_decode(decode_case(psize + d, ctxs, h, kvh, d, bs, dtype), dtype)
+    assert mh.LAUNCHES["paged_attention_reduce"] == before + 1, "the reduce kernel did not run"
+
+
+@pytest.mark.harness
+@needs_clang
+def test_decode_long_context_default_partitions():
+    # 1100 tokens at the default 512-token partition: three partitions, one group each.
+    case = decode_case(11, [1100, 513], 4, 1, 16, 32, F16)
+    assert -(-case.block_tables.shape[1] * 32 // metal.DECODE_PARTITION_SIZE) >= 3
+    _check_decode(case, F16)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, [(context_len, q_len), ...], dtype)
+PREFILL_CASES = [
+    (8, 4, 8, 16, [(5, 5)], F32),                     # the test model's prompt
+    (4, 2, 16, 8, [(1, 1), (20, 20), (9, 3)], F16),   # context 1, whole prompt, chunk after a prefix
+    (8, 2, 64, 16, [(40, 13)], BF16),                 # two row tiles over a cached prefix
+    (4, 1, 128, 32, [(70, 70)], F32),                 # staged 16 tokens at a time
+    (2, 2, 256, 8, [(17, 4), (5, 0), (9, 9)], BF16),  # a sequence with no new token
+    (16, 2, 80, 16, [(33, 17)], F16),                 # GQA 8, head_dim 80
+    (4, 4, 96, 32, [(64, 1), (3, 2)], F32),           # one-token verify step
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,cq,dtype", PREFILL_CASES)
+@pytest.mark.harness
+@needs_clang
+def test_prefill_matches_oracles(h, kvh, d, bs, cq, dtype):
+    _check_prefill(prefill_case(d + len(cq), cq, h, kvh, d, bs, dtype), dtype)
+
+
+# ------------------------------------------------------------ planted bugs
+
+
+def _mutated(monkeypatch, name: str, old: str, new: str) -> None:
+    """Serve kernel ``name`` with ``old`` replaced by ``new`` (same line count)."""
+    src = metal.load_kernel_source(name)
+    assert src.body.count(old) == 1, f"planted-bug anchor {old!r} not found once in {name}"
+    assert old.count("\n") == new.count("\n")
+    body = src.body.replace(old, new)
+    mh.register_origin(body, str(src.path), src.body_line)
+    bad = replace(src, body=body)
+    original = metal.load_kernel_source
+    monkeypatch.setattr(metal, "load_kernel_source", lambda n: bad if n == name else original(n))
+    monkeypatch.setattr(metal, "_kernels", {})
+
+
+def _assert_caught(check) -> str:
+    """Run ``check``; return "harness" when the harness failed the launch, "oracle" when
+    the result disagreed with the oracles; fail the test when neither happened."""
+    try:
+        check()
+    except KernelError:
+        return "harness"
+    except AssertionError:
+        return "oracle"
+    pytest.fail("the planted bug went unnoticed")
+
+
+@pytest.mark.harness
+@needs_clang
+def test_planted_off_by_one_block_index_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_attention_decode",
+             "block_tables[int64_t(seq) * max_blocks + b]", "block_tables[int64_t(seq) * max_blocks + b + 1]")
+    _assert_caught(lambda: _check_decode(decode_case(3, [40, 17], 4, 2, 16, 16, F32), F32))
+
+
+@pytest.mark.harness
+@needs_clang
+def test_planted_missing_decode_barrier_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_attention_decode", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n", "\n")
+    # A race is the harness's to find (schedules disagree, or NaN-filled memory leaks out).
+    with pytest.raises(KernelError, match="differs between schedules"):
+        _run_decode(decode_case(4, [70], 4, 2, 32, 8, F32))
+
+
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("which", [0, 1])
+def test_planted_missing_prefill_barrier_is_caught(monkeypatch, which):
+    src = metal.load_kernel_source("paged_prefill_attention").body
+    barrier = "    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+    assert src.count(barrier) == 2
+    # Remove one of the two barriers: keep the text before it unique by including context.
+    start = src.index(barrier) if which == 0 else src.rindex(barrier)
+    anchor = src[start - 40 : start + len(barrier)]
+    _mutated(monkeypatch, "paged_prefill_attention", anchor, anchor.replace(barrier, "\n"))
+    with pytest.raises(KernelError, match="differs between schedules"):
+        _run_prefill(prefill_case(5, [(60, 20)], 4, 2, 16, 8, F32))
+
+
+@pytest.mark.harness
+@needs_clang
+def test_planted_off_by_one_causal_mask_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_prefill_attention", "k0 + t <= pos;", "k0 + t <= pos + 1;")
+    _assert_caught(lambda: _check_prefill(prefill_case(6, [(30, 10)], 4, 2, 16, 8, F32), F32))
+
+
+@pytest.mark.harness
+@needs_clang
+def test_compile_error_points_into_the_metal_file(monkeypatch):
+    anchor = "const float correction = exp(m - m_new);"
+    src = metal.load_kernel_source("paged_attention_decode")
+    line = src.body_line + src.body[: src.body.index(anchor)].count("\n")
+    _mutated(monkeypatch, "paged_attention_decode", anchor, "const float correction = exp(m - m_newer);")
+    with pytest.raises(KernelError) as e:
+        _run_decode(decode_case(1, [5], 4, 2, 16, 8, F32))
+    assert f"paged_attention_decode.metal:{line}:" in str(e.value)
+    assert "m_newer" in str(e.value)
+
+
+# ----------------------------------------------------------------- dispatch
+
+
+@pytest.mark.harness
+@needs_clang
+def test_dispatch_uses_the_kernel_with_a_launcher():
+    case = without_garbage(decode_case(1, [20], 4, 2, 16, 8, F32))
+    before = mh.LAUNCHES["paged_attention_decode"]
+    with metal.use_launcher(mh.metal_kernel):
+        assert kernels.metal_path_enabled()
+        out = kernels.paged_attention_decode(
+            case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale
+        )
+    assert mh.LAUNCHES["paged_attention_decode"] == before + 1
+    assert max_violation(out, numpy_decode(case), F32) <= 0
+
+
+def test_dispatch_respects_ferrum_metal_kernels_0(monkeypatch):
+    monkeypatch.setenv("FERRUM_METAL_KERNELS", "0")
+    calls = []
+    case = without_garbage(decode_case(2, [9], 4, 2, 16, 8, F32))
+    with metal.use_launcher(lambda **kw: calls.append(kw)):
+        assert not kernels.metal_path_enabled()
+        out = kernels.paged_attention_decode(
+            case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale
+        )
+    assert not calls
+    assert max_violation(out, numpy_decode(case), F32) <= 0
+
+
+def test_dispatch_without_metal_uses_the_reference():
+    if mx.metal.is_available():
+        pytest.skip("Metal is available here")
+    assert not metal.launcher_forced()
+    assert not kernels.metal_path_enabled()
+
+
+def test_unsupported_shape_falls_back_and_logs_once(caplog):
+    case = without_garbage(decode_case(3, [9], 4, 2, 12, 8, F32))  # head_dim 12: not a multiple of 8
+    calls = []
+    caplog.set_level(logging.INFO, logger="mlx_ferrum.kernels")
+    with metal.use_launcher(lambda **kw: calls.append(kw)):
+        for _ in range(3):
+            out = kernels.paged_attention_decode(
+                case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale
+            )
+    assert not calls
+    assert max_violation(out, numpy_decode(case), F32) <= 0
+    msgs = [r.getMessage() for r in caplog.records if "head_dim 12" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+
+
+def test_prefill_unsupported_reasons():
+    case = prefill_case(1, [(9, 3)], 4, 2, 16, 8, F32)
+    args = (case.q, case.k_pool, case.v_pool, case.block_tables)
+    assert metal.prefill_unsupported_reason(*args, [9], [0, 3]) is None
+    assert "cover" in metal.prefill_unsupported_reason(*args, [9], [0, 2])
+    assert "new tokens" in metal.prefill_unsupported_reason(*args, [2], [0, 3])
+    assert "multiple" in metal.decode_unsupported_reason(
+        case.q[:, :3], case.k_pool, case.v_pool, case.block_tables, case.context_lens)
+
+
+def test_prefill_tiles_never_span_sequences():
+    tiles = np.array(metal.prefill_tiles([20, 5, 9], [0, 20, 20, 23], rows=8)).reshape(-1, 4)
+    assert tiles.tolist() == [[0, 0, 8, 0], [0, 8, 8, 8], [0, 16, 4, 16], [2, 20, 3, 6]]
+
+
+# --------------------------------------------------------- sources and MLX
+
+
+def test_kernel_files_parse_and_are_found():
+    d = metal.kernels_dir()
+    names = sorted(p.stem for p in d.glob("*.metal"))
+    assert names == ["paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+    for n in names:
+        src = metal.load_kernel_source(n)
+        lines = src.path.read_text().splitlines()
+        assert lines[src.body_line - 2].strip() == metal.BODY_MARK
+        assert src.body.splitlines()[0] == lines[src.body_line - 1]
+        assert metal.source_origin(src.body) == (str(src.path), src.body_line)
+
+
+def test_kernel_dir_found_from_an_installed_layout(tmp_path):
+    # A wheel puts the sources at mlx_ferrum/metal_kernels (package-dir mapping).
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "mlx_ferrum", site / "mlx_ferrum", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "metal_kernels", site / "mlx_ferrum" / "metal_kernels")
+    code = "from mlx_ferrum.kernels import metal; print(metal.kernels_dir())"
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == site / "mlx_ferrum" / "metal_kernels"
+
+
+def _record_launches():
+    """Launch each wrapper with a recording launcher; returns (factory kwargs, call kwargs) pairs."""
+    launches = []
+
+    def factory(**fkw):
+        def call(**ckw):
+            launches.append((fkw, ckw))
+            return [mx.zeros(s, d) for s, d in zip(ckw["output_shapes"], ckw["output_dtypes"])]
+        return call
+
+    dec = decode_case(1, [30, 3], 8, 2, 64, 16, BF16)
+    pre = prefill_case(1, [(12, 5)], 4, 4, 8, 8, F16)
+    old = metal.DECODE_PARTITION_SIZE
+    try:
+        with metal.use_launcher(factory):
+            for psize in (512, 16):
+                metal.DECODE_PARTITION_SIZE = psize
+                metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens, 0.1)
+            metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                                          pre.query_start_loc, 0.1)
+    finally:
+        metal.DECODE_PARTITION_SIZE = old
+    return launches
+
+
+def test_generated_source_of_every_kernel_matches_mlx():
+    launches = _record_launches()
+    assert sorted({f["name"] for f, _ in launches}) == [
+        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+    for fkw, ckw in launches:
+        args = dict(
+            name=fkw["name"], input_names=fkw["input_names"], output_names=fkw["output_names"],
+            source=fkw["source"], header=fkw["header"], inputs=ckw["inputs"],
+            output_shapes=ckw["output_shapes"], output_dtypes=ckw["output_dtypes"], template=ckw["template"],
+        )
+        mlx_name, mlx_source = mh.capture_mlx_source(**args)
+        gen = mh.generate(
+            fkw["name"], fkw["input_names"], fkw["output_names"], fkw["source"], fkw["header"],
+            [mh.source.arg_info(n, a) for n, a in zip(fkw["input_names"], ckw["inputs"])],
+            ckw["output_dtypes"], ckw["template"],
+        )
+        assert gen.kernel_name == mlx_name
+        assert gen.source == mlx_source
+        # Small metadata arrays are padded, so they stay device pointers.
+        meta = [p for p in gen.params if p.name in ("block_tables", "context_lens", "params", "tiles")]
+        assert meta and all(p.decl.startswith("const device") for p in meta), meta
+
+
+def test_grids_are_whole_threadgroups():
+    for fkw, ckw in _record_launches():
+        grid, tg = ckw["grid"], ckw["threadgroup"]
+        assert all(g % t == 0 for g, t in zip(grid, tg)), (fkw["name"], grid, tg)
+        assert tg[0] * tg[1] * tg[2] <= 1024
+
+
+# ------------------------------------------------------------ full sweep
+
+
+@pytest.mark.slow
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_exhaustive_sweep(dtype):
+    seed = 0
+    for ratio, d, bs in itertools.product([1, 2, 4, 8], [8, 16, 32, 64, 80, 96, 128, 256], [8, 16, 32]):
+        seed += 1
+        ctxs = [1, bs, bs + 1, 3 * bs - 1]
+        _check_decode(decode_case(seed, ctxs, 2 * ratio, 2, d, bs, dtype), dtype)
+        _check_prefill(prefill_case(seed, [(1, 1), (2 * bs + 3, bs + 1)], 2 * ratio, 2, d, bs, dtype), dtype)
