@@ -9,8 +9,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 import zipfile
 
-import pytest
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -21,11 +19,8 @@ def test_pyproject_lists_every_package():
 
 
 def test_wheel_contains_kernels_and_harness(tmp_path):
-    pytest.importorskip("setuptools")
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and "setuptools" in (r.stderr + r.stdout).lower() and "version" in r.stderr.lower():
-        pytest.skip(f"setuptools too old to build here: {r.stderr[-300:]}")
     assert r.returncode == 0, r.stderr[-2000:]
     wheel = next(tmp_path.glob("mlx_ferrum-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
