@@ -1,0 +1,65 @@
+"""mf.load / mf.generate / mf.stream_generate on the real stories260K checkpoint and test checkpoints."""
+
+import pytest
+
+import mlx_ferrum as mf
+from checkpoints import cached_checkpoint
+from mlx_ferrum.errors import PromptTooLongError, SamplingParamsError
+
+LAYOUTS = [mf.RuntimeConfig(kv_layout="contiguous"), mf.RuntimeConfig(kv_layout="paged", block_size=16)]
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    return mf.load(stories_path)
+
+
+@pytest.mark.parametrize("cfg", LAYOUTS, ids=["contiguous", "paged"])
+def test_generate_reproduces_both_recordings(stories, stories_expected, cfg):
+    model, tok = stories
+    once = stories_expected["once"]
+    assert tok.encode(once["prompt"]) == once["prompt_ids"]
+    assert mf.generate(model, tok, once["prompt"], max_tokens=200, temperature=0.0, config=cfg) == once["completion_text"]
+    bos = stories_expected["bos"]
+    chunks = list(mf.stream_generate(model, tok, bos["prompt_ids"], max_tokens=200, temperature=0.0, config=cfg))
+    assert [c.token for c in chunks] == bos["generated_ids"]
+    assert "".join(c.text for c in chunks) == bos["completion_text"]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].generation_tokens == 200
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stops_seeds_and_errors(stories, stories_expected):
+    model, tok = stories
+    text = stories_expected["once"]["completion_text"]
+    out = mf.generate(model, tok, "Once upon a time", max_tokens=200, temperature=0.0, stop=["red ball"])
+    assert out == text[: text.index("red ball")]
+    ids = stories_expected["once"]["generated_ids"]
+    chunks = list(mf.stream_generate(model, tok, "Once upon a time", max_tokens=200, temperature=0.0,
+                                     stop_token_ids=[ids[5]]))
+    assert chunks[-1].finish_reason == "stop" and [c.token for c in chunks] == ids[:6]
+    a = mf.generate(model, tok, "Once upon a time", max_tokens=30, temperature=1.0, seed=3)
+    b = mf.generate(model, tok, "Once upon a time", max_tokens=30, temperature=1.0, seed=3)
+    c = mf.generate(model, tok, "Once upon a time", max_tokens=30, temperature=1.0, seed=4)
+    assert a == b and a != c
+    with pytest.raises(PromptTooLongError, match="512"):
+        mf.generate(model, tok, list(range(3, 515)), max_tokens=4)
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        mf.generate(model, tok, "x", temperature=-1)
+
+
+def test_generation_stops_at_the_end_of_the_context(stories):
+    model, tok = stories
+    chunks = list(mf.stream_generate(model, tok, list(range(3, 503)), max_tokens=100, temperature=0.0,
+                                     ignore_eos=True))
+    assert len(chunks) == 12 and chunks[-1].finish_reason == "length"  # 500 prompt + 12 = 512
+
+
+def test_messages_use_the_chat_template():
+    path = cached_checkpoint("qwen2")
+    model, tok = mf.load(path)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    assert "<|im_start|>assistant" in tok.apply_chat_template(msgs, add_generation_prompt=True)
+    via_messages = mf.generate(model, tok, msgs, max_tokens=12, temperature=0.0, ignore_eos=True)
+    via_ids = mf.generate(model, tok, ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert via_messages == via_ids and via_messages
