@@ -160,7 +160,8 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
     if nd:
         parts.append(
             kernels.paged_attention_decode(
-                qt[:nd], kp, vp, meta.block_tables[:nd], meta.context_lens[:nd], scale
+                qt[:nd], kp, vp, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                host_context_lens=meta.host_context_lens[:nd],
             )
         )
     if nd < n_seqs:

@@ -11,7 +11,9 @@ reason is logged once (logger ``mlx_ferrum.kernels``, level INFO).
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -40,9 +42,16 @@ def metal_path_enabled() -> bool:
     Raises:
         ConfigurationError: a ``FERRUM_*`` variable is malformed.
     """
-    if not RuntimeConfig().metal_kernels:
+    if not _metal_kernels_flag(os.environ.get("FERRUM_METAL_KERNELS")):
         return False
     return metal.launcher_forced() or mx.metal.is_available()
+
+
+@functools.lru_cache(maxsize=8)
+def _metal_kernels_flag(raw: Optional[str]) -> bool:
+    # keyed on the raw variable so a changed environment is seen, but the decode hot
+    # path does not rebuild a RuntimeConfig for every layer
+    return RuntimeConfig().metal_kernels
 
 
 def paged_attention_decode(
@@ -52,12 +61,15 @@ def paged_attention_decode(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
 ) -> mx.array:
     """Decode attention over paged K/V; see :func:`mlx_ferrum.kernels.reference.paged_attention_decode`.
 
     Shapes: q ``[num_seqs, num_heads, head_dim]``, pools ``[num_blocks, num_kv_heads,
     block_size, head_dim]``, block_tables ``[num_seqs, max_blocks]`` int32,
     context_lens ``[num_seqs]`` int32; returns ``[num_seqs, num_heads, head_dim]`` in q's dtype.
+    ``host_context_lens`` (the same lengths as Python ints) lets the reference skip masking.
     Runs the Metal kernel (vLLM paged attention v1/v2) when enabled and the shape
     is supported, else the reference.
     """
@@ -66,7 +78,9 @@ def paged_attention_decode(
         if reason is None:
             return metal.paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
         _fallback("paged_attention_decode", reason)
-    return reference.paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
+    return reference.paged_attention_decode(
+        q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens
+    )
 
 
 def paged_prefill_attention(

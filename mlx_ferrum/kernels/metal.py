@@ -297,6 +297,8 @@ def paged_attention_decode(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    *,
+    host_context_lens=None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V, on the Metal kernels.
 
@@ -310,6 +312,8 @@ def paged_attention_decode(
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids.
         context_lens: ``[num_seqs]`` int32, each in ``[1, max_blocks_per_seq * block_size]``.
         scale: softmax scale.
+        host_context_lens: accepted for the reference's signature; the kernel reads
+            ``context_lens`` on the device.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype. When ``max_blocks_per_seq *

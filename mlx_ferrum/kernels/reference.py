@@ -41,6 +41,8 @@ def paged_attention_decode(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -52,6 +54,8 @@ def paged_attention_decode(
             block_size`` must cover the longest context; the cost grows with it.
         context_lens: ``[num_seqs]`` int32, each in ``[1, max_blocks_per_seq*block_size]``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        host_context_lens: the same lengths as Python ints, when the caller has them;
+            a single sequence then slices its context instead of masking it.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype: for sequence ``i``,
@@ -61,6 +65,10 @@ def paged_attention_decode(
     bs = k_pool.shape[2]
     keys = _gather(k_pool, block_tables)  # [S, KVH, T, D]
     values = _gather(v_pool, block_tables)
+    if host_context_lens is not None and num_seqs == 1:
+        n = int(host_context_lens[0])
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys[:, :, :n], values[:, :, :n], scale=scale)
+        return out[:, :, 0, :]
     t = keys.shape[2]
     valid = mx.arange(t)[None, :] < context_lens[:, None]  # [S, T]
     # slots past a context may hold stale non-finite values (a reused block); a masked
