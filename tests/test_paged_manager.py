@@ -172,3 +172,23 @@ def test_prefix_cache_match_and_eviction():
     mgr.create("f")
     assert mgr.match_prefix("f", prompt) == 0
     mgr.check_invariants()
+
+
+def test_pool_sizing_default_and_env(monkeypatch):
+    import mlx_ferrum as mf
+    from mlx_ferrum.config import DEFAULT_KV_POOL_BYTES
+    from mlx_ferrum.kv_cache import bytes_per_block, default_num_blocks
+    from tiny_models import tiny_model
+
+    per = bytes_per_block(2, 2, 16, 8, mx.float16)
+    assert per == 2 * 2 * 2 * 16 * 8 * 2
+    if not mx.metal.is_available():
+        assert default_num_blocks(2, 2, 16, 8, mx.float16, 0, 0.5) == DEFAULT_KV_POOL_BYTES // per
+    assert default_num_blocks(2, 2, 16, 8, mx.float16, 0, 0.5) >= 16
+    model = tiny_model("llama")
+    monkeypatch.setenv("FERRUM_METAL_PAGED_KV", "1")
+    monkeypatch.setenv("FERRUM_KV_MAX_BLOCKS", "37")
+    monkeypatch.setenv("FERRUM_PAGED_BLOCK_SIZE", "32")
+    ex = mf.LlmExecutor(model)
+    assert ex.layout == "paged" and ex.manager.num_blocks == 37 and ex.pool.k[0].shape == (37, 2, 32, 8)
+    assert ex.pool.k[0].dtype == mx.float32  # the model's dtype
