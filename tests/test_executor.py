@@ -182,16 +182,22 @@ def test_capabilities_and_status_tell_the_truth(cfg):
     assert ex.status().is_ready
 
 
-def test_reference_decode_ignores_non_finite_stale_slots():
+def test_non_finite_kv_of_one_sequence_cannot_poison_the_next_owner_of_its_blocks():
     from mlx_ferrum.kernels.reference import paged_attention_decode
+    from mlx_ferrum.kv_cache import PagedKvPool
 
-    pool_k = mx.random.normal((4, 2, 8, 8))
-    pool_v = mx.random.normal((4, 2, 8, 8))
+    pool = PagedKvPool(1, 4, 2, 8, 8, mx.float32)
+    # a diverged sequence writes NaN/inf K/V into all 16 slots of blocks 1 and 2
+    pool.write(0, mx.arange(8, 24, dtype=mx.int32), mx.full((16, 2, 8), float("nan")), mx.full((16, 2, 8), float("inf")))
+    assert bool(mx.all(mx.isfinite(pool.k[0]))) and bool(mx.all(mx.isfinite(pool.v[0])))
+    # the blocks are reused by a sequence of 11 tokens: it overwrites slots 0..10 only
+    k = mx.random.normal((11, 2, 8))
+    v = mx.random.normal((11, 2, 8))
+    pool.write(0, mx.array([16 + i for i in range(8)] + [8, 9, 10], dtype=mx.int32), k, v)
     q = mx.random.normal((1, 4, 8))
     tables = mx.array([[2, 1]], dtype=mx.int32)
     lens = mx.array([11], dtype=mx.int32)
-    clean = paged_attention_decode(q, pool_k, pool_v, tables, lens, 0.35)
-    pool_k[1, :, 5:] = float("nan")  # past the 11th token of the sequence
-    pool_v[1, :, 5:] = float("inf")
-    dirty = paged_attention_decode(q, pool_k, pool_v, tables, lens, 0.35)
-    np.testing.assert_array_equal(np.array(clean), np.array(dirty))
+    out = paged_attention_decode(q, pool.k[0], pool.v[0], tables, lens, 0.35)
+    ref = mx.fast.scaled_dot_product_attention(q[:, :, None], mx.swapaxes(k, 0, 1)[None], mx.swapaxes(v, 0, 1)[None],
+                                               scale=0.35)[:, :, 0]
+    np.testing.assert_allclose(np.array(out), np.array(ref), atol=1e-5)

@@ -337,11 +337,16 @@ class LlmExecutor:
                     created.append(w.cache_id)
             caches = [self._contiguous[w.cache_id] for w in rows]
             prev = [c[0].len for c in caches]
+            rows_wanted = [
+                r for j, w in enumerate(rows) for r in (range(j * n, (j + 1) * n) if w.all_logits else [(j + 1) * n - 1])
+            ]
             meta = AttentionMetadata(
                 layout="contiguous",
                 offsets=mx.array(prev, dtype=mx.int32),
                 caches=caches,
                 pad_mask=contiguous_pad_mask([p + n for p in prev], n, self.dtype),
+                # the LM head runs only on the rows whose logits are returned
+                logits_indices=None if len(rows_wanted) == n * len(rows) else mx.array(rows_wanted, dtype=mx.int32),
             )
             tokens = mx.array([w.tokens for w in rows], dtype=mx.int32)
             try:
@@ -355,8 +360,12 @@ class LlmExecutor:
                 for cid in created:
                     del self._contiguous[cid]
                 raise
-            for j, (i, w) in enumerate(zip(idxs, rows)):
-                out[i] = logits[j] if w.all_logits else logits[j, -1:]
+            flat = logits.reshape(-1, logits.shape[-1])
+            r = 0
+            for i, w in zip(idxs, rows):
+                k = n if w.all_logits else 1
+                out[i] = flat[r : r + k]
+                r += k
         return out  # type: ignore[return-value]
 
     # ---------------------------------------------------------- ferrum API

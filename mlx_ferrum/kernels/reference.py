@@ -53,6 +53,9 @@ def paged_attention_decode(
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32. ``max_blocks_per_seq *
             block_size`` must cover the longest context; the cost grows with it.
         context_lens: ``[num_seqs]`` int32, each in ``[1, max_blocks_per_seq*block_size]``.
+            Slots past a context are masked, which is exact only while they hold finite
+            values: :func:`write_kv_slots` keeps every pool finite (a NaN there would
+            survive a ``-inf`` mask). The Metal kernel never reads those slots.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         host_context_lens: the same lengths as Python ints, when the caller has them;
             a single sequence then slices its context instead of masking it.
@@ -71,11 +74,6 @@ def paged_attention_decode(
         return out[:, :, 0, :]
     t = keys.shape[2]
     valid = mx.arange(t)[None, :] < context_lens[:, None]  # [S, T]
-    # slots past a context may hold stale non-finite values (a reused block); a masked
-    # score of NaN would still poison the softmax, so zero them rather than only mask
-    vmask = valid[:, None, :, None]
-    keys = mx.where(vmask, keys, 0)
-    values = mx.where(vmask, values, 0)
     mask = mx.where(valid, 0.0, _NEG_INF).astype(q.dtype)[:, None, None, :]
     out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, mask=mask)
     return out[:, :, 0, :]
@@ -146,11 +144,13 @@ def write_kv_slots(pool: mx.array, slot_mapping: mx.array, new: mx.array) -> Non
             Python object is rebound to the scatter's result; MLX reuses the buffer when
             this object holds the only reference).
         slot_mapping: ``[num_tokens]`` int32, ``block * block_size + offset`` per token.
-        new: ``[num_tokens, num_kv_heads, head_dim]``, cast to the pool dtype.
+        new: ``[num_tokens, num_kv_heads, head_dim]``, cast to the pool dtype. Non-finite
+            values are replaced by finite ones (``nan_to_num``), so a block a diverged
+            sequence leaves behind cannot poison the masked slots of its next owner.
     """
     bs = pool.shape[2]
     kvh = pool.shape[1]
     blocks = (slot_mapping // bs)[:, None]
     offsets = (slot_mapping % bs)[:, None]
     heads = mx.arange(kvh)[None, :]
-    pool[blocks, heads, offsets] = new.astype(pool.dtype)
+    pool[blocks, heads, offsets] = mx.nan_to_num(new.astype(pool.dtype))

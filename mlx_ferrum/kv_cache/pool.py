@@ -62,9 +62,13 @@ class PagedKvPool:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
-        for pools in (self.k, self.v):
-            for pool in pools:
-                pool[dst] = pool[src]
+        pools = self.k + self.v
+        # Evaluate the gathers first: a pending read of a pool would make the scatter
+        # below copy the whole pool instead of updating it in place (benchmarks.md, §3).
+        blocks = [p[src] for p in pools]
+        mx.eval(blocks)
+        for p, b in zip(pools, blocks):
+            p[dst] = b
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> int:
