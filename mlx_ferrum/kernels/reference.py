@@ -11,10 +11,11 @@ Model Serving with PagedAttention", SOSP 2023):
 - ``context_lens``: ``[num_seqs]`` int32, tokens stored for each sequence, the new
   tokens included (they are written to the pool before attention runs).
 
-Both functions gather each sequence's blocks into a dense ``[num_kv_heads, T, head_dim]``
-view and call ``mx.fast.scaled_dot_product_attention`` (which handles GQA and
-accumulates in float32) with an additive mask, so they are exact up to the
-dtype's rounding of the gathered values.
+Decode gathers each sequence's blocks and takes scores block by block in the pool's
+layout, in float32; prefill gathers each sequence's blocks into a dense
+``[num_kv_heads, T, head_dim]`` view and calls ``mx.fast.scaled_dot_product_attention``
+(which handles GQA and accumulates in float32) with a causal mask. Both are exact up
+to the dtype's rounding of the gathered values.
 """
 
 from __future__ import annotations
@@ -58,25 +59,40 @@ def paged_attention_decode(
             survive a ``-inf`` mask). The Metal kernel never reads those slots.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         host_context_lens: the same lengths as Python ints, when the caller has them;
-            a single sequence then slices its context instead of masking it.
+            a single sequence then slices its context and uses the fused SDPA.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype: for sequence ``i``,
         ``softmax(q_i K_i^T * scale) V_i`` over its first ``context_lens[i]`` tokens.
     """
     num_seqs, num_heads, head_dim = q.shape
-    bs = k_pool.shape[2]
-    keys = _gather(k_pool, block_tables)  # [S, KVH, T, D]
-    values = _gather(v_pool, block_tables)
+    nb = block_tables.shape[1]
+    bs, kvh = k_pool.shape[2], k_pool.shape[1]
+    g = num_heads // kvh
     if host_context_lens is not None and num_seqs == 1:
+        # one sequence: slice its context and use the fused SDPA, which sums in the same
+        # order as the contiguous layout does
         n = int(host_context_lens[0])
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys[:, :, :n], values[:, :, :n], scale=scale)
-        return out[:, :, 0, :]
-    t = keys.shape[2]
-    valid = mx.arange(t)[None, :] < context_lens[:, None]  # [S, T]
-    mask = mx.where(valid, 0.0, _NEG_INF).astype(q.dtype)[:, None, None, :]
-    out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, mask=mask)
-    return out[:, :, 0, :]
+        keys = _gather(k_pool, block_tables)[:, :, :n]
+        values = _gather(v_pool, block_tables)[:, :, :n]
+        return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale)[:, :, 0, :]
+    # Scores are taken block by block in the pool's own layout ([S, nb, KVH, bs, D]),
+    # so the gathered K/V are never transposed into a dense [S, KVH, T, D] copy; only
+    # the small score tensor is masked. Masking is exact because pools stay finite.
+    f32 = mx.float32
+    keys = k_pool[block_tables].astype(f32)
+    values = v_pool[block_tables].astype(f32)
+    qg = (q.astype(f32) * scale).reshape(num_seqs, 1, kvh, g, head_dim)
+    scores = qg @ keys.swapaxes(-1, -2)  # [S, nb, KVH, g, bs]
+    pos = mx.arange(nb)[:, None] * bs + mx.arange(bs)[None, :]
+    valid = pos[None] < context_lens[:, None, None]  # [S, nb, bs]
+    scores = mx.where(valid[:, :, None, None, :], scores, _NEG_INF)
+    m = scores.max(axis=(1, 4), keepdims=True)
+    p = mx.exp(scores - m)
+    denom = p.sum(axis=(1, 4))  # [S, KVH, g]
+    out = (p @ values).sum(axis=1)  # [S, KVH, g, D]
+    out = out / denom[..., None]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
 def paged_prefill_attention(
