@@ -1,0 +1,22 @@
+"""The benchmark scripts run end to end in their --quick mode (slow: run by .ci/run with -m slow)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["bench_generate.py", "bench_paged.py", "bench_kv_write.py", "bench_engine.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_quick_mode(script):
+    path = os.path.join(REPO, "benchmarks", script)
+    if not os.path.exists(path):
+        pytest.skip(f"{script} is not in this checkout")
+    r = subprocess.run([sys.executable, path, "--quick"], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "mlx-lm" in r.stdout and "|" in r.stdout  # a table with the mlx-lm side
