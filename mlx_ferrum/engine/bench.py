@@ -1,0 +1,480 @@
+"""Concurrent-serving benchmark: the :class:`~mlx_ferrum.engine.Engine` against mlx-lm's
+``BatchGenerator`` on the same token-id prompts; ``mlx-ferrum bench`` runs it.
+
+Method (identical on both sides; it follows the closed-loop "burst" setting of
+vLLM's ``benchmark_throughput`` / ``benchmark_serving`` with every request arriving
+at once):
+
+- ``concurrency`` prompts of ``prompt_tokens`` random token ids (seeded, so both sides
+  get the same prompts), greedy decoding, ``max_tokens`` tokens each, EOS ignored;
+- every request is submitted at ``t0``; the clock stops when the last one finishes;
+- a token's time is when the driver loop has it as a Python int (after
+  ``Engine.step()`` returns it, or after ``BatchGenerator.next()`` does);
+- one short untimed warm-up burst per side at the same concurrency first (see
+  :func:`warm_up_shape`).
+
+Figures (times in seconds, rates in tokens per second):
+
+- ``ttft_p50`` / ``ttft_p90``: time from ``t0`` to a request's first token;
+- ``itl_p50`` / ``itl_p90`` / ``itl_p99``: gaps between consecutive tokens of a request;
+- ``decode_tps``: steady-state aggregate decode rate: tokens produced after the last
+  request received its first token, divided by the time from then to the end (all
+  requests decoding together, no prefill in the window);
+- ``output_tps``: all generated tokens / wall time; ``total_tps``: (prompt + generated
+  tokens) / wall time; ``wall_s``.
+
+The engine side always uses the paged KV layout (continuous batching needs it), with
+``max_num_seqs = concurrency`` and a pool just large enough; mlx-lm runs with
+``completion_batch_size = max(32, concurrency)`` so that neither side queues requests.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..config import RuntimeConfig
+from ..errors import ConfigurationError, FerrumError
+
+#: Keys of the dict :func:`bench_engine` and :func:`bench_mlx_lm_batch` return.
+RESULT_KEYS = (
+    "concurrency",
+    "prompt_tokens",
+    "max_tokens",
+    "generated_tokens",
+    "wall_s",
+    "decode_tps",
+    "output_tps",
+    "total_tps",
+    "ttft_p50",
+    "ttft_p90",
+    "itl_p50",
+    "itl_p90",
+    "itl_p99",
+)
+
+
+# --------------------------------------------------------------------------- inputs
+def make_prompts(vocab_size: int, concurrency: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """``concurrency`` lists of ``prompt_tokens`` random token ids in ``[0, vocab_size)``.
+
+    Seeded (numpy ``default_rng(seed)``), so both sides of a comparison see the same
+    prompts. Outputs of a random prompt are meaningless; only the shapes matter.
+
+    Raises:
+        ConfigurationError: a count is below 1.
+    """
+    if concurrency < 1 or prompt_tokens < 1 or vocab_size < 1:
+        raise ConfigurationError(
+            f"concurrency={concurrency}, prompt_tokens={prompt_tokens}, vocab_size={vocab_size}: each must be >= 1"
+        )
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(concurrency, prompt_tokens)).tolist()
+
+
+def bench_config(concurrency: int, prompt_tokens: int, max_tokens: int, block_size: Optional[int] = None) -> RuntimeConfig:
+    """The engine configuration of a benchmark run: paged layout, ``max_num_seqs =
+    concurrency``, and (unless ``FERRUM_KV_MAX_BLOCKS`` is set) a pool with exactly the
+    blocks every request needs at its longest plus 8, so no request is preempted and
+    no time goes into zeroing an oversized pool. Other fields come from the environment.
+
+    Raises:
+        ConfigurationError: a ``FERRUM_*`` variable is malformed.
+    """
+    cfg = RuntimeConfig(kv_layout="paged", max_num_seqs=concurrency, block_size=block_size)
+    if cfg.max_num_blocks is None:
+        per_seq = -(-(prompt_tokens + max_tokens) // cfg.block_size)
+        cfg.max_num_blocks = concurrency * per_seq + 8
+    return cfg
+
+
+def warm_up_shape(prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
+    """``(prompt_tokens, max_tokens)`` of each request of the untimed warm-up burst: short
+    prompts (at most 16 tokens) and at most 4 generated tokens, enough to run prefill,
+    mixed and pure decode steps at the benchmark's concurrency without paying for a
+    second full prefill."""
+    return max(1, min(prompt_tokens, 16)), max(1, min(max_tokens, 4))
+
+
+# --------------------------------------------------------------------------- figures
+def _pct(xs: Sequence[float], q: float) -> float:
+    """Percentile ``q`` (0-100) with linear interpolation (numpy's default); nan when empty."""
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else math.nan
+
+
+def summarize(
+    token_times: Sequence[Sequence[float]], t0: float, t_end: float, prompt_tokens: int, max_tokens: int
+) -> dict:
+    """The figures of one run from each request's token arrival times.
+
+    Args:
+        token_times: per request, the ``time.perf_counter()`` of each generated token.
+        t0: when the requests were submitted; t_end: when the last one finished.
+        prompt_tokens, max_tokens: per request.
+
+    Returns:
+        A dict with :data:`RESULT_KEYS` (seconds and tokens per second; ``decode_tps`` is
+        nan when no token came after the last first token, e.g. ``max_tokens == 1``).
+    """
+    n = len(token_times)
+    firsts = [ts[0] for ts in token_times if ts]
+    gen = sum(len(ts) for ts in token_times)
+    wall = t_end - t0
+    steady = max(firsts) if firsts else t_end
+    after = sum(1 for ts in token_times for t in ts if t > steady)
+    itl = [b - a for ts in token_times for a, b in zip(ts, ts[1:])]
+    ttft = [f - t0 for f in firsts]
+    return {
+        "concurrency": n,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "generated_tokens": gen,
+        "wall_s": wall,
+        "decode_tps": after / (t_end - steady) if after and t_end > steady else math.nan,
+        "output_tps": gen / wall if wall > 0 else math.nan,
+        "total_tps": (gen + n * prompt_tokens) / wall if wall > 0 else math.nan,
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p90": _pct(ttft, 90),
+        "itl_p50": _pct(itl, 50),
+        "itl_p90": _pct(itl, 90),
+        "itl_p99": _pct(itl, 99),
+    }
+
+
+# --------------------------------------------------------------------------- mlx_ferrum
+def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    times: dict[str, list[float]] = {r: [] for r in ids}
+    tokens: dict[str, list[int]] = {r: [] for r in ids}
+    left = len(ids)
+    while left:
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id not in times:
+                continue
+            if o.error is not None:
+                raise FerrumError(f"benchmark request {o.request_id} failed: {o.error}")
+            for t in o.new_token_ids:
+                times[o.request_id].append(now)
+                tokens[o.request_id].append(t)
+            if o.finished:
+                left -= 1
+    t_end = time.perf_counter()
+    res = summarize([times[r] for r in ids], t0, t_end, len(prompts[0]), max_tokens)
+    return res, [tokens[r] for r in ids]
+
+
+def bench_engine(
+    model,
+    tokenizer,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    config: Optional[RuntimeConfig] = None,
+    seed: int = 0,
+    warmup: bool = True,
+    return_tokens: bool = False,
+) -> dict:
+    """Serve ``concurrency`` simultaneous greedy requests through a fresh :class:`Engine`.
+
+    Args:
+        model, tokenizer: from :func:`mlx_ferrum.load` (tokenizer may be None: the
+            prompts are token ids; with a tokenizer the engine also detokenizes, as it
+            does when serving).
+        concurrency: requests submitted at once (>= 1).
+        prompt_tokens: prompt length of each, in tokens; max_tokens: tokens each generates.
+        config: engine settings; None = :func:`bench_config` (paged layout).
+        seed: prompt seed (:func:`make_prompts`).
+        warmup: run one short request burst of the same shape first (not timed).
+        return_tokens: also return the generated ids under ``"tokens"``.
+
+    Returns:
+        The figures of :func:`summarize` (seconds, tokens per second), plus ``"side":
+        "mlx_ferrum"``.
+
+    Raises:
+        ConfigurationError: bad counts. FerrumError: a request failed (e.g. the pool in
+        ``config`` cannot hold one request).
+    """
+    from .engine import Engine
+
+    if max_tokens < 1:
+        raise ConfigurationError(f"max_tokens={max_tokens} must be >= 1")
+    prompts = make_prompts(model.args.vocab_size, concurrency, prompt_tokens, seed)
+    cfg = config if config is not None else bench_config(concurrency, prompt_tokens, max_tokens)
+    engine = Engine(model, tokenizer, cfg)
+    if warmup:
+        wp, wt = warm_up_shape(prompt_tokens, max_tokens)
+        _run_engine(engine, make_prompts(model.args.vocab_size, concurrency, wp, seed + 1), wt)
+    res, toks = _run_engine(engine, prompts, max_tokens)
+    res["side"] = "mlx_ferrum"
+    if return_tokens:
+        res["tokens"] = toks
+    return res
+
+
+# --------------------------------------------------------------------------- mlx-lm
+def import_mlx_lm():
+    """``mlx_lm`` (a dev dependency), imported on first use.
+
+    Raises:
+        ConfigurationError: mlx-lm is not installed (the message says how to install it).
+    """
+    try:
+        import mlx_lm  # noqa: F401
+        from mlx_lm.generate import BatchGenerator  # noqa: F401
+    except ImportError as e:
+        raise ConfigurationError(
+            f"--compare mlx-lm needs the mlx-lm package, which is not importable ({e}): "
+            "install it with `pip install mlx-lm` (or `pip install -e .[dev]`)"
+        ) from None
+    return mlx_lm
+
+
+def load_mlx_lm_model(model_path, dtype=None):
+    """mlx-lm's model for a checkpoint folder (``mlx_lm.utils.load_model``; the prompts are
+    token ids, so no tokenizer is loaded), cast to ``dtype`` (an ``mx.Dtype`` or its name)
+    when given, weights evaluated.
+
+    Raises:
+        ConfigurationError: mlx-lm is missing.
+    """
+    import mlx.core as mx
+
+    import_mlx_lm()
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_path))
+    if dtype is not None:
+        dt = getattr(mx, dtype) if isinstance(dtype, str) else dtype
+        model.set_dtype(dt)
+    mx.eval(model.parameters())
+    return model
+
+
+def _run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=max(32, n))
+    try:
+        t0 = time.perf_counter()
+        uids = gen.insert(prompts, [max_tokens] * n)
+        times: dict[int, list[float]] = {u: [] for u in uids}
+        tokens: dict[int, list[int]] = {u: [] for u in uids}
+        left = n
+        while left:
+            _, resps = gen.next()
+            now = time.perf_counter()
+            for r in resps:
+                times[r.uid].append(now)
+                tokens[r.uid].append(int(r.token))
+                if r.finish_reason is not None:
+                    left -= 1
+        t_end = time.perf_counter()
+    finally:
+        gen.close()
+    res = summarize([times[u] for u in uids], t0, t_end, len(prompts[0]), max_tokens)
+    return res, [tokens[u] for u in uids]
+
+
+def bench_mlx_lm_batch(
+    model_path,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    seed: int = 0,
+    warmup: bool = True,
+    dtype=None,
+    model=None,
+    return_tokens: bool = False,
+) -> dict:
+    """The same burst as :func:`bench_engine`, served by mlx-lm's ``BatchGenerator``.
+
+    Args:
+        model_path: checkpoint folder, loaded with mlx-lm's own loader (ignored when
+            ``model`` is given).
+        concurrency, prompt_tokens, max_tokens, seed, warmup, return_tokens: as for
+            :func:`bench_engine` (same seed = same prompts).
+        dtype: cast the loaded model (``mx.Dtype`` or name); None keeps the checkpoint's.
+        model: an mlx-lm model already loaded (skips loading).
+
+    Returns:
+        The figures of :func:`summarize`, plus ``"side": "mlx-lm"``.
+
+    Raises:
+        ConfigurationError: mlx-lm is missing, or bad counts.
+    """
+    import_mlx_lm()
+    if max_tokens < 1:
+        raise ConfigurationError(f"max_tokens={max_tokens} must be >= 1")
+    lm = model if model is not None else load_mlx_lm_model(model_path, dtype)
+    vocab = lm.args.vocab_size
+    prompts = make_prompts(vocab, concurrency, prompt_tokens, seed)
+    if warmup:
+        wp, wt = warm_up_shape(prompt_tokens, max_tokens)
+        _run_mlx_lm(lm, make_prompts(vocab, concurrency, wp, seed + 1), wt)
+    res, toks = _run_mlx_lm(lm, prompts, max_tokens)
+    res["side"] = "mlx-lm"
+    if return_tokens:
+        res["tokens"] = toks
+    return res
+
+
+# --------------------------------------------------------------------------- report
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of requests whose greedy tokens agree up to the shorter length: a sanity
+    figure (bf16 rounding in different batch shapes may flip near-ties)."""
+    if not a:
+        return math.nan
+    same = sum(1 for x, y in zip(a, b) if x[: min(len(x), len(y))] == y[: min(len(x), len(y))])
+    return same / len(a)
+
+
+def _ms(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{1000 * x:.1f}"
+
+
+def _secs(x: float) -> str:
+    return f"{x:.2f}" if x >= 1 else f"{x:.3g}"
+
+
+def _tps(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.1f}"
+
+
+TABLE_HEADERS = [
+    "concurrency", "engine", "decode tok/s", "output tok/s", "total tok/s",
+    "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "wall s",
+]
+RATIO_HEADERS = ["concurrency", "decode tok/s", "output tok/s", "TTFT p50", "ITL p50", "wall"]
+
+
+def table_rows(results: Sequence[dict]) -> list[list[str]]:
+    """Rows of :data:`TABLE_HEADERS` for results of :func:`bench_engine` / :func:`bench_mlx_lm_batch`."""
+    return [
+        [
+            str(r["concurrency"]), r["side"], _tps(r["decode_tps"]), _tps(r["output_tps"]), _tps(r["total_tps"]),
+            _ms(r["ttft_p50"]), _ms(r["ttft_p90"]), _ms(r["itl_p50"]), _ms(r["itl_p90"]), _ms(r["itl_p99"]),
+            _secs(r["wall_s"]),
+        ]
+        for r in results
+    ]
+
+
+def ratio_row(ferrum: dict, lm: dict) -> list[str]:
+    """Row of :data:`RATIO_HEADERS`: ferrum / mlx-lm of each figure (above 1 is better
+    for the rates, below 1 for the times)."""
+    def q(k):
+        a, b = ferrum[k], lm[k]
+        return "nan" if not b or math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"
+
+    return [str(ferrum["concurrency"]), q("decode_tps"), q("output_tps"), q("ttft_p50"), q("itl_p50"), q("wall_s")]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (pastes into ``docs/benchmarks.md``)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``.
+
+    Raises:
+        ConfigurationError: an entry is not a positive integer.
+    """
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise ConfigurationError(f"--concurrency {text!r}: {part!r} is not a positive integer; use e.g. 1,8,32")
+        out.append(v)
+    if not out:
+        raise ConfigurationError(f"--concurrency {text!r} names no request count; use e.g. 1,8,32")
+    return out
+
+
+def run_bench_cli(args: Any) -> int:
+    """``mlx-ferrum bench``: the table of :data:`TABLE_HEADERS` for each concurrency level
+    on stdout (and with ``--compare mlx-lm`` mlx-lm's rows and the ratio table); progress
+    and settings on stderr. The paged layout is always used (``--paged`` is implied).
+
+    Args:
+        args: the parsed ``bench`` arguments (``model``, ``dtype``, ``concurrency``,
+            ``prompt_tokens``, ``max_tokens``, ``compare``).
+
+    Returns:
+        0.
+
+    Raises:
+        ConfigurationError: malformed ``--concurrency`` / counts, or mlx-lm missing with
+        ``--compare mlx-lm``. ModelLoadError: the checkpoint cannot be loaded.
+    """
+    import mlx.core as mx
+
+    from ..api import load
+
+    levels = parse_concurrency(args.concurrency)
+    if args.prompt_tokens < 1 or args.max_tokens < 1:
+        raise ConfigurationError(
+            f"--prompt-tokens {args.prompt_tokens} / --max-tokens {args.max_tokens}: both must be >= 1"
+        )
+    compare = getattr(args, "compare", None) == "mlx-lm"
+    if compare:
+        import_mlx_lm()  # fail before the slow part
+    err = sys.stderr
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    lm = load_mlx_lm_model(model.path, model_dtype_of(model) if args.dtype else None) if compare else None
+    a = model.args
+    print(
+        f"bench: {args.model} ({a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+        f"dtype {str(model_dtype_of(model)).replace('mlx.core.', '')}) | prompt {args.prompt_tokens} tokens, "
+        f"{args.max_tokens} generated per request, greedy, EOS ignored | backend "
+        f"{'gpu' if mx.metal.is_available() else 'cpu'}",
+        file=err,
+    )
+    results, ratios = [], []
+    for c in levels:
+        print(f"  concurrency {c}: mlx_ferrum ...", file=err, flush=True)
+        f = bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, return_tokens=compare)
+        results.append(f)
+        if compare:
+            print(f"  concurrency {c}: mlx-lm ...", file=err, flush=True)
+            m = bench_mlx_lm_batch(None, c, args.prompt_tokens, args.max_tokens, model=lm, return_tokens=True)
+            results.append(m)
+            ratios.append(ratio_row(f, m))
+            print(f"    greedy outputs agree on {100 * token_agreement(f['tokens'], m['tokens']):.0f}% of requests",
+                  file=err)
+    print(format_table(TABLE_HEADERS, table_rows(results)))
+    if compare:
+        print()
+        print("ratio mlx_ferrum / mlx-lm (rates: higher is better; times: lower is better)")
+        print(format_table(RATIO_HEADERS, ratios))
+    return 0
+
+
+def model_dtype_of(model):
+    """The activation dtype of a loaded mlx_ferrum model (see ``executor.model_dtype``)."""
+    from ..executor.llm_executor import model_dtype
+
+    return model_dtype(model)
