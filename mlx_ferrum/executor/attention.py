@@ -54,6 +54,8 @@ class AttentionMetadata:
         host_context_lens, host_query_start_loc: the same as Python lists (no read-back).
         logits_indices: ``[N]`` int32 rows of the flattened ``B*L`` tokens whose logits
             are wanted, or None for all.
+        slot_index: paged: the pool index arrays of ``slot_mapping``, built once per pass
+            and shared by every layer's write.
     """
 
     layout: str = "none"
@@ -70,6 +72,7 @@ class AttentionMetadata:
     host_context_lens: list = field(default_factory=list)
     host_query_start_loc: list = field(default_factory=list)
     logits_indices: Optional[mx.array] = None
+    slot_index: Any = None
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -152,7 +155,9 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
     kt = k[0].transpose(1, 0, 2)
     vt = v[0].transpose(1, 0, 2)
     pool = meta.pool
-    pool.write(layer, meta.slot_mapping, kt, vt)
+    if meta.slot_index is None:
+        meta.slot_index = pool.slot_indices(meta.slot_mapping)
+    pool.write(layer, meta.slot_mapping, kt, vt, indices=meta.slot_index)
     kp, vp = pool.k[layer], pool.v[layer]
     nd = meta.num_decode_seqs
     n_seqs = len(meta.host_context_lens)

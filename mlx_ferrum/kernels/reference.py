@@ -152,7 +152,22 @@ def paged_prefill_attention(
     return mx.concatenate(outs, axis=0)
 
 
-def write_kv_slots(pool: mx.array, slot_mapping: mx.array, new: mx.array) -> None:
+def slot_indices(slot_mapping: mx.array, num_kv_heads: int, block_size: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Index arrays ``(blocks [T,1], heads [1,KVH], offsets [T,1])`` that address the
+    slots of ``slot_mapping`` ``[T]`` in a ``[num_blocks, num_kv_heads, block_size, head_dim]``
+    pool. Built once per forward pass and shared by every layer's K and V write."""
+    blocks = (slot_mapping // block_size)[:, None]
+    offsets = (slot_mapping % block_size)[:, None]
+    return blocks, mx.arange(num_kv_heads)[None, :], offsets
+
+
+def write_kv_slots(
+    pool: mx.array,
+    slot_mapping: mx.array,
+    new: mx.array,
+    *,
+    indices: Optional[tuple[mx.array, mx.array, mx.array]] = None,
+) -> None:
     """Write new tokens' K (or V) into a pool in place, through an MLX indexed update.
 
     Args:
@@ -163,10 +178,8 @@ def write_kv_slots(pool: mx.array, slot_mapping: mx.array, new: mx.array) -> Non
         new: ``[num_tokens, num_kv_heads, head_dim]``, cast to the pool dtype. Non-finite
             values are replaced by finite ones (``nan_to_num``), so a block a diverged
             sequence leaves behind cannot poison the masked slots of its next owner.
+        indices: :func:`slot_indices` of ``slot_mapping``, when the caller has them.
     """
-    bs = pool.shape[2]
-    kvh = pool.shape[1]
-    blocks = (slot_mapping // bs)[:, None]
-    offsets = (slot_mapping % bs)[:, None]
-    heads = mx.arange(kvh)[None, :]
-    pool[blocks, heads, offsets] = mx.nan_to_num(new.astype(pool.dtype))
+    if indices is None:
+        indices = slot_indices(slot_mapping, pool.shape[1], pool.shape[2])
+    pool[indices] = mx.nan_to_num(new.astype(pool.dtype))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..config import DEFAULT_KV_POOL_BYTES
-from ..kernels.reference import write_kv_slots
+from ..kernels.reference import slot_indices, write_kv_slots
 
 
 class PagedKvPool:
@@ -51,10 +51,19 @@ class PagedKvPool:
         """Bytes of all K and V pools."""
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
-    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array) -> None:
-        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``."""
-        write_kv_slots(self.k[layer], slot_mapping, k)
-        write_kv_slots(self.v[layer], slot_mapping, v)
+    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array, indices=None) -> None:
+        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``.
+
+        ``indices``: :meth:`slot_indices` of ``slot_mapping``, to reuse across layers.
+        """
+        if indices is None:
+            indices = self.slot_indices(slot_mapping)
+        write_kv_slots(self.k[layer], slot_mapping, k, indices=indices)
+        write_kv_slots(self.v[layer], slot_mapping, v, indices=indices)
+
+    def slot_indices(self, slot_mapping: mx.array):
+        """Index arrays addressing ``slot_mapping`` in this pool (see ``kernels.reference.slot_indices``)."""
+        return slot_indices(slot_mapping, self.shape[1], self.shape[2])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of shared blocks)."""
