@@ -19,4 +19,6 @@ def test_benchmark_quick_mode(script):
     r = subprocess.run([sys.executable, path, "--quick"], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "mlx-lm" in r.stdout and "|" in r.stdout  # a table with the mlx-lm side
+    assert "|" in r.stdout  # a results table
+    if script != "bench_kv_write.py":  # the pool-write benchmark has no mlx-lm side
+        assert "mlx-lm" in r.stdout
