@@ -17,7 +17,7 @@ import mlx.core as mx
 from .config import RuntimeConfig
 from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplerState, SamplingParams, sample
-from .engine.stop import StopStringMatcher
+from .engine.stop import StopStringMatcher, emit_token
 from .errors import PromptTooLongError
 from .executor import DecodeInput, LlmExecutor, PrefillInput
 from .models.loader import load_model
@@ -163,23 +163,11 @@ def stream_generate(
                 generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
                 peak_memory=_peak_memory(),
             )
-            if token in stop_ids:
-                tail = matcher.feed(detok.finalize()).text + matcher.flush()
-                yield GenerationChunk(tail, token, "stop", logprob=lp, **stats)
+            out_of_room = n >= params.max_tokens or handle.num_tokens + 1 >= ex.kv_capacity()
+            text, reason = emit_token(detok, matcher, token, stop_ids, out_of_room)
+            yield GenerationChunk(text, token, reason, logprob=lp, **stats)
+            if reason is not None:
                 return
-            check = matcher.feed(detok.add_token(token))
-            if check.stopped:
-                yield GenerationChunk(check.text, token, "stop", logprob=lp, **stats)
-                return
-            full = handle.num_tokens + 1 >= ex.kv_capacity()
-            if n >= params.max_tokens or full:
-                tail = check.text + matcher.feed(detok.finalize()).text
-                if matcher.stopped:
-                    yield GenerationChunk(tail, token, "stop", logprob=lp, **stats)
-                    return
-                yield GenerationChunk(tail + matcher.flush(), token, "length", logprob=lp, **stats)
-                return
-            yield GenerationChunk(check.text, token, None, logprob=lp, **stats)
             step = ex.decode(DecodeInput(input_ids=mx.array([[token]], dtype=mx.int32), kv_cache=handle))
             handle = step.kv_cache
             logits = step.logits

@@ -119,3 +119,27 @@ def test_stories_stops_across_token_boundaries(stories_path, stories_expected):
     # several stop strings at once: the earliest occurrence wins
     stops = ["ball", "park", "Lily"]
     assert run_matcher(pieces, stops) == expected_output(text, stops)
+
+
+def test_emit_token_orders_stop_ids_stop_strings_and_length(stories_path, stories_expected):
+    from mlx_ferrum.engine.stop import StopStringMatcher, emit_token
+    from mlx_ferrum.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(stories_path)
+    ids = stories_expected["once"]["generated_ids"]
+    text = tok.decode(ids[:12])
+
+    def run(stop_ids=(), stops=(), max_tokens=12):
+        d, m, out = tok.detokenizer(), StopStringMatcher(list(stops)), ""
+        for n, t in enumerate(ids[:12], 1):
+            piece, reason = emit_token(d, m, t, set(stop_ids), n >= max_tokens)
+            out += piece
+            if reason:
+                return out, reason, n
+        return out, None, 12
+
+    assert run() == (text, "length", 12)
+    assert run(stop_ids=[ids[4]]) == (tok.decode(ids[:4]), "stop", 5)  # the stop id's text is not emitted
+    out, reason, _ = run(stops=["little"])
+    assert reason == "stop" and out == text[: text.index("little")]
+    assert run(max_tokens=3)[1:] == ("length", 3)

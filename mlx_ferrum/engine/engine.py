@@ -28,6 +28,7 @@ from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
+from .stop import emit_token
 
 _req_ids = itertools.count()
 
@@ -248,27 +249,8 @@ class Engine:
                     k = s.params.logprobs
                     s.top_logprobs.append(dict(zip(tops[0][b][:k], tops[1][b][:k])))
             s.output_ids.append(tok)
-            delta = ""
-            reason = None
-            if tok in s.stop_ids:
-                reason = "stop"
-                if s.detok is not None:
-                    delta = s.matcher.feed(s.detok.finalize()).text + s.matcher.flush()
-            else:
-                if s.detok is not None:
-                    chk = s.matcher.feed(s.detok.add_token(tok))
-                    delta = chk.text
-                    if chk.stopped:
-                        reason = "stop"
-                if reason is None and (len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap):
-                    reason = "length"
-                    if s.detok is not None:
-                        tail = s.matcher.feed(s.detok.finalize())
-                        delta += tail.text
-                        if tail.stopped:
-                            reason = "stop"
-                        else:
-                            delta += s.matcher.flush()
+            out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
+            delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
             s.text += delta
             if reason is not None:
                 self._finish(s, reason)

@@ -111,3 +111,44 @@ class StopStringMatcher:
         """End of stream without a stop: release the held-back text (``""`` after a stop)."""
         out, self._held = ("" if self.stopped else self._held), ""
         return out
+
+
+def emit_token(
+    detok, matcher: StopStringMatcher, token: int, stop_ids, out_of_room: bool
+) -> tuple[str, Optional[str]]:
+    """Turn one sampled token into the text to emit and a finish reason.
+
+    Order of checks (vLLM's): a stop token id (or EOS) ends the request and its text is
+    not emitted; otherwise the token is detokenized and stop strings are matched (a hit
+    trims the text at the stop string); otherwise ``out_of_room`` (``max_tokens`` reached
+    or the context full) ends it with ``"length"``, flushing held-back text.
+
+    Args:
+        detok: a :class:`~mlx_ferrum.tokenizer.StreamingDetokenizer`, or None (ids only).
+        matcher: the request's stop-string matcher.
+        token: the sampled token id.
+        stop_ids: ids that end the request.
+        out_of_room: no further token may follow this one.
+
+    Returns:
+        ``(text, reason)`` with ``reason`` in ``None``, ``"stop"``, ``"length"``.
+    """
+    if token in stop_ids:
+        if detok is None:
+            return "", "stop"
+        return matcher.feed(detok.finalize()).text + matcher.flush(), "stop"
+    text = ""
+    if detok is not None:
+        check = matcher.feed(detok.add_token(token))
+        text = check.text
+        if check.stopped:
+            return text, "stop"
+    if not out_of_room:
+        return text, None
+    if detok is not None:
+        tail = matcher.feed(detok.finalize())
+        text += tail.text
+        if tail.stopped:
+            return text, "stop"
+        text += matcher.flush()
+    return text, "length"

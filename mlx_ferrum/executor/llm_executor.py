@@ -189,8 +189,17 @@ class LlmExecutor:
         return cache_id in self._contiguous
 
     def num_tokens(self, cache_id: str) -> int:
-        """Tokens stored for ``cache_id``."""
-        return self._handle(cache_id).num_tokens
+        """Tokens stored for ``cache_id``.
+
+        Raises:
+            UnknownCacheError: unknown ``cache_id``.
+        """
+        if self.layout == "paged":
+            return self.manager.num_tokens(cache_id)
+        caches = self._contiguous.get(cache_id)
+        if caches is None:
+            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
+        return caches[0].len
 
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""

@@ -130,12 +130,11 @@ class PagedKvCacheManager:
         return self.blocks_needed(cache_id, n) <= self.allocator.num_free
 
     def _last_block_is_shared_partial(self, seq: SequenceBlocks) -> bool:
-        if not seq.block_ids or seq.num_tokens % self.block_size == 0:
+        # block_ids always spans exactly ceil(num_tokens / block_size) blocks, so a
+        # partial block is the last one
+        if seq.num_tokens % self.block_size == 0:
             return False
-        if seq.num_tokens < (len(seq.block_ids) - 1) * self.block_size:
-            return False  # the partial block is not the last one held (after truncate we drop those)
-        last = seq.block_ids[seq.num_tokens // self.block_size]
-        return self.allocator.ref_counts[last] > 1
+        return self.allocator.ref_counts[seq.block_ids[-1]] > 1
 
     def append_slots(self, cache_id: Hashable, n: int, token_ids: Optional[Sequence[int]] = None) -> AppendResult:
         """Reserve slots for ``n`` new tokens of ``cache_id``, allocating blocks on demand.
