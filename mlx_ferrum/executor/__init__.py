@@ -1,6 +1,6 @@
 """Executors: the ``ModelExecutor`` protocol, ``LlmExecutor`` and ``PagedAttentionExecutor``."""
 
-from .attention import AttentionMetadata
+from ..layers.attention import AttentionMetadata
 from .llm_executor import LlmExecutor, SeqWork
 from .paged_attention_executor import IdentityAttentionModel, PagedAttentionExecutor
 from .types import (

@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 from ..config import RuntimeConfig
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
 from ..kv_cache import ContiguousKvCache, PagedKvCacheManager, PagedKvPool, bytes_per_block, default_num_blocks
-from .attention import AttentionMetadata, contiguous_pad_mask
+from ..layers.attention import AttentionMetadata, contiguous_pad_mask
 from .types import (
     AttentionType,
     DecodeInput,

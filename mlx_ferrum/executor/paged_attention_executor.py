@@ -4,7 +4,7 @@ ferrum's deterministic executor (``shared/seeds/PagedAttentionExecutor.txt``): e
 token's embedding is a one-hot vector of length ``num_kv_heads * head_dim`` with its
 1 at index ``token_id % (num_kv_heads * head_dim)``, and ``Q = K = V = embedding``
 (one query head per KV head). Attention runs through the same code as real models
-(:func:`~mlx_ferrum.executor.attention.attention` over a
+(:func:`~mlx_ferrum.layers.attention.attention` over a
 :class:`~mlx_ferrum.kv_cache.PagedKvPool`), so its outputs check the paged path: for
 a query whose 1 lies in head ``h0``, head ``h0`` weighs each earlier token ``j`` by
 ``exp(scale * [token j has the same one-hot index]) / Z`` and every other head weighs
@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from ..config import RuntimeConfig
 from ..kv_cache import PagedKvCacheManager
-from .attention import AttentionMetadata, attention
+from ..layers.attention import AttentionMetadata, attention
 from .llm_executor import LlmExecutor
 from .types import DecodeInput, DecodeOutput, PrefillInput, PrefillOutput
 

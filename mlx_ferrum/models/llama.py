@@ -9,8 +9,8 @@ RoPE from Su et al., "RoFormer" (2021) in the rotate-half convention of Hugging 
 ``transformers``; llama3 frequency scaling as in Meta's ``apply_scaling``.
 
 The layers know nothing of caches or requests: every attention layer receives an
-``AttentionMetadata`` (``mlx_ferrum.executor.attention``) from the executor and hands
-its q/k/v to :func:`~mlx_ferrum.executor.attention.attention`, which reads and writes
+``AttentionMetadata`` (``mlx_ferrum.layers.attention``) from the executor and hands
+its q/k/v to :func:`~mlx_ferrum.layers.attention.attention`, which reads and writes
 the KV cache of whichever layout the metadata carries.
 """
 
@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
-from ..executor.attention import AttentionMetadata, apply_rope, attention
+from ..layers.attention import AttentionMetadata, apply_rope, attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -275,7 +275,7 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     """A Llama-family causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]``.
 
-    ``meta`` is an :class:`~mlx_ferrum.executor.attention.AttentionMetadata` built by an
+    ``meta`` is an :class:`~mlx_ferrum.layers.attention.AttentionMetadata` built by an
     executor (cache layout, positions, slot mapping ...). ``meta=None`` runs plain
     causal attention over the given tokens at positions ``0..L-1``, with no cache.
     ``meta.logits_indices`` (optional, ``[N]`` int32 over the flattened ``B*L`` tokens)
