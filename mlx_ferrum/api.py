@@ -8,6 +8,7 @@ concurrent requests use :class:`~mlx_ferrum.engine.Engine`.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Optional
@@ -22,6 +23,8 @@ from .errors import PromptTooLongError
 from .executor import DecodeInput, LlmExecutor, PrefillInput
 from .models.loader import load_model
 from .tokenizer import Tokenizer
+
+_stream_ids = itertools.count()
 
 def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
@@ -127,7 +130,7 @@ def stream_generate(
     """
     params = sampling_params if sampling_params is not None else SamplingParams(**sampling)
     ex = executor_for(model, config)
-    ids = encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt, vocab_size=model.args.vocab_size)
     if len(ids) >= ex.kv_capacity():
         raise PromptTooLongError(
             f"the prompt has {len(ids)} tokens and the context holds {ex.kv_capacity()}: shorten the prompt "
@@ -141,15 +144,18 @@ def stream_generate(
     matcher = StopStringMatcher(params.stop)
     want_logprobs = params.logprobs is not None
 
-    t0 = time.perf_counter()
-    out = ex.prefill(PrefillInput(input_ids=mx.array([ids], dtype=mx.int32)))
-    handle = out.kv_cache
-    logits = out.logits[:, -1, :]
-    prompt_time = time.perf_counter() - t0
-    prompt_tps = len(ids) / prompt_time if prompt_time > 0 else 0.0
-    t_dec = time.perf_counter()
-    n = 0
+    # the id is fixed before the prefill so the finally below frees the cache even when
+    # Ctrl-C lands inside the prefill
+    cache_id = f"stream-{next(_stream_ids)}"
     try:
+        t0 = time.perf_counter()
+        out = ex.prefill(PrefillInput(input_ids=mx.array([ids], dtype=mx.int32), cache_id=cache_id))
+        handle = out.kv_cache
+        logits = out.logits[:, -1, :]
+        prompt_time = time.perf_counter() - t0
+        prompt_tps = len(ids) / prompt_time if prompt_time > 0 else 0.0
+        t_dec = time.perf_counter()
+        n = 0
         while True:
             res = sample(logits, [state])
             token = int(res.tokens[0])
@@ -172,7 +178,7 @@ def stream_generate(
             handle = step.kv_cache
             logits = step.logits
     finally:
-        ex.release_cache(handle.cache_id)
+        ex.release_cache(cache_id)
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **kwargs: Any) -> str:

@@ -22,8 +22,9 @@ from typing import Iterator, Optional, Sequence as Seq, Union
 import mlx.core as mx
 
 from ..config import RuntimeConfig
-from ..errors import FerrumError, PromptTooLongError, RequestError
+from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
+from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -93,8 +94,13 @@ class Engine:
         self._step_lock = threading.Lock()  # one step at a time
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
-        self._finished_ttft: list[float] = []
-        self._finished_itl: list[float] = []
+        # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
+        self._ttft = LatencyReservoir()
+        self._itl = LatencyReservoir(seed=1)
+        # request ids of the step now in the executor; an abort of one of them frees its
+        # cache only after the step, so run() never re-creates a released cache
+        self._in_flight: set[str] = set()
+        self._deferred_release: list[str] = []
         self.num_steps = 0
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -111,10 +117,12 @@ class Engine:
 
         Raises:
             PromptTooLongError: the prompt fills the context.
-            RequestError: the id is in use, or the prompt is empty.
+            RequestError: the id is in use, the prompt is empty or not a prompt type, or a
+                token id is outside ``[0, vocab_size)``.
+            TokenizerError: the text cannot be tokenized (lone surrogates, too long ...).
         """
         params = params if params is not None else SamplingParams()
-        ids = encode_prompt(self.tokenizer, prompt)
+        ids = encode_prompt(self.tokenizer, prompt, vocab_size=getattr(getattr(self.executor, "info", None), "vocab_size", None))
         cap = self.executor.kv_capacity()
         if len(ids) >= cap:
             raise PromptTooLongError(
@@ -155,12 +163,34 @@ class Engine:
         seq.error = error
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
-        self.executor.release_cache(seq.request_id)
+        if seq.request_id in self._in_flight:
+            self._deferred_release.append(seq.request_id)
+        else:
+            self.executor.release_cache(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         m = seq.metrics
         if m.ttft is not None:
-            self._finished_ttft.append(m.ttft)
-        self._finished_itl.extend(m.inter_token_latencies)
+            self._ttft.add(m.ttft)
+        self._itl.extend(m.inter_token_latencies)
+
+    def _end_flight(self) -> None:
+        """The step left the executor: free the caches of requests aborted meanwhile."""
+        with self._lock:
+            self._in_flight = set()
+            for rid in self._deferred_release:
+                self.executor.release_cache(rid)
+            self._deferred_release = []
+
+    def _fail_step(self, items, exc: BaseException) -> list[RequestOutput]:
+        """End every request of a failed step with ``"error"`` (the executor already
+        restored their caches; finishing releases them). Other requests are untouched."""
+        outs = []
+        with self._lock:
+            for it in items:
+                if not it.seq.finished:
+                    self._finish(it.seq, "error", f"{type(exc).__name__}: {exc}")
+                    outs.append(self._output(it.seq, "", []))
+        return outs
 
     def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
@@ -198,17 +228,16 @@ class Engine:
                     if s.metrics.first_scheduled_time is None:
                         s.metrics.first_scheduled_time = now
                     work.append(SeqWork(s.request_id, s.token_at(s.num_computed, s.num_computed + it.num_tokens)))
+                self._in_flight = {it.seq.request_id for it in items}
             if not items:
                 return outputs
             try:
+                # a BaseException (Ctrl-C) propagates after the executor restored every cache
                 logits = self.executor.run(work)
-            except FerrumError as e:
-                with self._lock:
-                    for it in items:
-                        if not it.seq.finished:
-                            self._finish(it.seq, "error", str(e))
-                            outputs.append(self._output(it.seq, "", []))
-                return outputs
+            except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+                return outputs + self._fail_step(items, e)
+            finally:
+                self._end_flight()
             with self._lock:
                 self.num_steps += 1
                 sampled = []
@@ -224,38 +253,89 @@ class Engine:
                     if samples:
                         sampled.append((s, row))
                 if sampled:
-                    outputs.extend(self._sample_and_emit(sampled))
+                    try:
+                        outputs.extend(self._sample_and_emit(sampled))
+                    except BaseException as e:
+                        # Ctrl-C between sampling and emitting: the KV already holds this step,
+                        # so these requests end now rather than stall; then it propagates
+                        self._pending.extend(outputs + self._fail_step([it for it in items if it.samples], e))
+                        raise
             return outputs
+
+    def _sample_rows(self, rows: mx.array, seqs: list[Sequence]):
+        """Sample every row at once; when that raises, sample row by row so a failure
+        (a bad parameter, a fault) ends only the request it belongs to.
+
+        Returns ``(tokens, logprobs, tops, errors)``: per row a token (None on error),
+        logprobs and top alternatives as :func:`sample` gives them (or None), and an
+        error message or None. A row of NaN/Inf logits gets a :class:`NonFiniteLogitsError`.
+        """
+        n = len(seqs)
+        saved = [(s.sampler.key, len(s.sampler.history)) for s in seqs]
+        finite = mx.all(mx.isfinite(rows), axis=-1)
+        errors: list = [None] * n
+        try:
+            res = sample(rows, [s.sampler for s in seqs])
+            tokens = res.tokens.tolist()
+            lps = res.logprobs.tolist() if res.logprobs is not None else [None] * n
+            tops = list(zip(res.top_ids.tolist(), res.top_logprobs.tolist())) if res.top_ids is not None else [None] * n
+        except Exception:  # noqa: BLE001 - find the row(s) at fault
+            tokens, lps, tops = [None] * n, [None] * n, [None] * n
+            for b, (s, (key, hist)) in enumerate(zip(seqs, saved)):
+                s.sampler.key = key  # the failed batched call may have split it
+                del s.sampler.history[hist:]
+                try:
+                    r = sample(rows[b : b + 1], [s.sampler])
+                    tokens[b] = r.tokens.tolist()[0]
+                    lps[b] = r.logprobs.tolist()[0] if r.logprobs is not None else None
+                    tops[b] = (r.top_ids.tolist()[0], r.top_logprobs.tolist()[0]) if r.top_ids is not None else None
+                except Exception as e:  # noqa: BLE001
+                    errors[b] = f"{type(e).__name__}: sampling failed: {e}"
+        for b, ok in enumerate(finite.tolist()):
+            if not ok:
+                errors[b] = f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
+                    "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
+                    "and rope_theta, or load it in float32"))
+        return tokens, lps, tops, errors
 
     def _sample_and_emit(self, sampled: list) -> list[RequestOutput]:
         seqs = [s for s, _ in sampled]
         rows = mx.concatenate([r for _, r in sampled], axis=0)
-        res = sample(rows, [s.sampler for s in seqs])
-        tokens = res.tokens.tolist()
-        lps = res.logprobs.tolist() if res.logprobs is not None else None
-        tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+        tokens, lps, tops, errors = self._sample_rows(rows, seqs)
         now = time.time()
         outs = []
         cap = self.executor.kv_capacity()
         for b, (s, tok) in enumerate(zip(seqs, tokens)):
-            m = s.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.token_times.append(now)
-            self.num_generated_tokens += 1
-            if lps is not None and s.params.logprobs is not None:
-                s.logprobs.append(lps[b])
-                if tops is not None and s.params.logprobs:
-                    k = s.params.logprobs
-                    s.top_logprobs.append(dict(zip(tops[0][b][:k], tops[1][b][:k])))
-            s.output_ids.append(tok)
-            out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
-            delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
-            s.text += delta
-            if reason is not None:
-                self._finish(s, reason)
-            outs.append(self._output(s, delta, [tok]))
+            if errors[b] is None:
+                try:
+                    outs.append(self._emit(s, tok, lps[b], tops[b], now, cap))
+                    continue
+                except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
+                    errors[b] = f"{type(e).__name__}: {e}"
+            if not s.finished:
+                self._finish(s, "error", errors[b])
+            outs.append(self._output(s, "", []))
         return outs
+
+    def _emit(self, s: Sequence, tok: int, lp, top, now: float, cap: int) -> RequestOutput:
+        """Record one sampled token of ``s``: metrics, logprobs, text, stop checks."""
+        m = s.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        self.num_generated_tokens += 1
+        if lp is not None and s.params.logprobs is not None:
+            s.logprobs.append(lp)
+            if top is not None and s.params.logprobs:
+                k = s.params.logprobs
+                s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
+        s.output_ids.append(tok)
+        out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
+        delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+        s.text += delta
+        if reason is not None:
+            self._finish(s, reason)
+        return self._output(s, delta, [tok])
 
     # -------------------------------------------------------- conveniences
     def generate(
@@ -273,13 +353,24 @@ class Engine:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one or one each")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = []
         final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+            wanted = set(ids)
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+        finally:
+            # a bad prompt or Ctrl-C: this call's other requests do not stay behind
+            for rid in ids:
+                if rid not in final:
+                    try:
+                        self.abort(rid)
+                    except RequestError:
+                        pass
         return [final[i] for i in ids]
 
     def stream(
@@ -309,15 +400,9 @@ class Engine:
     def stats(self) -> dict:
         """Engine metrics: queue and running counts, token counters, TTFT and inter-token
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
-        def pct(xs, q):
-            if not xs:
-                return 0.0
-            ys = sorted(xs)
-            return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
-
         with self._lock:
             kv = self.executor.cache_metrics_snapshot()
-            ttft, itl = self._finished_ttft, self._finished_itl
+            ttft, itl = self._ttft, self._itl
             return {
                 "num_waiting": len(self.scheduler.waiting),
                 "num_running": len(self.scheduler.running),
@@ -325,13 +410,13 @@ class Engine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
                 "generated_tokens": self.num_generated_tokens,
-                "ttft_mean": sum(ttft) / len(ttft) if ttft else 0.0,
-                "ttft_p50": pct(ttft, 0.5),
-                "ttft_p90": pct(ttft, 0.9),
-                "itl_mean": sum(itl) / len(itl) if itl else 0.0,
-                "itl_p50": pct(itl, 0.5),
-                "itl_p90": pct(itl, 0.9),
-                "itl_p99": pct(itl, 0.99),
+                "ttft_mean": ttft.mean,
+                "ttft_p50": ttft.percentile(0.5),
+                "ttft_p90": ttft.percentile(0.9),
+                "itl_mean": itl.mean,
+                "itl_p50": itl.percentile(0.5),
+                "itl_p90": itl.percentile(0.9),
+                "itl_p99": itl.percentile(0.99),
                 "kv_blocks_used": kv.get("used_blocks"),
                 "kv_blocks_free": kv.get("free_blocks"),
                 "kv_blocks_total": kv.get("total_blocks"),

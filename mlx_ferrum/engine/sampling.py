@@ -67,7 +67,8 @@ class SamplingParams:
 
     - ``temperature`` (float >= 0): divides the logits; ``0`` means greedy (argmax).
     - ``top_p`` (float in (0, 1]): nucleus sampling; ``1`` is off.
-    - ``top_k`` (int >= 1, or ``0`` / ``-1`` for off): keep the ``k`` largest logits.
+    - ``top_k`` (int >= 1, or ``0`` / ``-1`` for off): keep the ``k`` largest logits. A
+      ``top_k`` at or above the vocabulary size is clamped to it, i.e. keeps every token.
     - ``min_p`` (float in [0, 1]): drop tokens whose probability is below
       ``min_p * max probability``; ``0`` is off.
     - ``repetition_penalty`` (float > 0): CTRL penalty on every token already seen
@@ -235,6 +236,8 @@ def apply_top_k(logits: mx.array, top_k: Union[int, Sequence[int], mx.array]) ->
         # One shared k: a partial selection is enough.
         kth = mx.min(mx.topk(x, top_k, axis=-1), axis=-1, keepdims=True)
         return mx.where(x < kth, _NEG_INF, x)
+    if not isinstance(top_k, mx.array):  # clamp before int32 conversion: huge k means "keep all"
+        top_k = [min(int(t), vocab) for t in top_k]
     k = _rows(top_k, batch, mx.int32)
     k = mx.where(k <= 0, vocab, mx.minimum(k, vocab))
     ascending = mx.sort(x, axis=-1)
@@ -396,7 +399,7 @@ def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True
         tokens = argmax
     else:
         y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
-        ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]  # top_k > vocab keeps all
         if any(ks):
             y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
         if any(p.top_p < 1.0 for p in params):

@@ -271,7 +271,7 @@ class LlmExecutor:
                 slots.extend(res.slots)
                 copies.extend(res.copies)
                 positions.extend(range(start, start + len(w.tokens)))
-        except Exception:
+        except BaseException:  # Ctrl-C too: never leave slots appended twice
             for cid, prev in before:
                 if prev is None:
                     mgr.release(cid)
@@ -307,7 +307,7 @@ class LlmExecutor:
         try:
             logits = self.model(tokens, meta)[0]
             mx.eval(logits, self.pool.k, self.pool.v)
-        except Exception:
+        except BaseException:  # Ctrl-C too: never leave slots appended twice
             for cid, prev in before:
                 if prev is None:
                     mgr.release(cid)
@@ -337,6 +337,24 @@ class LlmExecutor:
         groups: dict[int, list[int]] = {}
         for i, w in enumerate(work):
             groups.setdefault(len(w.tokens), []).append(i)
+        done: list[tuple[list, list[int], list[str]]] = []  # groups already run, to undo on a later failure
+        try:
+            self._run_contiguous_groups(work, groups, out, done)
+        except BaseException:
+            for caches, prev, created in done:
+                self._undo_contiguous(caches, prev, created)
+            raise
+        return out  # type: ignore[return-value]
+
+    def _undo_contiguous(self, caches: list, prev: list[int], created: list[str]) -> None:
+        for c, p in zip(caches, prev):
+            for layer in c:
+                if layer.len > p:
+                    layer.truncate(p)
+        for cid in created:
+            self._contiguous.pop(cid, None)
+
+    def _run_contiguous_groups(self, work, groups, out, done) -> None:
         for n, idxs in groups.items():
             rows = [work[i] for i in idxs]
             created = []
@@ -346,6 +364,7 @@ class LlmExecutor:
                     created.append(w.cache_id)
             caches = [self._contiguous[w.cache_id] for w in rows]
             prev = [c[0].len for c in caches]
+            done.append((caches, prev, created))
             rows_wanted = [
                 r for j, w in enumerate(rows) for r in (range(j * n, (j + 1) * n) if w.all_logits else [(j + 1) * n - 1])
             ]
@@ -358,24 +377,14 @@ class LlmExecutor:
                 logits_indices=None if len(rows_wanted) == n * len(rows) else mx.array(rows_wanted, dtype=mx.int32),
             )
             tokens = mx.array([w.tokens for w in rows], dtype=mx.int32)
-            try:
-                logits = self.model(tokens, meta)
-                mx.eval(logits)
-            except Exception:
-                for c, p in zip(caches, prev):
-                    for layer in c:
-                        if layer.len > p:
-                            layer.truncate(p)
-                for cid in created:
-                    del self._contiguous[cid]
-                raise
+            logits = self.model(tokens, meta)
+            mx.eval(logits)
             flat = logits.reshape(-1, logits.shape[-1])
             r = 0
             for i, w in zip(idxs, rows):
                 k = n if w.all_logits else 1
                 out[i] = flat[r : r + k]
                 r += k
-        return out  # type: ignore[return-value]
 
     # ---------------------------------------------------------- ferrum API
     def _timed(self, kind: str, batch: int, fn):
