@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 
 from .config import RuntimeConfig
+from .engine.engine import context_full_message
 from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplerState, SamplingParams, sample
 from .engine.stop import StopStringMatcher, emit_token
@@ -132,10 +133,7 @@ def stream_generate(
     ex = executor_for(model, config)
     ids = encode_prompt(tokenizer, prompt, vocab_size=model.args.vocab_size)
     if len(ids) >= ex.kv_capacity():
-        raise PromptTooLongError(
-            f"the prompt has {len(ids)} tokens and the context holds {ex.kv_capacity()}: shorten the prompt "
-            "(or raise FERRUM_KV_CAPACITY up to the model's max_position_embeddings)"
-        )
+        raise PromptTooLongError(context_full_message(len(ids), ex.kv_capacity(), model.args.max_position_embeddings))
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop_ids |= set(tokenizer.eos_token_ids)

@@ -69,9 +69,65 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
 }
 
-#: Pool size in bytes used to size the paged pool where no Metal device reports a
-#: working-set size (Linux CPU, CUDA): 1 GiB of K+V over all layers.
+#: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
+#: a working-set size (Linux CPU, CUDA); the pool is normally far smaller, being sized
+#: from ``max_num_seqs`` and the capacity (see ``kv_cache.default_num_blocks``).
 DEFAULT_KV_POOL_BYTES = 1 << 30
+
+
+def available_memory_bytes() -> int:
+    """Bytes this process may still allocate for KV: the Metal recommended working set
+    on a Mac, else the OS's available memory (``MemAvailable`` of ``/proc/meminfo``, or
+    free pages); a very large number when neither can be read."""
+    try:
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def check_memory(nbytes: int, what: str, fix: str) -> None:
+    """Refuse an allocation of ``nbytes`` that the machine cannot hold, before it is tried.
+
+    Raises:
+        ConfigurationError: names ``what``, both sizes and ``fix``.
+    """
+    avail = available_memory_bytes()
+    if nbytes > avail:
+        raise ConfigurationError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available: {fix}"
+        )
+
+
+def resolve_kv_capacity(config: "RuntimeConfig", max_position_embeddings: int) -> int:
+    """Most tokens per sequence: ``config.kv_capacity``, or the model's ``max_position_embeddings``.
+
+    Raises:
+        ConfigurationError: ``kv_capacity`` exceeds ``max_position_embeddings`` (positions
+            past it are untrained, and the caches would be sized for nothing).
+    """
+    cap = config.kv_capacity
+    if cap is None:
+        return max_position_embeddings
+    if cap > max_position_embeddings:
+        raise ConfigurationError(
+            f"FERRUM_KV_CAPACITY (RuntimeConfig.kv_capacity) = {cap} exceeds the model's max_position_embeddings = "
+            f"{max_position_embeddings}: set it to at most {max_position_embeddings}, or leave it unset"
+        )
+    return cap
 
 
 @dataclass

@@ -34,6 +34,15 @@ from .stop import emit_token
 _req_ids = itertools.count()
 
 
+def context_full_message(num_tokens: int, capacity: int, max_position_embeddings: int) -> str:
+    """Why a prompt of ``num_tokens`` does not fit a context of ``capacity``, and the fix that
+    exists: FERRUM_KV_CAPACITY can only be raised up to ``max_position_embeddings``."""
+    msg = f"the prompt has {num_tokens} tokens and the context holds {capacity}: shorten it"
+    if capacity < max_position_embeddings:
+        return msg + f", or raise FERRUM_KV_CAPACITY (up to the model's max_position_embeddings={max_position_embeddings})"
+    return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
+
+
 @dataclass
 class RequestOutput:
     """The state of one request after a step.
@@ -125,9 +134,7 @@ class Engine:
         ids = encode_prompt(self.tokenizer, prompt, vocab_size=getattr(getattr(self.executor, "info", None), "vocab_size", None))
         cap = self.executor.kv_capacity()
         if len(ids) >= cap:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and the context holds {cap}: shorten it or raise FERRUM_KV_CAPACITY"
-            )
+            raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
         with self._lock:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..config import RuntimeConfig
+from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
 from ..kv_cache import ContiguousKvCache, PagedKvCacheManager, PagedKvPool, bytes_per_block, default_num_blocks
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
@@ -118,7 +118,7 @@ class LlmExecutor:
         self.args = args
         self.dtype = model_dtype(model)
         self.layout = self.config.kv_layout
-        self.max_seq_len = self.config.kv_capacity or args.max_position_embeddings
+        self.max_seq_len = resolve_kv_capacity(self.config, args.max_position_embeddings)
         self._lock = threading.RLock()
         self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -156,6 +156,8 @@ class LlmExecutor:
                 self.dtype,
                 self._weight_bytes,
                 self.config.kv_memory_fraction,
+                max_num_seqs=self.config.max_num_seqs,
+                max_seq_len=self.max_seq_len,
             )
             self.manager = PagedKvCacheManager(
                 num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache
