@@ -13,10 +13,14 @@ import threading
 from typing import AsyncIterator, Optional
 
 from .engine import Engine, RequestOutput
-from .prompt import Prompt
+from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
 
 
 class AsyncEngine:
@@ -82,6 +86,11 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request_id
+        if isinstance(prompt, (str, list, tuple)) and not _is_token_ids(prompt):
+            # tokenize (and render the chat template) on a worker thread, holding no lock,
+            # so a long prompt blocks neither the event loop nor the engine
+            vocab = getattr(getattr(self.engine.executor, "info", None), "vocab_size", None)
+            prompt = await asyncio.to_thread(encode_prompt, self.engine.tokenizer, prompt, vocab)
         with self._lock:
             rid = self.engine.add_request(prompt, params, rid)
             self._queues[rid] = (loop, q)
