@@ -136,3 +136,11 @@ def test_ctrl_c_at_the_prompt_leaves_without_a_traceback(stories_path, script):
             p.kill()
     assert p.returncode == 0, err.decode()
     assert b"Traceback" not in err
+
+
+def test_invalid_text_in_the_chat_prints_an_error_and_the_chat_goes_on(stories_path, monkeypatch, capsys):
+    feed(monkeypatch, ["bad \udcff bytes", "Once upon a time"])
+    rc = cli.main(["chat", "--model", str(stories_path), "--temp", "0", "--max-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "not valid Unicode" in err and "Traceback" not in err
+    assert out.strip()  # the second turn was answered

@@ -53,6 +53,17 @@ def test_each_malformed_value_is_refused_naming_its_key(key, value):
         ModelArgs.from_dict(cfg)
 
 
+def test_a_config_too_large_for_memory_is_refused_before_allocating(monkeypatch):
+    import mlx_ferrum.config as config_module
+
+    monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 1 << 30)
+    big = dict(BASE, num_hidden_layers=1000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+               num_key_value_heads=8)
+    with pytest.raises(MalformedConfigError, match="num_hidden_layers=1000"):
+        ModelArgs.from_dict(big)
+    ModelArgs.from_dict(BASE)
+
+
 def test_valid_variants_still_load():
     for extra in ({}, {"hidden_act": "swish"}, {"num_key_value_heads": None}, {"rope_scaling": None},
                   {"hidden_size": 32.0}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}):

@@ -119,10 +119,35 @@ def validate_config(config: Any, activations: Iterable[str] = SILU_ACTIVATIONS) 
             rs.get("low_freq_factor") == rs.get("high_freq_factor")
         ):
             raise _bad(f"{key}.high_freq_factor", rs.get("high_freq_factor"), "it must differ from low_freq_factor")
+    _check_size(config, sizes)
     act = config.get("hidden_act", config.get("hidden_activation"))
     allowed = tuple(activations)
     if act is not None and act not in allowed:
         raise _bad("hidden_act", act, f"this model implements {', '.join(allowed)} only")
+
+
+def _check_size(config: Mapping, sizes: dict) -> None:
+    """Refuse a config whose weights alone cannot fit in memory (a lower bound: 2 bytes per
+    parameter, or ``bits / 8`` when MLX-quantized), before anything is allocated."""
+    from ..config import available_memory_bytes
+
+    h, layers, inter, vocab = sizes["hidden_size"], sizes["num_hidden_layers"], sizes["intermediate_size"], sizes[
+        "vocab_size"]
+    heads = sizes["num_attention_heads"]
+    head_dim = sizes["head_dim"] or h // heads
+    kv = sizes["num_key_value_heads"] or heads
+    per_layer = h * head_dim * (2 * heads + 2 * kv) + 3 * h * inter
+    params = layers * per_layer + 2 * vocab * h
+    quant = config.get("quantization") or config.get("quantization_config")
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    nbytes = params * (bits / 8 if isinstance(bits, (int, float)) and bits > 0 else 2)
+    avail = available_memory_bytes()
+    if nbytes > avail:
+        raise MalformedConfigError(
+            f"config.json describes about {params / 1e9:.1f} B parameters (num_hidden_layers={layers}, "
+            f"hidden_size={h}, intermediate_size={inter}, vocab_size={vocab}): at least {nbytes / 2**30:.1f} GiB, "
+            f"more than the {avail / 2**30:.1f} GiB available; check those keys or use a smaller model"
+        )
 
 
 def validate_weights(weights: Mapping[str, mx.array], quantized: bool = False) -> None:
