@@ -20,7 +20,7 @@ from .engine.engine import context_full_message
 from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplerState, SamplingParams, sample
 from .engine.stop import StopStringMatcher, emit_token
-from .errors import PromptTooLongError
+from .errors import NonFiniteLogitsError, PromptTooLongError
 from .executor import DecodeInput, LlmExecutor, PrefillInput
 from .models.loader import load_model
 from .tokenizer import Tokenizer
@@ -128,6 +128,8 @@ def stream_generate(
     Raises:
         PromptTooLongError: the prompt fills the whole context.
         SamplingParamsError: a sampling field is out of range.
+        RequestError: a prompt of the wrong type, or a token id outside the vocabulary.
+        NonFiniteLogitsError: the model produced NaN or Inf logits (the cache is released).
     """
     params = sampling_params if sampling_params is not None else SamplingParams(**sampling)
     ex = executor_for(model, config)
@@ -155,8 +157,16 @@ def stream_generate(
         t_dec = time.perf_counter()
         n = 0
         while True:
-            res = sample(logits, [state])
+            res = sample(logits, [state], record=False)
+            finite = mx.all(mx.isfinite(logits))
+            mx.eval(res.tokens, finite)
+            if not finite.item():
+                raise NonFiniteLogitsError(
+                    "the model produced NaN or Inf logits: check the checkpoint's weights and rope_theta, "
+                    "or load it in float32"
+                )
             token = int(res.tokens[0])
+            state.append(token)
             n += 1
             lp = float(res.logprobs[0]) if want_logprobs and res.logprobs is not None else None
             elapsed = time.perf_counter() - t_dec

@@ -347,3 +347,19 @@ def test_latency_reservoir_matches_numpy_while_small_and_stays_bounded():
     r.extend(np.random.default_rng(1).exponential(size=100_000).tolist())
     assert len(r.samples) == 1000 and r.count == 101_000
     assert r.percentile(0.5) == pytest.approx(np.log(2), rel=0.1)  # median of Exp(1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_generate_names_non_finite_logits_and_releases_the_cache(layout):
+    from mlx_ferrum.errors import NonFiniteLogitsError
+
+    m = tiny_model("llama", seed=5)
+    w = m.model.embed_tokens.weight
+    m.model.embed_tokens.weight = mx.where(mx.arange(w.shape[0])[:, None] == 42, mx.inf, w)
+    cfg = config(layout)
+    with pytest.raises(NonFiniteLogitsError, match="NaN or Inf"):
+        list(mf.stream_generate(m, _NoTextTokenizer(), [1, 3, 42], config=cfg, max_tokens=4))
+    ex = mf.api.executor_for(m, cfg)
+    assert not (ex.manager.seqs if ex.layout == "paged" else ex._contiguous)
+    # a healthy prompt on the same model still works
+    assert len(list(mf.stream_generate(m, _NoTextTokenizer(), [1, 3, 5], config=cfg, max_tokens=4))) == 4

@@ -282,8 +282,11 @@ class Engine:
         finite = mx.all(mx.isfinite(rows), axis=-1)
         errors: list = [None] * n
         try:
-            res = sample(rows, [s.sampler for s in seqs])
+            res = sample(rows, [s.sampler for s in seqs], record=False)
+            mx.eval(res.tokens, finite)
             tokens = res.tokens.tolist()
+            for s, tok in zip(seqs, tokens):
+                s.sampler.append(tok)
             lps = res.logprobs.tolist() if res.logprobs is not None else [None] * n
             tops = list(zip(res.top_ids.tolist(), res.top_logprobs.tolist())) if res.top_ids is not None else [None] * n
         except Exception:  # noqa: BLE001 - find the row(s) at fault
