@@ -4,9 +4,10 @@
 // "// --- header ---", then "// --- body ---").
 //
 // Algorithm: the reduce step of vLLM's paged attention v2 (Kwon et al., SOSP
-// 2023): with m_p and l_p the max logit and exp-sum of partition p and o_p its
-// normalised output, out = sum_p w_p o_p / sum_p w_p where w_p = l_p exp(m_p - M)
-// and M = max_p m_p. Only the partitions a sequence's context reaches are read.
+// 2023): with m_p and l_p the max logit (log2 units) and exp-sum of partition p and
+// o_p its normalised output, out = sum_p w_p o_p / sum_p w_p where
+// w_p = l_p exp2(m_p - M) and M = max_p m_p. Only the partitions a sequence's
+// context reaches are read; a row with no token (context 0) is 0.
 //
 // Launch (built by mlx_ferrum/kernels/metal.py):
 //   grid        = (HEAD_DIM, num_heads, num_seqs) threads
@@ -28,18 +29,18 @@
   const int num_heads = params[0];
   const int num_partitions = params[1];
   const int partition_size = params[2];
-  const int used = (context_lens[seq] + partition_size - 1) / partition_size;
+  const int used = min(num_partitions, (context_lens[seq] + partition_size - 1) / partition_size);
   const int64_t row = int64_t(seq) * num_heads + head;
 
-  float m_all = -INFINITY;
+  float m_all = -FLT_MAX;
   for (int p = 0; p < used; ++p) {
     m_all = max(m_all, float(max_logits[row * num_partitions + p]));
   }
   float l_all = 0.0f;
   float o = 0.0f;
   for (int p = 0; p < used; ++p) {
-    const float w = exp_sums[row * num_partitions + p] * exp(max_logits[row * num_partitions + p] - m_all);
+    const float w = exp_sums[row * num_partitions + p] * fast::exp2(max_logits[row * num_partitions + p] - m_all);
     l_all += w;
     o += w * tmp_out[(row * num_partitions + p) * HEAD_DIM + d];
   }
-  out[row * HEAD_DIM + d] = static_cast<T>(o / l_all);
+  out[row * HEAD_DIM + d] = static_cast<T>(l_all > 0.0f ? o / l_all : 0.0f);

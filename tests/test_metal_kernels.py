@@ -152,10 +152,58 @@ def test_decode_partitions(monkeypatch, h, kvh, d, bs, ctxs, dtype, psize):
 @pytest.mark.harness
 @needs_clang
 def test_decode_long_context_default_partitions():
-    # 1100 tokens at the default 512-token partition: three partitions, one group each.
+    # One sequence on one KV head is one threadgroup: far too few to fill a GPU, so the
+    # default policy splits its 1100 tokens (split-K) and the reduce kernel merges them.
     case = decode_case(11, [1100, 513], 4, 1, 16, 32, F16)
-    assert -(-case.block_tables.shape[1] * 32 // metal.DECODE_PARTITION_SIZE) >= 3
+    parts, psize = metal.decode_partitions(2, 1, case.block_tables.shape[1] * 32, 32)
+    assert parts >= 3 and psize % 32 == 0 and psize >= metal.DECODE_MIN_PARTITION_TOKENS
+    before = mh.LAUNCHES["paged_attention_reduce"]
     _check_decode(case, F16)
+    assert mh.LAUNCHES["paged_attention_reduce"] == before + 1
+
+
+def test_split_k_only_when_threadgroups_are_few(monkeypatch):
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", None)
+    target = metal.gpu_cores() * metal.DECODE_THREADGROUPS_PER_CORE
+    assert metal.decode_partitions(target, 1, 8192, 16) == (1, 0)        # enough groups: one pass
+    assert metal.decode_partitions(1, 8, 256, 16) == (1, 0)              # short context: one pass
+    parts, psize = metal.decode_partitions(1, 1, 8192, 16)
+    assert parts * psize >= 8192 and (parts - 1) * psize < 8192 and psize % 16 == 0
+    assert 1 < parts <= target
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", 512)            # the forced test hook
+    assert metal.decode_partitions(64, 8, 1024, 16) == (2, 512)
+
+
+@pytest.mark.harness
+@needs_clang
+def test_decode_empty_context_gives_zero(monkeypatch):
+    # context_len 0 (a padded batch row): 0, not 0/0, on the one-pass and split paths.
+    case = decode_case(5, [1, 40], 4, 2, 16, 8, F32)
+    case = replace(case, context_lens=mx.array([0, 40], dtype=mx.int32))
+    for psize in (None, 16):
+        monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+        got = np.array(_run_decode(case))
+        assert np.all(got[0] == 0.0), got[0]
+        assert np.all(np.isfinite(got[1]))
+
+
+def test_prebuilt_metadata_is_used(monkeypatch):
+    launches = []
+
+    def factory(**fkw):
+        def call(**ckw):
+            launches.append(ckw)
+            return [mx.zeros(s, d) for s, d in zip(ckw["output_shapes"], ckw["output_dtypes"])]
+        return call
+
+    dec = decode_case(1, [30, 3], 8, 2, 64, 16, F16)
+    meta = metal.decode_metadata(dec.block_tables, dec.context_lens, 2, 16)
+    with metal.use_launcher(factory):
+        for _ in range(2):  # two layers of one step
+            metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens,
+                                         0.1, metadata=meta)
+    assert len(launches) == 2
+    assert all(c["inputs"][3] is meta.block_tables and c["inputs"][4] is meta.context_lens for c in launches)
 
 
 # (num_heads, num_kv_heads, head_dim, block_size, [(context_len, q_len), ...], dtype)
@@ -209,17 +257,44 @@ def _assert_caught(check) -> str:
 @needs_clang
 def test_planted_off_by_one_block_index_is_caught(monkeypatch):
     _mutated(monkeypatch, "paged_attention_decode",
-             "block_tables[int64_t(seq) * max_blocks + b]", "block_tables[int64_t(seq) * max_blocks + b + 1]")
+             "block_tables[int64_t(seq) * max_blocks + chunk_block + i]",
+             "block_tables[int64_t(seq) * max_blocks + chunk_block + i + 1]")
     _assert_caught(lambda: _check_decode(decode_case(3, [40, 17], 4, 2, 16, 16, F32), F32))
 
 
 @pytest.mark.harness
 @needs_clang
-def test_planted_missing_decode_barrier_is_caught(monkeypatch):
-    _mutated(monkeypatch, "paged_attention_decode", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n", "\n")
-    # A race is the harness's to find (schedules disagree, or NaN-filled memory leaks out).
-    with pytest.raises(KernelError, match="differs between schedules"):
-        _run_decode(decode_case(4, [70], 4, 2, 32, 8, F32))
+def test_planted_wrong_kv_head_for_the_query_group_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_attention_decode",
+             "const int64_t kv_offset = int64_t(kv_head) * head_stride;",
+             "const int64_t kv_offset = int64_t((kv_head + 1) % num_kv_heads) * head_stride;")
+    assert _assert_caught(lambda: _check_decode(decode_case(8, [37, 5], 8, 2, 32, 8, F16), F16)) == "oracle"
+
+
+@pytest.mark.harness
+@needs_clang
+def test_planted_lane_reading_the_wrong_vector_slice_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_attention_decode",
+             "raw = *(const device uint4*)(k_pool + row + (r + j * LPT) * VEC);",
+             "raw = *(const device uint4*)(k_pool + row + ((r + 1) % LPT + j * LPT) * VEC);")
+    assert _assert_caught(lambda: _check_decode(decode_case(9, [29], 4, 2, 64, 16, F16), F16)) == "oracle"
+
+
+_DECODE_BARRIER = "    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+
+
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_planted_missing_decode_barrier_is_caught(monkeypatch, which):
+    src = metal.load_kernel_source("paged_attention_decode").body
+    starts = [i for i in range(len(src)) if src.startswith(_DECODE_BARRIER, i)]
+    assert len(starts) == 4
+    start = starts[which]
+    anchor = src[start - 60 : start + len(_DECODE_BARRIER)]
+    _mutated(monkeypatch, "paged_attention_decode", anchor, anchor.replace(_DECODE_BARRIER, "\n"))
+    # 300 tokens in blocks of 8: two chunks of block ids; GQA 2: two merges.
+    _assert_caught(lambda: _check_decode(decode_case(4, [300, 70], 4, 2, 32, 8, F32), F32))
 
 
 @pytest.mark.harness
@@ -247,10 +322,10 @@ def test_planted_off_by_one_causal_mask_is_caught(monkeypatch):
 @pytest.mark.harness
 @needs_clang
 def test_compile_error_points_into_the_metal_file(monkeypatch):
-    anchor = "const float correction = exp(m - m_new);"
+    anchor = "const float correction = fast::exp2(m[h] - m_new);"
     src = metal.load_kernel_source("paged_attention_decode")
     line = src.body_line + src.body[: src.body.index(anchor)].count("\n")
-    _mutated(monkeypatch, "paged_attention_decode", anchor, "const float correction = exp(m - m_newer);")
+    _mutated(monkeypatch, "paged_attention_decode", anchor, "const float correction = fast::exp2(m[h] - m_newer);")
     with pytest.raises(KernelError) as e:
         _run_decode(decode_case(1, [5], 4, 2, 16, 8, F32))
     assert f"paged_attention_decode.metal:{line}:" in str(e.value)
@@ -366,7 +441,7 @@ def _record_launches():
     old = metal.DECODE_PARTITION_SIZE
     try:
         with metal.use_launcher(factory):
-            for psize in (512, 16):
+            for psize in (None, 16):
                 metal.DECODE_PARTITION_SIZE = psize
                 metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens, 0.1)
             metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,

@@ -27,6 +27,9 @@
 #define INFINITY __builtin_inff()
 #define NAN __builtin_nanf("")
 #define MAXFLOAT __FLT_MAX__
+#define FLT_MAX __FLT_MAX__
+#define FLT_MIN __FLT_MIN__
+#define FLT_EPSILON __FLT_EPSILON__
 #define M_PI_F 3.14159265358979323846f
 
 typedef unsigned int uint;

@@ -265,8 +265,28 @@ bool run_group(int schedule, std::mt19937_64& rng) {
     for (auto& f : R.fibers) all_done &= f.state == DONE;
     if (all_done) return true;
 
-    bool released = false;
+    // Simdgroups whose live lanes all wait at a simdgroup call may proceed. Serial
+    // releases all of them (lockstep); reversed releases only the last one and random a
+    // random one, so one simdgroup runs ahead of the others as far as it can (a missing
+    // threadgroup_barrier between simdgroups then shows as a schedule difference).
+    std::vector<int> ready;
     for (int g = 0; g < nsg; ++g) {
+      int lo = g * MSL_SIMD_WIDTH, hi = std::min(n, lo + MSL_SIMD_WIDTH);
+      bool any_live = false, all_simd = true;
+      for (int i = lo; i < hi; ++i) {
+        if (R.fibers[i].state == DONE) continue;
+        any_live = true;
+        all_simd &= R.fibers[i].state == AT_SIMD;
+      }
+      if (any_live && all_simd) ready.push_back(g);
+    }
+    if (schedule == 1 && ready.size() > 1) ready.erase(ready.begin(), ready.end() - 1);
+    if (schedule == 2 && ready.size() > 1) {
+      int keep = ready[rng() % ready.size()];
+      ready.assign(1, keep);
+    }
+    bool released = false;
+    for (int g : ready) {
       int lo = g * MSL_SIMD_WIDTH, hi = std::min(n, lo + MSL_SIMD_WIDTH);
       bool any_live = false, all_simd = true;
       for (int i = lo; i < hi; ++i) {
@@ -605,9 +625,18 @@ int msl_launch(void** buffers, const int* grid, const int* tg, int schedule, uin
   R.error.clear();
   std::mt19937_64 rng(seed);
   ensure_stacks((int)(ts[0] * ts[1] * ts[2]));
-  for (unsigned gz = 0; gz < ng[2]; ++gz)
-    for (unsigned gy = 0; gy < ng[1]; ++gy)
-      for (unsigned gx = 0; gx < ng[0]; ++gx) {
+  // Threadgroups run one at a time in grid order (serial), reversed, or shuffled
+  // (random): a kernel whose result depends on the order of threadgroups differs.
+  std::vector<unsigned> group_order((size_t)ng[0] * ng[1] * ng[2]);
+  for (size_t i = 0; i < group_order.size(); ++i) group_order[i] = (unsigned)i;
+  if (schedule == 1) std::reverse(group_order.begin(), group_order.end());
+  if (schedule == 2) std::shuffle(group_order.begin(), group_order.end(), rng);
+  for (unsigned linear_group : group_order) {
+    const unsigned gx = linear_group % ng[0];
+    const unsigned gy = (linear_group / ng[0]) % ng[1];
+    const unsigned gz = linear_group / (ng[0] * ng[1]);
+    {
+      {
         unsigned ax = std::min(ts[0], gs[0] - gx * ts[0]);
         unsigned ay = std::min(ts[1], gs[1] - gy * ts[1]);
         unsigned az = std::min(ts[2], gs[2] - gz * ts[2]);
@@ -651,6 +680,8 @@ int msl_launch(void** buffers, const int* grid, const int* tg, int schedule, uin
           return 1;
         }
       }
+    }
+  }
   return 0;
 }
 
