@@ -42,7 +42,8 @@
 // neighbouring 16 bytes. Each group of LPT lanes keeps its own running max, sum and
 // output per query head for the tokens it scores (no cross-lane max or sum per token);
 // the groups are merged once at the end in threadgroup memory.
-// Block ids are loaded once per chunk of 32 blocks into threadgroup memory.
+// The GQA query rows and the block ids (per chunk of 32 blocks) are read from device
+// memory once per threadgroup, into threadgroup memory.
 // No +-infinity anywhere (safe under fast math): the running max starts at -FLT_MAX,
 // the number of rounds is computed up front, tokens past the context score nothing.
 // --- header ---
@@ -102,6 +103,7 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   constexpr int KEEP = pa_groups_kept(TPS, NUM_SIMD, HEAD_DIM);
   constexpr int GROUPS = NUM_SIMD * KEEP;
 
+  threadgroup float q_shared[GQA * HEAD_DIM];
   threadgroup int block_ids[CHUNK];
   threadgroup float group_max[GROUPS];
   threadgroup float group_sum[GROUPS];
@@ -120,6 +122,12 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   const int tok_group = lane / LPT;
   const int r = lane % LPT;
 
+  if (PARTITION_SIZE == 0 && kv_head == 0 && seq == 0 && tid == 0) {
+    // The one-pass launch's statistics outputs are 1-element placeholders: write
+    // them once, so every output element is written exactly once.
+    max_logits[0] = 0.0f;
+    exp_sums[0] = 0.0f;
+  }
   const int ctx = context_lens[seq];
   int tok_begin = 0;
   int tok_end = ctx;
@@ -132,6 +140,11 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   const int num_chunks = (num_blocks + CHUNK - 1) / CHUNK;
 
   const int64_t q_row = int64_t(seq) * num_heads + int64_t(kv_head) * GQA;
+  // The GQA query rows are read from device memory once, then shared.
+  for (int i = tid; i < GQA * HEAD_DIM; i += TG) {
+    q_shared[i] = float(q[q_row * HEAD_DIM + i]) * scale;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   float qv[GQA * EPL];
   float acc[GQA * EPL];
   float m[GQA];
@@ -140,7 +153,7 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
     for (int j = 0; j < VPL; ++j) {
       for (int e = 0; e < VEC; ++e) {
         const int d = (r + j * LPT) * VEC + e;
-        qv[h * EPL + j * VEC + e] = float(q[(q_row + h) * HEAD_DIM + d]) * scale;
+        qv[h * EPL + j * VEC + e] = q_shared[h * HEAD_DIM + d];
         acc[h * EPL + j * VEC + e] = 0.0f;
       }
     }

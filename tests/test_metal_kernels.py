@@ -280,19 +280,23 @@ def test_planted_lane_reading_the_wrong_vector_slice_is_caught(monkeypatch):
     assert _assert_caught(lambda: _check_decode(decode_case(9, [29], 4, 2, 64, 16, F16), F16)) == "oracle"
 
 
-_DECODE_BARRIER = "    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+_BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 
 
 @pytest.mark.harness
 @needs_clang
-@pytest.mark.parametrize("which", [0, 1, 2, 3])
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
 def test_planted_missing_decode_barrier_is_caught(monkeypatch, which):
     src = metal.load_kernel_source("paged_attention_decode").body
-    starts = [i for i in range(len(src)) if src.startswith(_DECODE_BARRIER, i)]
-    assert len(starts) == 4
-    start = starts[which]
-    anchor = src[start - 60 : start + len(_DECODE_BARRIER)]
-    _mutated(monkeypatch, "paged_attention_decode", anchor, anchor.replace(_DECODE_BARRIER, "\n"))
+    lines = src.splitlines(keepends=True)
+    at = [i for i, ln in enumerate(lines) if ln.strip() == _BARRIER]
+    assert len(at) == 5
+    i = at[which]
+    context = 1
+    while src.count("".join(lines[i - context : i + 1])) > 1:  # enough lines before it to be unique
+        context += 1
+    anchor = "".join(lines[i - context : i + 1])
+    _mutated(monkeypatch, "paged_attention_decode", anchor, "".join(lines[i - context : i]) + "\n")
     # 300 tokens in blocks of 8: two chunks of block ids; GQA 2: two merges.
     _assert_caught(lambda: _check_decode(decode_case(4, [300, 70], 4, 2, 32, 8, F32), F32))
 

@@ -501,7 +501,7 @@ def paged_attention_decode(
     )
     return reduce(
         inputs=[outs[0], outs[1], outs[2], metadata.context_lens, _params(num_heads, num_partitions, psize)],
-        template=[("T", q.dtype), ("HEAD_DIM", head_dim)],
+        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("NUM_PARTITIONS", num_partitions)],
         grid=(head_dim, num_heads, num_seqs),
         threadgroup=(head_dim, 1, 1),
         output_shapes=[q.shape],

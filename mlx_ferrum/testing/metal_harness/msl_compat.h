@@ -18,9 +18,18 @@
 
 #include "msl_abi.h"
 
+#ifdef MSL_COUNTING
+// Counting builds (-fsanitize=address with callbacks, see msl_runtime.cpp) need plain
+// pointers: the instrumentation skips loads through other address spaces. The
+// address-space checks still run in every other build.
+#define device
+#define constant
+#define threadgroup
+#else
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))
+#endif
 #define thread
 #define METAL_FUNC inline __attribute__((always_inline))
 #define MLX_MTL_PRAGMA_UNROLL _Pragma("clang loop unroll(full)")

@@ -124,6 +124,12 @@ struct Runtime {
   std::vector<TgVar> tg_vars;
   size_t tg_bytes_this_group = 0;
   int group_linear = 0;
+  // Cost counters of the current launch (see msl_last_counts).
+  uint64_t simd_ops = 0;             // simd_* calls, once per simdgroup per call
+  uint64_t simdgroup_barriers = 0;   // simdgroup_barrier calls, once per simdgroup
+  uint64_t threadgroup_barriers = 0; // threadgroup_barrier releases, once per group
+  uint64_t device_bytes_read = 0;    // loads from kernel buffers (counting builds)
+  uint64_t device_bytes_written = 0; // stores to kernel buffers (counting builds)
 };
 
 Runtime R;
@@ -319,6 +325,10 @@ bool run_group(int schedule, std::mt19937_64& rng) {
         f.state = RUNNABLE;
       }
       R.active_masks[g] = mask;
+      if (first->site.op == msl_op_simd_barrier)
+        R.simdgroup_barriers++;
+      else
+        R.simd_ops++;
       released = true;
     }
     if (released) continue;
@@ -353,6 +363,7 @@ bool run_group(int schedule, std::mt19937_64& rng) {
       }
       for (auto& f : R.fibers)
         if (f.state == AT_BARRIER) f.state = RUNNABLE;
+      R.threadgroup_barriers++;
       continue;
     }
     // ... or nothing can ever move again.
@@ -381,6 +392,7 @@ struct Buffer {
   char* data;
   size_t bytes;
   char name[64];
+  std::vector<unsigned char>* writes;  // per-byte store count (write-set check), or null
 };
 std::vector<Buffer> g_buffers;
 constexpr unsigned char kCanary = 0xA5;
@@ -550,7 +562,31 @@ void* msl_alloc(size_t bytes, const char* name) {
   char* end = m + (data_pages + 1) * page;
   char* data = end - padded;
   std::memset(m + page, kCanary, data_pages * page);
-  Buffer b{m, len, data, bytes, {0}};
+  Buffer b{m, len, data, bytes, {0}, nullptr};
+  snprintf(b.name, sizeof b.name, "%s", name);
+  g_buffers.push_back(b);
+  return data;
+}
+
+// A buffer of `bytes` bytes mapped with MAP_NORESERVE and never touched here: pages
+// cost memory only once written, so a pool of many GiB can hold a few live blocks.
+// Guard pages sit on both sides; only the slack before the data holds canaries.
+void* msl_alloc_sparse(size_t bytes, const char* name) {
+  size_t page = sysconf(_SC_PAGESIZE);
+  size_t padded = (bytes + 15) & ~(size_t)15;
+  size_t data_pages = (padded + page - 1) / page;
+  if (data_pages == 0) data_pages = 1;
+  size_t len = (data_pages + 2) * page;
+  char* m = (char*)mmap(nullptr, len, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  mprotect(m, page, PROT_NONE);
+  mprotect(m + (data_pages + 1) * page, page, PROT_NONE);
+  char* end = m + (data_pages + 1) * page;
+  char* data = end - padded;
+  std::memset(m + page, kCanary, (size_t)(data - (m + page)));
+  std::memset(data + bytes, kCanary, padded - bytes);
+  Buffer b{m, len, data, bytes, {0}, nullptr};
   snprintf(b.name, sizeof b.name, "%s", name);
   g_buffers.push_back(b);
   return data;
@@ -594,6 +630,7 @@ int msl_check_canary(void* p, char* err, int errlen) {
 void msl_free(void* p) {
   for (size_t i = 0; i < g_buffers.size(); ++i) {
     if (g_buffers[i].data != p) continue;
+    delete g_buffers[i].writes;
     munmap(g_buffers[i].map, g_buffers[i].map_len);
     g_buffers.erase(g_buffers.begin() + (long)i);
     return;
@@ -621,6 +658,8 @@ int msl_launch(void** buffers, const int* grid, const int* tg, int schedule, uin
     return 1;
   }
   R.buffers = buffers;
+  R.simd_ops = R.simdgroup_barriers = R.threadgroup_barriers = 0;
+  R.device_bytes_read = R.device_bytes_written = 0;
   R.failed = false;
   R.error.clear();
   std::mt19937_64 rng(seed);
@@ -683,6 +722,95 @@ int msl_launch(void** buffers, const int* grid, const int* tg, int schedule, uin
     }
   }
   return 0;
+}
+
+
+// Counters of the last launch: simd_ops, simdgroup_barriers, threadgroup_barriers,
+// device_bytes_read, device_bytes_written (the byte counts only in counting builds).
+void msl_last_counts(uint64_t* out) {
+  out[0] = R.simd_ops;
+  out[1] = R.simdgroup_barriers;
+  out[2] = R.threadgroup_barriers;
+  out[3] = R.device_bytes_read;
+  out[4] = R.device_bytes_written;
+}
+
+// Record how many times each byte of buffer p is stored to (counting builds).
+void msl_track_writes(void* p) {
+  Buffer* b = find_buffer(p);
+  if (b && !b->writes) b->writes = new std::vector<unsigned char>(b->bytes, 0);
+}
+
+// 0 when every element (itemsize bytes) of tracked buffer p was stored exactly once,
+// else 1 with a message naming the first element that was not.
+int msl_check_writes(void* p, int itemsize, char* err, int errlen) {
+  Buffer* b = find_buffer(p);
+  if (!b || !b->writes) return 0;
+  const std::vector<unsigned char>& w = *b->writes;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (w[i] == 1) continue;
+    snprintf(err, errlen, "element %zu of output '%s' was written %d time%s (every output element "
+             "must be written exactly once)", i / (size_t)itemsize, b->name, (int)w[i],
+             w[i] == 1 ? "" : "s");
+    return 1;
+  }
+  return 0;
+}
+
+// Memory-access callbacks of counting builds: the kernel is compiled with
+// -fsanitize=address and a call threshold of 0, so every load and store it makes
+// calls one of these (no ASan runtime is linked; these are the only definitions).
+static void msl_count_access(uintptr_t addr, size_t n, bool store) {
+  if (!R.current) return;
+  for (auto& b : g_buffers) {
+    uintptr_t lo = (uintptr_t)b.data;
+    if (addr < lo || addr >= lo + b.bytes) continue;
+    if (!store) {
+      R.device_bytes_read += n;
+      return;
+    }
+    R.device_bytes_written += n;
+    if (b.writes) {
+      size_t off = addr - lo;
+      for (size_t i = 0; i < n && off + i < b.bytes; ++i) {
+        unsigned char& c = (*b.writes)[off + i];
+        if (c < 255) ++c;
+      }
+    }
+    return;
+  }
+}
+void __asan_init(void) {}
+void __asan_version_mismatch_check_v8(void) {}
+void __asan_handle_no_return(void) {}
+#define MSL_ACCESS_HOOKS(n)                                                        \
+  void __asan_load##n(uintptr_t a) { msl_count_access(a, n, false); }              \
+  void __asan_store##n(uintptr_t a) { msl_count_access(a, n, true); }              \
+  void __asan_load##n##_noabort(uintptr_t a) { msl_count_access(a, n, false); }    \
+  void __asan_store##n##_noabort(uintptr_t a) { msl_count_access(a, n, true); }
+MSL_ACCESS_HOOKS(1)
+MSL_ACCESS_HOOKS(2)
+MSL_ACCESS_HOOKS(4)
+MSL_ACCESS_HOOKS(8)
+MSL_ACCESS_HOOKS(16)
+#undef MSL_ACCESS_HOOKS
+void __asan_loadN(uintptr_t a, size_t n) { msl_count_access(a, n, false); }
+void __asan_storeN(uintptr_t a, size_t n) { msl_count_access(a, n, true); }
+void __asan_loadN_noabort(uintptr_t a, size_t n) { msl_count_access(a, n, false); }
+void __asan_storeN_noabort(uintptr_t a, size_t n) { msl_count_access(a, n, true); }
+void* __asan_memcpy(void* d, const void* s, size_t n) {
+  msl_count_access((uintptr_t)s, n, false);
+  msl_count_access((uintptr_t)d, n, true);
+  return std::memcpy(d, s, n);
+}
+void* __asan_memmove(void* d, const void* s, size_t n) {
+  msl_count_access((uintptr_t)s, n, false);
+  msl_count_access((uintptr_t)d, n, true);
+  return std::memmove(d, s, n);
+}
+void* __asan_memset(void* d, int c, size_t n) {
+  msl_count_access((uintptr_t)d, n, true);
+  return std::memset(d, c, n);
 }
 
 }  // extern "C"
