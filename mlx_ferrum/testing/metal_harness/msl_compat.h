@@ -18,10 +18,11 @@
 
 #include "msl_abi.h"
 
-#ifdef MSL_COUNTING
-// Counting builds (-fsanitize=address with callbacks, see msl_runtime.cpp) need plain
-// pointers: the instrumentation skips loads through other address spaces. The
-// address-space checks still run in every other build.
+#ifdef MSL_FLAT_ADDRESS_SPACES
+// Counting and ubsan builds need plain pointers: clang's address sanitizer (used for
+// the load/store callbacks, see msl_runtime.cpp) and its alignment check skip
+// accesses through other address spaces. The address-space checks run in the
+// default and cxx14 builds.
 #define device
 #define constant
 #define threadgroup

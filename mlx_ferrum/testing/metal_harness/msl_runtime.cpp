@@ -445,8 +445,11 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
   char msg[1400];
   int len = snprintf(msg, sizeof msg,
                      "MSL_FAULT %s at address %p: %s; in %s%s\n",
-                     sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGFPE ? "SIGFPE"
-                                                                                          : "signal",
+                     sig == SIGSEGV  ? "SIGSEGV"
+                     : sig == SIGBUS ? "SIGBUS"
+                     : sig == SIGFPE ? "SIGFPE"
+                     : sig == SIGILL ? "SIGILL (a trap: undefined behaviour in a ubsan build?)"
+                                     : "signal",
                      info->si_addr, where, thr, pc_info);
   if (len > 0) {
     ssize_t w = write(2, msg, (size_t)std::min(len, (int)sizeof msg - 1));
@@ -812,5 +815,41 @@ void* __asan_memset(void* d, int c, size_t n) {
   msl_count_access((uintptr_t)d, n, true);
   return std::memset(d, c, n);
 }
+
+
+// Handlers of ubsan builds (-fsanitize-minimal-runtime, no ubsan runtime linked):
+// report the check and the faulting call site (mapped to the .metal line by the
+// parent), then end the worker like a fault.
+static void msl_undefined_behaviour(const char* kind, void* ret) {
+  char thr[256] = "outside any Metal thread";
+  if (R.current) snprintf(thr, sizeof thr, "%s", thread_str(*R.current).c_str());
+  char pc_info[512] = "";
+  void* pc = (char*)ret - 1;
+  Dl_info dl;
+  if (dladdr(pc, &dl) && dl.dli_fname)
+    snprintf(pc_info, sizeof pc_info, "\nMSL_FAULT_PC %s 0x%lx", dl.dli_fname,
+             (unsigned long)((char*)pc - (char*)dl.dli_fbase));
+  std::fprintf(stderr, "MSL_FAULT undefined behaviour: %s; in %s%s\n", kind, thr, pc_info);
+  std::fflush(stderr);
+  _exit(79);
+}
+#define MSL_UB_HANDLER(name, what)                                                           \
+  void __ubsan_handle_##name##_minimal(void) {                                               \
+    msl_undefined_behaviour(what, __builtin_return_address(0));                              \
+  }                                                                                          \
+  void __ubsan_handle_##name##_minimal_abort(void) {                                         \
+    msl_undefined_behaviour(what, __builtin_return_address(0));                              \
+  }
+MSL_UB_HANDLER(add_overflow, "signed integer overflow in +")
+MSL_UB_HANDLER(sub_overflow, "signed integer overflow in -")
+MSL_UB_HANDLER(mul_overflow, "signed integer overflow in *")
+MSL_UB_HANDLER(negate_overflow, "signed integer overflow in unary -")
+MSL_UB_HANDLER(divrem_overflow, "signed integer overflow in / or %")
+MSL_UB_HANDLER(type_mismatch, "misaligned (or null) pointer access")
+MSL_UB_HANDLER(alignment_assumption, "misaligned pointer")
+MSL_UB_HANDLER(out_of_bounds, "array index out of bounds")
+MSL_UB_HANDLER(shift_out_of_bounds, "shift out of bounds")
+MSL_UB_HANDLER(pointer_overflow, "pointer overflow")
+#undef MSL_UB_HANDLER
 
 }  // extern "C"
