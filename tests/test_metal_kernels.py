@@ -499,3 +499,28 @@ def test_exhaustive_sweep(dtype):
         ctxs = [1, bs, bs + 1, 3 * bs - 1]
         _check_decode(decode_case(seed, ctxs, 2 * ratio, 2, d, bs, dtype), dtype)
         _check_prefill(prefill_case(seed, [(1, 1), (2 * bs + 3, bs + 1)], 2 * ratio, 2, d, bs, dtype), dtype)
+
+
+def test_long_prefill_chunks_go_to_the_reference(caplog):
+    # Up to PREFILL_KERNEL_MAX_QUERY_LEN rows the kernel runs; above it MLX's SDPA does,
+    # and that is a dispatch rule, not a fallback (nothing logged at INFO).
+    limit = metal.PREFILL_KERNEL_MAX_QUERY_LEN
+    calls = []
+
+    def factory(**fkw):
+        def call(**ckw):
+            calls.append(fkw["name"])
+            return [mx.zeros(s, d) for s, d in zip(ckw["output_shapes"], ckw["output_dtypes"])]
+        return call
+
+    caplog.set_level(logging.INFO, logger="mlx_ferrum.kernels")
+    for q_len, expect_kernel in ((limit, True), (limit + 1, False)):
+        case = without_garbage(prefill_case(2, [(q_len + 3, q_len), (4, 2)], 4, 2, 16, 8, F32))
+        calls.clear()
+        with metal.use_launcher(factory):
+            out = kernels.paged_prefill_attention(case.q, case.k_pool, case.v_pool, case.block_tables,
+                                                  case.context_lens, case.query_start_loc, case.scale)
+        assert calls == (["paged_prefill_attention"] if expect_kernel else [])
+        if not expect_kernel:
+            assert max_violation(out, numpy_prefill(case), F32) <= 0
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]

@@ -61,6 +61,8 @@ class HarnessOptions:
       written exactly once; fills :func:`record_costs`); ``ubsan`` (signed overflow,
       misaligned access and out-of-bounds array indexing trap); ``cxx14`` (the kernel
       text compiled as C++14 with warnings, a warning in a ``.metal`` file fails).
+    - ``check_writes``: in the ``counting`` variant, fail a launch that writes an
+      output element other than exactly once (on by default).
     - ``finite_math``: build every kernel with ``-ffinite-math-only`` (kernels built
       with ``compile_options={"math_mode": "fast" | "relaxed"}`` always are).
     """
@@ -70,6 +72,7 @@ class HarnessOptions:
     timeout_s: float = 120.0
     variant: str = "default"
     finite_math: bool = False
+    check_writes: bool = True
 
 
 _options = HarnessOptions()
@@ -360,6 +363,7 @@ class HarnessKernel:
             threadgroup=tuple(int(t) for t in threadgroup),
             schedules=[(_SCHEDULE_IDS[s], seed) for s in opts.schedules],
             counting=opts.variant == "counting",
+            check_writes=opts.variant == "counting" and opts.check_writes,
         )
         outs, counts = runner.launch(so, req, opts.timeout_s, f"kernel {gen.kernel_name}")
         if _COST_RECORDS:

@@ -9,7 +9,8 @@ process; the parent turns its stderr into a test failure.
 Request: ``{"buffers": [{"name", "data" (bytes or None), "nbytes", "fill" (bytes
 or None), "readonly", "output", "itemsize", optional "chunks" ([(byte offset,
 bytes)] of a sparse buffer)}], "grid", "threadgroup", "schedules": [(schedule,
-seed), ...], "counting" (bool: a counting build; check the write set)}`` where
+seed), ...], "counting" (bool: a counting build), "check_writes" (bool: fail unless
+each output element is written exactly once; counting builds only)}`` where
 schedule is 0 serial, 1 reversed, 2 random. Reply: ``{"ok": True, "outputs":
 [bytes, ...], "counts": {name: int}}`` (counts of the first schedule, see
 ``COUNT_NAMES``) or ``{"ok": False, "error": str}``.
@@ -94,7 +95,7 @@ def _run_once(lib, req: dict, sched: int, seed: int):
                 ctypes.memmove(p, (pat * reps)[: d["nbytes"]], d["nbytes"])
             if d["readonly"]:
                 lib.msl_protect_readonly(p)
-            if d["output"] and req.get("counting"):
+            if d["output"] and req.get("check_writes"):
                 lib.msl_track_writes(p)
         arr = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
         grid = (ctypes.c_int * 3)(*req["grid"])
