@@ -151,8 +151,9 @@ std::string site_str(const msl_site& s) {
                                 "simd_prefix_exclusive_sum", "simd_broadcast",
                                 "simd_broadcast_first", "simd_shuffle", "simd_shuffle_xor",
                                 "simd_shuffle_up", "simd_shuffle_down", "simd_all", "simd_any",
-                                "simd_is_first"};
-  const char* n = (s.op > 0 && s.op <= msl_op_simd_is_first) ? names[s.op] : "?";
+                                "simd_is_first", "simdgroup_load", "simdgroup_store",
+                                "simdgroup_multiply_accumulate", "simdgroup_multiply"};
+  const char* n = (s.op > 0 && s.op <= msl_op_simdgroup_multiply) ? names[s.op] : "?";
   return fmt("%s at %s:%d:%d", n, s.file, s.line, s.column);
 }
 
@@ -491,6 +492,8 @@ const unsigned char* msl_rt_simd_sync(const void* value, int size, msl_site site
   *lane = f->linear % MSL_SIMD_WIDTH;
   return &R.snapshots[(size_t)sg * MSL_SIMD_WIDTH * MSL_SIMD_SLOT];
 }
+
+int msl_rt_lane(void) { return R.current ? R.current->linear % MSL_SIMD_WIDTH : 0; }
 
 void msl_rt_barrier(msl_site site) {
   Fiber* f = R.current;
