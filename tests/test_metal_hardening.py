@@ -113,9 +113,10 @@ def _kernels_agree(variant: str, finite_math: bool = False):
                 got = metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables,
                                                    dec.context_lens, dec.scale)
                 assert max_violation(got, numpy_decode(dec), mx.float16) <= 0
-            got = metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
-                                                pre.query_start_loc, pre.scale)
-            assert max_violation(got, numpy_prefill(pre), mx.bfloat16) <= 0
+            for prefill in (metal.paged_prefill_attention, metal.paged_prefill_attention_mma):
+                got = prefill(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                              pre.query_start_loc, pre.scale)
+                assert max_violation(got, numpy_prefill(pre), mx.bfloat16) <= 0
     finally:
         metal.DECODE_PARTITION_SIZE = old
 

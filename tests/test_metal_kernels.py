@@ -225,6 +225,47 @@ def test_prefill_matches_oracles(h, kvh, d, bs, cq, dtype):
     _check_prefill(prefill_case(d + len(cq), cq, h, kvh, d, bs, dtype), dtype)
 
 
+MMA_CASES = PREFILL_CASES + [
+    (12, 4, 64, 16, [(45, 45)], F16),                 # GQA 3: three simdgroups
+    (16, 1, 32, 8, [(19, 11), (30, 30)], BF16),      # GQA 16: four heads per simdgroup
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,cq,dtype", MMA_CASES)
+@pytest.mark.harness
+@needs_clang
+def test_prefill_matrix_kernel_matches_oracles(monkeypatch, h, kvh, d, bs, cq, dtype):
+    monkeypatch.setattr(metal, "paged_prefill_attention", metal.paged_prefill_attention_mma)
+    _check_prefill(prefill_case(d + len(cq), cq, h, kvh, d, bs, dtype), dtype)
+
+
+@pytest.mark.harness
+@needs_clang
+def test_prefill_matrix_kernel_writes_each_element_once_and_dispatches(monkeypatch):
+    monkeypatch.setattr(metal, "PREFILL_MATRIX_KERNEL", True)
+    case = without_garbage(prefill_case(5, [(60, 40), (9, 9)], 8, 2, 32, 16, F16))
+    before = mh.LAUNCHES["paged_prefill_attention_mma"]
+    with metal.use_launcher(mh.metal_kernel), mh.options(variant="counting"):
+        got = kernels.paged_prefill_attention(case.q, case.k_pool, case.v_pool, case.block_tables,
+                                              case.context_lens, case.query_start_loc, case.scale)
+    assert mh.LAUNCHES["paged_prefill_attention_mma"] == before + 1
+    assert max_violation(got, numpy_prefill(case), F16) <= 0
+
+
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("old,new", [
+    ("d_mine[lane * 8 + j] = j == lane ? correction : 0.0f;", "d_mine[lane * 8 + j] = j == lane ? 1.0f : 0.0f;"),
+    ("simdgroup_load(kt, k_tile, HEAD_DIM, at, true);", "simdgroup_load(kt, k_tile, HEAD_DIM, at, false);"),
+    ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    for (int hh", "\n    for (int hh"),
+    ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n  }\n\n  for (int hh", "\n  }\n\n  for (int hh"),
+])
+def test_planted_matrix_kernel_bugs_are_caught(monkeypatch, old, new):
+    monkeypatch.setattr(metal, "paged_prefill_attention", metal.paged_prefill_attention_mma)
+    _mutated(monkeypatch, "paged_prefill_attention_mma", old, new)
+    _assert_caught(lambda: _check_prefill(prefill_case(7, [(40, 30)], 8, 2, 16, 8, F32), F32))
+
+
 # ------------------------------------------------------------ planted bugs
 
 
@@ -409,7 +450,8 @@ def test_prefill_tiles_never_span_sequences():
 def test_kernel_files_parse_and_are_found():
     d = metal.kernels_dir()
     names = sorted(p.stem for p in d.glob("*.metal"))
-    assert names == ["paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+    assert names == ["paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
+                     "paged_prefill_attention_mma"]
     for n in names:
         src = metal.load_kernel_source(n)
         lines = src.path.read_text().splitlines()
@@ -450,6 +492,8 @@ def _record_launches():
                 metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens, 0.1)
             metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
                                           pre.query_start_loc, 0.1)
+            metal.paged_prefill_attention_mma(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                                              pre.query_start_loc, 0.1)
     finally:
         metal.DECODE_PARTITION_SIZE = old
     return launches
@@ -458,7 +502,8 @@ def _record_launches():
 def test_generated_source_of_every_kernel_matches_mlx():
     launches = _record_launches()
     assert sorted({f["name"] for f, _ in launches}) == [
-        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
+        "paged_prefill_attention_mma"]
     for fkw, ckw in launches:
         args = dict(
             name=fkw["name"], input_names=fkw["input_names"], output_names=fkw["output_names"],

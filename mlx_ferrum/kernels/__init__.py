@@ -116,7 +116,8 @@ def paged_prefill_attention(
     enabled, the shape is supported and no sequence has more than
     :data:`mlx_ferrum.kernels.metal.PREFILL_KERNEL_MAX_QUERY_LEN` new rows (speculative
     verify, short extends); longer chunks are compute bound and go to the reference,
-    whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units.
+    whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units (or,
+    with ``metal.PREFILL_MATRIX_KERNEL`` set, to the ``simdgroup_matrix`` kernel).
     """
     if metal_path_enabled():
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
@@ -125,6 +126,11 @@ def paged_prefill_attention(
         longest = max((b - a for a, b in zip(qsl, qsl[1:])), default=0)
         if reason is None and longest <= metal.PREFILL_KERNEL_MAX_QUERY_LEN:
             return metal.paged_prefill_attention(
+                q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
+                host_context_lens=ctx, host_query_start_loc=qsl,
+            )
+        if reason is None and metal.PREFILL_MATRIX_KERNEL:
+            return metal.paged_prefill_attention_mma(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
                 host_context_lens=ctx, host_query_start_loc=qsl,
             )

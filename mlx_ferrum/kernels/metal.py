@@ -77,7 +77,13 @@ KERNEL_MATH_MODE = {
     "paged_attention_decode": "fast",
     "paged_attention_reduce": "fast",
     "paged_prefill_attention": "safe",
+    "paged_prefill_attention_mma": "fast",
 }
+#: Where prefill chunks longer than PREFILL_KERNEL_MAX_QUERY_LEN rows go: False, the
+#: pure-MLX reference (MLX's tuned SDPA); True, the matrix-unit kernel
+#: (:func:`paged_prefill_attention_mma`), which avoids gathering the context but has
+#: not been timed on a Mac against MLX's SDPA yet.
+PREFILL_MATRIX_KERNEL = False
 
 
 # ------------------------------------------------------------------ sources
@@ -594,6 +600,70 @@ def paged_prefill_attention(
         ],
         grid=(len(tiles) // 4 * tg, num_heads, 1),
         threadgroup=(tg, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def paged_prefill_attention_mma(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+) -> mx.array:
+    """:func:`paged_prefill_attention` on the matrix units: ``simdgroup_matrix`` 8x8 tiles
+    (FlashAttention-2, Dao 2023, tiled as in MLX's steel attention), the GQA query heads
+    of a KV head in one threadgroup sharing each staged K/V tile.
+
+    Same arguments, shapes, dtypes, result and errors as :func:`paged_prefill_attention`
+    (``[num_tokens, num_heads, head_dim]`` in q's dtype; float32 accumulation).
+
+    Raises:
+        KernelError: shapes outside what the kernels take (see :func:`prefill_unsupported_reason`).
+    """
+    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
+    if reason:
+        raise KernelError(f"paged_prefill_attention_mma kernel: {reason}")
+    tiles = prefill_tiles(ctx, qsl, rows=8)
+    if not tiles:
+        return mx.zeros_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, num_kv_heads, block_size, _ = k_pool.shape
+    gqa = num_heads // num_kv_heads
+    num_simd = min(4, gqa)
+    kernel = _kernel(
+        "paged_prefill_attention_mma",
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["out"],
+    )
+    return kernel(
+        inputs=[
+            q,
+            k_pool,
+            v_pool,
+            _pad(block_tables.astype(mx.int32)),
+            _pad(mx.array(tiles, dtype=mx.int32)),
+            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            mx.array(scale * LOG2E, dtype=mx.float32),
+        ],
+        template=[
+            ("T", q.dtype),
+            ("HEAD_DIM", head_dim),
+            ("BLOCK_SIZE", block_size),
+            ("GQA", gqa),
+            ("NUM_SIMD", num_simd),
+            ("HEADS_PER_SIMD", -(-gqa // num_simd)),
+        ],
+        grid=(len(tiles) // 4 * num_simd * 32, num_kv_heads, 1),
+        threadgroup=(num_simd * 32, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]
