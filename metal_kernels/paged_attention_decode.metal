@@ -12,10 +12,11 @@
 // online softmax of Milakov & Gimelshein (2018) / FlashAttention, computed in base 2
 // (q pre-scaled by scale * log2(e), exp2), with the GQA packing of MLX's
 // sdpa_vector_2pass_1_gqa: one threadgroup per (sequence, KV head[, partition]) serves
-// the GQA query heads of that KV head from the same K/V loads.
+// GQA query heads of that KV head from the same K/V loads (all of them when the group
+// has at most 8; else the group is split over threadgroups of GQA heads each).
 //
 // Launch (built by mlx_ferrum/kernels/metal.py):
-//   grid        = (num_kv_heads * NUM_SIMD * 32, num_seqs, num_partitions) threads
+//   grid        = (num_heads / GQA * NUM_SIMD * 32, num_seqs, num_partitions) threads
 //   threadgroup = (NUM_SIMD * 32, 1, 1)
 // Inputs:
 //   q            [num_seqs, num_kv_heads * GQA, HEAD_DIM]         T
@@ -33,7 +34,8 @@
 //                (unused when PARTITION_SIZE == 0)
 //   exp_sums     same shape: sum of exp2(logit - max_logit) over the partition
 // Template: T, OutT, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE (power of two >= 8),
-//   NUM_SIMD, GQA (query heads per KV head), PARTITION_SIZE (tokens per partition, a
+//   NUM_SIMD, GQA (query heads per threadgroup: num_heads / num_kv_heads, or a divisor of
+//   it when that is above 8), PARTITION_SIZE (tokens per partition, a
 //   multiple of BLOCK_SIZE; 0 = one pass).
 //
 // Work split: a K or V row is read as 16-byte vectors (VEC elements). LPT lanes share a
@@ -113,7 +115,8 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   const int num_kv_heads = params[1];
   const int max_blocks = params[2];
   const int num_partitions = params[3];
-  const int kv_head = threadgroup_position_in_grid.x;
+  const int head_group = threadgroup_position_in_grid.x;  // query heads head_group * GQA + [0, GQA)
+  const int kv_head = head_group / ((num_heads / num_kv_heads) / GQA);
   const int seq = threadgroup_position_in_grid.y;
   const int part = threadgroup_position_in_grid.z;
   const int lane = thread_index_in_simdgroup;
@@ -122,7 +125,7 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   const int tok_group = lane / LPT;
   const int r = lane % LPT;
 
-  if (PARTITION_SIZE == 0 && kv_head == 0 && seq == 0 && tid == 0) {
+  if (PARTITION_SIZE == 0 && head_group == 0 && seq == 0 && tid == 0) {
     // The one-pass launch's statistics outputs are 1-element placeholders: write
     // them once, so every output element is written exactly once.
     max_logits[0] = 0.0f;
@@ -139,7 +142,7 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   const int num_blocks = (tok_end - first_block * BLOCK_SIZE + BLOCK_SIZE - 1) / BLOCK_SIZE;
   const int num_chunks = (num_blocks + CHUNK - 1) / CHUNK;
 
-  const int64_t q_row = int64_t(seq) * num_heads + int64_t(kv_head) * GQA;
+  const int64_t q_row = int64_t(seq) * num_heads + int64_t(head_group) * GQA;
   // The GQA query rows are read from device memory once, then shared.
   for (int i = tid; i < GQA * HEAD_DIM; i += TG) {
     q_shared[i] = float(q[q_row * HEAD_DIM + i]) * scale;

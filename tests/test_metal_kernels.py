@@ -104,6 +104,8 @@ DECODE_CASES = [
     (4, 1, 256, 8, [60], F32),             # head_dim 256
     (2, 2, 24, 16, [15, 16], BF16),        # 3 dims per lane
     (2, 1, 40, 8, [3, 10, 19, 26], F32),   # four sequences
+    (24, 1, 64, 16, [77, 5], F16),         # GQA 24: three threadgroups of 8 heads per KV head
+    (20, 2, 32, 8, [40], BF16),            # GQA 10: two threadgroups of 5 heads per KV head
 ]
 
 

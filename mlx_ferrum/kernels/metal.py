@@ -48,6 +48,9 @@ PREFILL_NUM_SIMD = 8
 #: of this size. ``None`` (the default) lets :func:`decode_partitions` decide from
 #: occupancy.
 DECODE_PARTITION_SIZE: Optional[int] = None
+#: Most query heads one decode threadgroup serves (their q and output stay in
+#: registers); a larger GQA group is split over threadgroups of a divisor of it.
+DECODE_MAX_HEADS_PER_THREADGROUP = 8
 #: Split-K never cuts a context into partitions shorter than this many tokens.
 DECODE_MIN_PARTITION_TOKENS = 256
 #: GPU cores assumed where ``mx.metal.device_info()`` is unavailable (off a Mac, or an
@@ -452,7 +455,7 @@ def paged_attention_decode(
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype. One threadgroup per
         (sequence, KV head) serves the KV head's ``num_heads / num_kv_heads`` query
-        heads; long contexts with too few threadgroups to fill the GPU are split
+        heads (groups above :data:`DECODE_MAX_HEADS_PER_THREADGROUP` are split); long contexts with too few threadgroups to fill the GPU are split
         (see :func:`decode_partitions`) and merged by ``paged_attention_reduce``.
 
     Raises:
@@ -469,6 +472,8 @@ def paged_attention_decode(
     num_partitions, psize = metadata.num_partitions, metadata.partition_size
     partitioned = num_partitions > 1
     tg = DECODE_NUM_SIMD * 32
+    group = num_heads // num_kv_heads
+    heads_per_tg = max(d for d in range(1, DECODE_MAX_HEADS_PER_THREADGROUP + 1) if group % d == 0)
     scale_arr = mx.array(scale * LOG2E, dtype=mx.float32)
     params = _params(num_heads, num_kv_heads, metadata.max_blocks_per_seq, num_partitions)
     kernel = _kernel(
@@ -486,10 +491,10 @@ def paged_attention_decode(
             ("HEAD_DIM", head_dim),
             ("BLOCK_SIZE", block_size),
             ("NUM_SIMD", DECODE_NUM_SIMD),
-            ("GQA", num_heads // num_kv_heads),
+            ("GQA", heads_per_tg),
             ("PARTITION_SIZE", psize if partitioned else 0),
         ],
-        grid=(num_kv_heads * tg, num_seqs, num_partitions),
+        grid=(num_heads // heads_per_tg * tg, num_seqs, num_partitions),
         threadgroup=(tg, 1, 1),
         output_shapes=[
             (num_seqs, num_heads, num_partitions, head_dim) if partitioned else q.shape,
