@@ -18,9 +18,15 @@ Test hook: :func:`use_launcher` substitutes the kernel factory (e.g. the CPU
 harness, :func:`mlx_ferrum.testing.metal_harness.metal_kernel`) and makes the
 Metal path available where MLX has no Metal back-end.
 
+Decode packs the query heads of a KV head into one threadgroup (as MLX's
+``sdpa_vector_2pass_1_gqa``) and splits long contexts only when there are too few
+threadgroups to fill the GPU (:func:`decode_partitions`); :func:`decode_metadata`
+builds its launch arrays once per step. :func:`paged_prefill_attention_mma` is the
+``simdgroup_matrix`` prefill kernel (opt-in, :data:`PREFILL_MATRIX_KERNEL`).
+
 Algorithms: vLLM paged attention v1/v2 (Kwon et al., SOSP 2023) with online
-softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022); see
-``docs/kernels.md``.
+softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022;
+FlashAttention-2, Dao 2023); see ``docs/kernels.md``.
 """
 
 from __future__ import annotations
