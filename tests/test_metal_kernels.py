@@ -571,3 +571,13 @@ def test_long_prefill_chunks_go_to_the_reference(caplog):
         if not expect_kernel:
             assert max_violation(out, numpy_prefill(case), F32) <= 0
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+
+
+def test_kernels_are_built_with_an_explicit_math_mode():
+    launches = _record_launches()
+    modes = {f["name"]: f["compile_options"] for f, _ in launches}
+    assert modes["paged_attention_decode"] == {"math_mode": "fast"}
+    assert modes["paged_attention_reduce"] == {"math_mode": "fast"}
+    assert modes["paged_prefill_attention"] == {"math_mode": "fast"}
+    assert modes["paged_prefill_attention_mma"] == {"math_mode": "fast"}
+    assert metal._accepts_compile_options(mx.fast.metal_kernel)

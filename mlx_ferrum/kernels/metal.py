@@ -78,14 +78,14 @@ MIN_DEVICE_ELEMENTS = 8
 #: log2(e): the decode kernel works in base 2 (exp2), so q is scaled by scale * LOG2E.
 LOG2E = 1.4426950408889634
 #: Math mode (``compile_options={"math_mode": ...}`` of ``mx.fast.metal_kernel``) per
-#: kernel, stated rather than left to MLX's default. The decode and reduce kernels use
-#: no infinity or NaN (a finite -FLT_MAX sentinel, token counts computed up front), so
-#: they build in fast mode; the harness builds "fast" kernels with -ffinite-math-only
-#: to check exactly that. The prefill kernel keeps IEEE semantics.
+#: kernel, stated rather than left to MLX's default. The kernels use no infinity or
+#: NaN (a finite -FLT_MAX sentinel, loop bounds computed up front), so they build in
+#: fast mode; the harness builds "fast" kernels with -ffinite-math-only to check
+#: exactly that.
 KERNEL_MATH_MODE = {
     "paged_attention_decode": "fast",
     "paged_attention_reduce": "fast",
-    "paged_prefill_attention": "safe",
+    "paged_prefill_attention": "fast",
     "paged_prefill_attention_mma": "fast",
 }
 #: Where prefill chunks longer than PREFILL_KERNEL_MAX_QUERY_LEN rows go: False, the
