@@ -15,6 +15,9 @@ from other processes hits both), generated tokens, target forward passes
 (``Engine.num_steps``), tokens per target forward pass, and with speculation the
 acceptance rate and mean accepted length from ``Engine.stats()``. The speedup is
 ``time without / time with`` from the medians, with the range over the paired repeats.
+The same ratio of process CPU time (``time.process_time``) is printed beside it: on a
+machine shared with other processes it moves less than wall time, because time spent
+waiting for a core is not counted.
 "tokens per forward" is all generated tokens over all target forward passes (prefill
 steps included), so at N requests without speculation it is about N.
 Greedy outputs must agree token for token; the script checks it.
@@ -79,11 +82,11 @@ def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tok
         cfg.update(speculative="ngram", num_speculative_tokens=k)
     eng = Engine(model, tokenizer, RuntimeConfig(**cfg))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = eng.generate(prompts, params)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     st = eng.stats()
-    return {"time": dt, "tokens": [o.token_ids for o in outs], "generated": st["generated_tokens"],
+    return {"time": dt, "cpu": cpu, "tokens": [o.token_ids for o in outs], "generated": st["generated_tokens"],
             "forwards": st["num_steps"], "acceptance": st["spec_acceptance_rate"],
             "mean_accepted_length": st["spec_mean_accepted_length"]}
 
@@ -131,13 +134,19 @@ def main(argv=None) -> dict:
                 t_off = statistics.median(r["time"] for r in offs)
                 t_on = statistics.median(r["time"] for r in ons)
                 paired = [a["time"] / b["time"] for a, b in zip(offs, ons)]
+                c_off = statistics.median(r["cpu"] for r in offs)
+                c_on = statistics.median(r["cpu"] for r in ons)
+                cpu_paired = [a["cpu"] / b["cpu"] for a, b in zip(offs, ons)]
                 on, off = ons[0], offs[0]
                 rows.append([w, layout, c, f"{off['generated'] / off['forwards']:.2f}",
                              f"{on['generated'] / on['forwards']:.2f}", f"{on['acceptance']:.2f}",
                              f"{on['mean_accepted_length']:.2f}", f"{t_off:.3f}", f"{t_on:.3f}",
-                             f"{t_off / t_on:.2f}x ({min(paired):.2f}-{max(paired):.2f})"])
+                             f"{t_off / t_on:.2f}x ({min(paired):.2f}-{max(paired):.2f})",
+                             f"{c_off / c_on:.2f}x ({min(cpu_paired):.2f}-{max(cpu_paired):.2f})"])
                 results.append({"workload": w, "layout": layout, "requests": c, "time_off": t_off, "time_on": t_on,
                                 "speedup": t_off / t_on, "paired_speedups": paired,
+                                "cpu_off": c_off, "cpu_on": c_on, "cpu_speedup": c_off / c_on,
+                                "paired_cpu_speedups": cpu_paired,
                                 "tokens_per_forward_off": off["generated"] / off["forwards"],
                                 "tokens_per_forward_on": on["generated"] / on["forwards"],
                                 "acceptance_rate": on["acceptance"],
@@ -145,7 +154,7 @@ def main(argv=None) -> dict:
                 print(f"   {w} {layout} {c} request(s): done", flush=True)
     print()
     print_table(["workload", "layout", "requests", "tok/fwd off", "tok/fwd on", "acceptance", "mean acc. len",
-                 "time off (s)", "time on (s)", "speedup (range)"], rows)
+                 "time off (s)", "time on (s)", "speedup (range)", "CPU-time speedup (range)"], rows)
     out = {"machine": info, "settings": vars(args), "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -319,3 +319,15 @@ def test_cli_generate_with_ngram_speculation_prints_the_recording(stories_path, 
                        cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout == stories_expected["once"]["completion_text"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stories260k_as_its_own_draft_checkpoint_accepts_everything(stories_path, stories_expected, layout):
+    model, tokenizer = load(str(stories_path))
+    eng = Engine(model, tokenizer, config(layout, speculative=str(stories_path), num_speculative_tokens=5))
+    rec = stories_expected["once"]
+    out = eng.generate([rec["prompt_ids"]], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == rec["generated_ids"]
+    st = spec_stats(eng)
+    assert st["spec_acceptance_rate"] == 1.0 and st["spec_mean_accepted_length"] > 5.0
+    assert eng.num_steps <= 1 + -(-199 // 6)  # the prefill, then 6 tokens per verification

@@ -338,7 +338,9 @@ class Engine:
                     if samples:
                         sampled.append((s, row))
                 for i, r in candidates:
-                    if i not in proposals and not items[i].seq.finished:
+                    if items[i].seq.finished:  # aborted while it proposed: drop a draft cache made meanwhile
+                        self._proposer.release(r.request_id)
+                    elif i not in proposals:
                         self._proposer.committed(r.request_id, items[i].seq.num_computed)
                 if sampled:
                     outputs.extend(self._sample_and_emit(sampled))
