@@ -23,7 +23,8 @@ import mlx.core as mx
 
 from ..config import RuntimeConfig
 from ..errors import FerrumError, PromptTooLongError, RequestError
-from ..executor import KvCacheHandle, LlmExecutor, SeqWork
+from ..executor import LlmExecutor, SeqWork
+from ..executor import KvCacheHandle
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -165,9 +166,9 @@ class Engine:
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
         self.executor.release_cache(seq.request_id)
+        self._seqs.pop(seq.request_id, None)
         if self._proposer is not None:
             self._proposer.release(seq.request_id)
-        self._seqs.pop(seq.request_id, None)
         m = seq.metrics
         if m.ttft is not None:
             self._finished_ttft.append(m.ttft)
@@ -269,6 +270,99 @@ class Engine:
                 self._finish(s, reason)
             outs.append(self._output(s, delta, [tok]))
         return outs
+
+    # -------------------------------------------------------- conveniences
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one or one each")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> Iterator[RequestOutput]:
+        """Add one request and yield its outputs as they come, stepping the engine.
+
+        Other requests in the engine advance too. Closing the iterator early aborts
+        the request.
+        """
+        rid = self.add_request(prompt, params, request_id)
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        done = out.finished
+        finally:
+            if not done:
+                try:
+                    self.abort(rid)
+                except RequestError:
+                    pass
+
+    # -------------------------------------------------------------- metrics
+    def stats(self) -> dict:
+        """Engine metrics: queue and running counts, token counters, TTFT and inter-token
+        latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
+        def pct(xs, q):
+            if not xs:
+                return 0.0
+            ys = sorted(xs)
+            return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
+
+        with self._lock:
+            kv = self.executor.cache_metrics_snapshot()
+            ttft, itl = self._finished_ttft, self._finished_itl
+            return {
+                "num_waiting": len(self.scheduler.waiting),
+                "num_running": len(self.scheduler.running),
+                "num_steps": self.num_steps,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefilled_tokens": self.num_prefilled_tokens,
+                "generated_tokens": self.num_generated_tokens,
+                "ttft_mean": sum(ttft) / len(ttft) if ttft else 0.0,
+                "ttft_p50": pct(ttft, 0.5),
+                "ttft_p90": pct(ttft, 0.9),
+                "itl_mean": sum(itl) / len(itl) if itl else 0.0,
+                "itl_p50": pct(itl, 0.5),
+                "itl_p90": pct(itl, 0.9),
+                "itl_p99": pct(itl, 0.99),
+                "kv_blocks_used": kv.get("used_blocks"),
+                "kv_blocks_free": kv.get("free_blocks"),
+                "kv_blocks_total": kv.get("total_blocks"),
+                "prefix_cache_hit_rate": kv.get("prefix_hit_rate", 0.0),
+                # speculative decoding (vLLM's spec_decode counters; all 0 when it is off):
+                # spec_num_drafts = verified rows that carried proposals; acceptance rate =
+                # accepted / proposed; mean accepted length = tokens emitted per verified row,
+                # the bonus token included (1 + accepted / drafts, vLLM's mean acceptance length)
+                "spec_num_drafts": self.spec_num_drafts,
+                "spec_proposed_tokens": self.spec_proposed_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens,
+                "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
+                                         if self.spec_proposed_tokens else 0.0),
+                "spec_mean_accepted_length": (1.0 + self.spec_accepted_tokens / self.spec_num_drafts
+                                              if self.spec_num_drafts else 0.0),
+                "kv": kv,
+            }
 
     # --------------------------------------------------- speculative decoding
     # Speculation runs on this synchronous step: proposals must be known before the
@@ -426,99 +520,3 @@ class Engine:
                     break
             outs.append(self._output(s, delta, new_ids))
         return outs
-
-    # -------------------------------------------------------- conveniences
-    def generate(
-        self,
-        prompts: Seq[Prompt],
-        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order.
-
-        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
-        """
-        if params is None or isinstance(params, SamplingParams):
-            plist = [params] * len(prompts)
-        else:
-            plist = list(params)
-            if len(plist) != len(prompts):
-                raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one or one each")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
-
-    def stream(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
-    ) -> Iterator[RequestOutput]:
-        """Add one request and yield its outputs as they come, stepping the engine.
-
-        Other requests in the engine advance too. Closing the iterator early aborts
-        the request.
-        """
-        rid = self.add_request(prompt, params, request_id)
-        done = False
-        try:
-            while not done:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        done = out.finished
-        finally:
-            if not done:
-                try:
-                    self.abort(rid)
-                except RequestError:
-                    pass
-
-    # -------------------------------------------------------------- metrics
-    def stats(self) -> dict:
-        """Engine metrics: queue and running counts, token counters, TTFT and inter-token
-        latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits.
-
-        Speculative decoding: ``spec_num_drafts`` (verified rows that carried proposals),
-        ``spec_proposed_tokens``, ``spec_accepted_tokens``, ``spec_acceptance_rate``
-        (accepted / proposed) and ``spec_mean_accepted_length`` (tokens emitted per
-        verified row, the bonus token included: ``1 + accepted / drafts``, vLLM's mean
-        acceptance length)."""
-        def pct(xs, q):
-            if not xs:
-                return 0.0
-            ys = sorted(xs)
-            return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
-
-        with self._lock:
-            kv = self.executor.cache_metrics_snapshot()
-            ttft, itl = self._finished_ttft, self._finished_itl
-            return {
-                "num_waiting": len(self.scheduler.waiting),
-                "num_running": len(self.scheduler.running),
-                "num_steps": self.num_steps,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefilled_tokens": self.num_prefilled_tokens,
-                "generated_tokens": self.num_generated_tokens,
-                "ttft_mean": sum(ttft) / len(ttft) if ttft else 0.0,
-                "ttft_p50": pct(ttft, 0.5),
-                "ttft_p90": pct(ttft, 0.9),
-                "itl_mean": sum(itl) / len(itl) if itl else 0.0,
-                "itl_p50": pct(itl, 0.5),
-                "itl_p90": pct(itl, 0.9),
-                "itl_p99": pct(itl, 0.99),
-                "kv_blocks_used": kv.get("used_blocks"),
-                "kv_blocks_free": kv.get("free_blocks"),
-                "kv_blocks_total": kv.get("total_blocks"),
-                "prefix_cache_hit_rate": kv.get("prefix_hit_rate", 0.0),
-                # speculative decoding (vLLM's spec_decode counters); all 0 when it is off
-                "spec_num_drafts": self.spec_num_drafts,
-                "spec_proposed_tokens": self.spec_proposed_tokens,
-                "spec_accepted_tokens": self.spec_accepted_tokens,
-                "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
-                                         if self.spec_proposed_tokens else 0.0),
-                "spec_mean_accepted_length": (1.0 + self.spec_accepted_tokens / self.spec_num_drafts
-                                              if self.spec_num_drafts else 0.0),
-                "kv": kv,
-            }
