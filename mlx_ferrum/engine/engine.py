@@ -24,12 +24,13 @@ import mlx.core as mx
 from ..config import RuntimeConfig
 from ..errors import FerrumError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
-from ..executor import KvCacheHandle
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
+from ..errors import FerrumError  # noqa: F811 - also used by the speculative step
+from ..executor import KvCacheHandle
 from .stop import emit_token
 
 _req_ids = itertools.count()
