@@ -19,7 +19,7 @@ import pytest
 from mlx_ferrum import load
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
-from mlx_ferrum.engine.speculative import DraftModelProposer, NgramProposer, ngram_propose
+from mlx_ferrum.engine.speculative import DraftModelProposer, ngram_propose
 from mlx_ferrum.errors import ConfigurationError, SamplingParamsError
 from mlx_ferrum.executor import LlmExecutor, PrefillInput
 from tiny_models import tiny_model
@@ -372,3 +372,12 @@ def test_prefix_cache_with_speculation_keeps_outputs_and_blocks_sound(model):
     st = eng.stats()
     assert st["spec_accepted_tokens"] < st["spec_proposed_tokens"] and st["prefix_cache_hit_rate"] > 0
     assert not eng.executor.manager.seqs
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode(stories_path):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_speculative.py"), "--quick"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=REPO, FERRUM_SHARED_MODELS=str(stories_path.parent)))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "| quote" in r.stdout and "tok/fwd on" in r.stdout
