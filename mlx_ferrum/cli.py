@@ -50,8 +50,63 @@ def _sampling(args) -> dict:
     )
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="ngram|PATH",
+                   help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint sharing the "
+                        "tokenizer (same as FERRUM_SPECULATIVE)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per step (same as FERRUM_NUM_SPECULATIVE_TOKENS; default 4)")
+
+
 def _config(args) -> RuntimeConfig:
-    return RuntimeConfig(kv_layout="paged") if args.paged else RuntimeConfig()
+    overrides = {}
+    if args.paged:
+        overrides["kv_layout"] = "paged"
+    if getattr(args, "speculative", None):
+        overrides["speculative"] = args.speculative
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        overrides["num_speculative_tokens"] = args.num_speculative_tokens
+    return RuntimeConfig(**overrides)
+
+
+class _Streamer:
+    """``stream_generate`` for one prompt at a time; through the engine when speculation
+    is on (the engine is where speculative decoding runs), else the plain api loop."""
+
+    def __init__(self, model, tokenizer, config: RuntimeConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.engine = None
+        if config.speculative is not None:
+            from .engine import Engine
+
+            self.engine = Engine(model, tokenizer, config)
+
+    def __call__(self, prompt, sampling: dict):
+        from .api import stream_generate
+
+        if self.engine is None:
+            return stream_generate(self.model, self.tokenizer, prompt, config=self.config, **sampling)
+        return self._engine_stream(prompt, sampling)
+
+    def _engine_stream(self, prompt, sampling: dict):
+        from .api import GenerationChunk, _peak_memory
+        from .engine.sampling import SamplingParams
+
+        for out in self.engine.stream(prompt, SamplingParams(**sampling)):
+            m = out.metrics
+            prefill_s = (m.first_token_time or 0.0) - (m.first_scheduled_time or 0.0)
+            decode_s = (m.token_times[-1] - m.first_token_time) if m.token_times else 0.0
+            n = len(out.token_ids)
+            yield GenerationChunk(
+                out.delta,
+                out.new_token_ids[-1] if out.new_token_ids else None,
+                out.finish_reason if out.finished else None,
+                prompt_tokens=len(out.prompt_token_ids),
+                generation_tokens=n,
+                prompt_tps=len(out.prompt_token_ids) / prefill_s if prefill_s > 0 else 0.0,
+                generation_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                peak_memory=_peak_memory(),
+            )
 
 
 def _load(args):
@@ -88,8 +143,6 @@ def fit_history(tokenizer, messages: list, capacity: int, reserve: int, use_temp
 
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; stats to stderr."""
-    from .api import stream_generate
-
     model, tokenizer = _load(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
@@ -99,7 +152,7 @@ def cmd_generate(args) -> int:
         prompt = msgs
     last = None
     text_end = ""
-    for chunk in stream_generate(model, tokenizer, prompt, config=_config(args), **_sampling(args)):
+    for chunk in _Streamer(model, tokenizer, _config(args))(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         text_end = (text_end + chunk.text)[-1:]
@@ -126,11 +179,11 @@ def cmd_chat(args) -> int:
     History is trimmed to the context (oldest turns first, the system message kept);
     ``--seed S`` seeds turn ``i`` with ``S + i``, so turns differ yet a session replays.
     """
-    from . import api
     from .config import resolve_kv_capacity
 
     model, tokenizer = _load(args)
     config = _config(args)
+    streamer = _Streamer(model, tokenizer, config)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
     reserve = min(args.max_tokens, capacity // 2)  # room left for the reply
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -174,7 +227,7 @@ def cmd_chat(args) -> int:
                 print(f"[dropped the {dropped} oldest message(s) to fit the context of {capacity} tokens]",
                       file=sys.stderr)
             prompt = messages if use_template else "\n".join(m["content"] for m in messages)
-            gen = api.stream_generate(model, tokenizer, prompt, config=config, **sampling)
+            gen = streamer(prompt, sampling)
             for chunk in gen:
                 reply.append(chunk.text)
                 sys.stdout.write(chunk.text)
@@ -219,12 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--newline", action="store_true", help="end the output with a newline")
     _add_sampling_args(g, temp=0.0)
+    _add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_model_args(c)
     c.add_argument("--system", default=None, help="system message")
     _add_sampling_args(c, temp=0.7)
+    _add_speculative_args(c)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="throughput at several concurrency levels")

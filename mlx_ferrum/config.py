@@ -54,6 +54,13 @@ def _parse_layout(var: str, raw: str) -> str:
     raise ConfigurationError(f"{var}={raw!r} is not valid: use 1 (paged) or 0 (contiguous)")
 
 
+def _parse_speculative(var: str, raw: str) -> Optional[str]:
+    v = raw.strip()
+    if v.lower() in ("", "0", "off", "none", "false", "no"):
+        return None
+    return "ngram" if v.lower() == "ngram" else v
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -67,6 +74,10 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "metal_kernels": ("FERRUM_METAL_KERNELS", _parse_bool, True),
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
+    "speculative": ("FERRUM_SPECULATIVE", _parse_speculative, None),
+    "num_speculative_tokens": ("FERRUM_NUM_SPECULATIVE_TOKENS", _parse_int, 4),
+    "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
+    "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -150,6 +161,12 @@ class RuntimeConfig:
     - ``kv_memory_fraction`` (``FERRUM_KV_MEMORY_FRACTION``, 0.5): share of the Metal
       working set (minus weights) given to the paged pool when ``max_num_blocks`` is unset.
     - ``kv_cache_step`` (``FERRUM_KV_CACHE_STEP``, 256): growth step, in tokens, of the contiguous cache.
+    - ``speculative`` (``FERRUM_SPECULATIVE``, None = off): ``"ngram"`` for prompt-lookup
+      speculative decoding, or a draft checkpoint (folder or hub id) sharing the tokenizer.
+    - ``num_speculative_tokens`` (``FERRUM_NUM_SPECULATIVE_TOKENS``, 4): tokens proposed per
+      decode step and request (k).
+    - ``prompt_lookup_min`` / ``prompt_lookup_max`` (``FERRUM_PROMPT_LOOKUP_MIN`` / ``_MAX``,
+      2 / 4): shortest and longest n-gram the prompt-lookup proposer matches.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -166,6 +183,10 @@ class RuntimeConfig:
     metal_kernels: Optional[bool] = None
     kv_memory_fraction: Optional[float] = None
     kv_cache_step: Optional[int] = None
+    speculative: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -213,6 +234,20 @@ class RuntimeConfig:
         f = self.kv_memory_fraction
         if not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ConfigurationError(f"{n('kv_memory_fraction')}={f!r} is not valid: use a number in (0, 1]")
+        if self.speculative is not None and (not isinstance(self.speculative, str) or not self.speculative.strip()):
+            raise ConfigurationError(
+                f"{n('speculative')}={self.speculative!r} is not valid: use 'ngram', a draft checkpoint path or "
+                "hub id, or leave it unset"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigurationError(
+                f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "
+                f"{n('prompt_lookup_max')}={self.prompt_lookup_max}: make min <= max"
+            )
 
     @property
     def paged(self) -> bool:

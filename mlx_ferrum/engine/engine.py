@@ -29,6 +29,8 @@ from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
+from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
+from ..executor import KvCacheHandle
 from .stop import emit_token
 
 _req_ids = itertools.count()
@@ -85,6 +87,9 @@ class Engine:
             reads the environment. The paged layout is what makes continuous batching
             efficient; the contiguous layout works with padded batches and no preemption.
         executor: an existing executor to use instead of building one.
+        proposer: a speculative-decoding proposer (``NgramProposer`` /
+            ``DraftModelProposer`` from :mod:`mlx_ferrum.engine.speculative`) to use
+            instead of the one ``config.speculative`` names.
 
     Raises (from its calls):
         RequestError: unknown request id, or a request that alone cannot fit the pool.
@@ -92,7 +97,8 @@ class Engine:
         SamplingParamsError: invalid sampling parameters.
     """
 
-    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None, executor: Optional[LlmExecutor] = None):
+    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None, executor: Optional[LlmExecutor] = None,
+                 proposer=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config if config is not None else RuntimeConfig()
@@ -114,6 +120,10 @@ class Engine:
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
         self._start = time.time()
+        self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
+        self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -175,6 +185,8 @@ class Engine:
         else:
             self.executor.release_cache(seq.request_id)
         self._seqs.pop(seq.request_id, None)
+        if self._proposer is not None:
+            self._proposer.release(seq.request_id)
         m = seq.metrics
         if m.ttft is not None:
             self._ttft.add(m.ttft)
@@ -219,6 +231,8 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for each request that changed."""
+        if self._proposer is not None:
+            return self._speculative_step()
         with self._step_lock:
             with self._lock:
                 outputs, self._pending = self._pending, []
@@ -431,5 +445,178 @@ class Engine:
                 "kv_blocks_free": kv.get("free_blocks"),
                 "kv_blocks_total": kv.get("total_blocks"),
                 "prefix_cache_hit_rate": kv.get("prefix_hit_rate", 0.0),
+                # speculative decoding (vLLM's spec_decode counters; all 0 when it is off):
+                # spec_num_drafts = verified rows that carried proposals; acceptance rate =
+                # accepted / proposed; mean accepted length = tokens emitted per verified row,
+                # the bonus token included (1 + accepted / drafts, vLLM's mean acceptance length)
+                "spec_num_drafts": self.spec_num_drafts,
+                "spec_proposed_tokens": self.spec_proposed_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens,
+                "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
+                                         if self.spec_proposed_tokens else 0.0),
+                "spec_mean_accepted_length": (1.0 + self.spec_accepted_tokens / self.spec_num_drafts
+                                              if self.spec_num_drafts else 0.0),
                 "kv": kv,
             }
+
+    # --------------------------------------------------- speculative decoding
+    # Speculation runs on this synchronous step: proposals must be known before the
+    # verification pass is built, and the accepted length decides the next step's input.
+    def _speculative_step(self) -> list[RequestOutput]:
+        """:meth:`step` with speculative decoding (``config.speculative`` set).
+
+        The same schedule and the same single forward pass, except that a decoding
+        request with ``k`` proposals brings ``k + 1`` tokens (a multi-token row in either
+        KV layout) and is finished by :meth:`_verify_and_emit`. Requests without a
+        proposal (prefill chunks, opted out, nothing found) run exactly as in ``step``.
+        """
+        with self._step_lock:
+            with self._lock:
+                outputs, self._pending = self._pending, []
+                plan = self.scheduler.schedule()
+                for seq in plan.rejected:
+                    self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
+                                 "raise FERRUM_KV_MAX_BLOCKS or shorten it")
+                    outputs.append(self._output(seq, "", []))
+                items = plan.items
+                now = time.time()
+                for it in items:
+                    if it.seq.metrics.first_scheduled_time is None:
+                        it.seq.metrics.first_scheduled_time = now
+                candidates = self._speculation_requests(items)
+                # aborts from here until the pass ends are released after it (as in step)
+                self._in_flight = {it.seq.request_id for it in items}
+            if not items:
+                return outputs
+            try:
+                proposals = {}
+                if candidates:
+                    found = self._proposer.propose([r for _, r in candidates])
+                    proposals = {i: p for (i, _), p in zip(candidates, found) if p.token_ids}
+                with self._lock:
+                    work = []
+                    for i, it in enumerate(items):
+                        s = it.seq
+                        tokens = s.token_at(s.num_computed, s.num_computed + it.num_tokens)
+                        if i in proposals:
+                            work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True))
+                        else:
+                            work.append(SeqWork(s.request_id, tokens))
+                logits = self.executor.run(work)
+            except Exception as e:  # noqa: BLE001 - a failed proposal or pass fails this step only
+                return outputs + self._fail_step(items, e)
+            finally:
+                self._end_flight()
+            with self._lock:
+                self.num_steps += 1
+                sampled, verified = [], []
+                for i, (it, row) in enumerate(zip(items, logits)):
+                    s = it.seq
+                    if s.finished:  # aborted while the step ran
+                        continue
+                    if i in proposals:
+                        s.num_computed += 1  # the proposals' K/V are settled by _verify_and_emit
+                        verified.append((s, row, proposals[i]))
+                        continue
+                    samples = it.samples
+                    if s.num_computed < len(s.prompt_ids):
+                        self.num_prefilled_tokens += it.num_tokens
+                        s.metrics.num_prefilled_tokens += it.num_tokens
+                    s.num_computed += it.num_tokens
+                    if samples:
+                        sampled.append((s, row))
+                for i, r in candidates:
+                    if items[i].seq.finished:  # aborted while it proposed: drop a draft cache made meanwhile
+                        self._proposer.release(r.request_id)
+                    elif i not in proposals:
+                        self._proposer.committed(r.request_id, items[i].seq.num_computed)
+                try:
+                    if sampled:
+                        outputs.extend(self._sample_and_emit(sampled))
+                    if verified:
+                        outputs.extend(self._verify_and_emit(verified))
+                except BaseException as e:
+                    # as in step: the KV holds this step, so its requests end now, then it propagates
+                    self._pending.extend(outputs + self._fail_step(
+                        [it for i, it in enumerate(items) if it.samples or i in proposals], e))
+                    raise
+            return outputs
+
+    def _speculation_requests(self, items) -> list[tuple[int, SpeculativeRequest]]:
+        """Scheduled decode rows that may speculate, each with its ``k``: bounded by
+        ``num_speculative_tokens``, the tokens left before ``max_tokens``, the context,
+        the step's token budget and (paged) the free blocks beside this step's own."""
+        k_max = self.config.num_speculative_tokens
+        cap = self.executor.kv_capacity()
+        budget = self.config.max_num_batched_tokens - sum(it.num_tokens for it in items)
+        mgr = self.executor.manager
+        free = None
+        if mgr is not None:
+            needed = sum(
+                mgr.blocks_needed(it.seq.request_id if mgr.has(it.seq.request_id) else None, it.num_tokens)
+                for it in items
+            )
+            free = mgr.allocator.num_free - needed
+        out = []
+        for i, it in enumerate(items):
+            s = it.seq
+            if it.num_tokens != 1 or not it.samples or not s.output_ids or not s.params.speculative:
+                continue
+            k = min(k_max, s.params.max_tokens - len(s.output_ids) - 1, cap - s.num_tokens, budget)
+            if mgr is not None and k > 0:
+                cid = s.request_id if mgr.has(s.request_id) else None
+                while k > 0 and mgr.blocks_needed(cid, 1 + k) - mgr.blocks_needed(cid, 1) > free:
+                    k -= 1
+                free -= mgr.blocks_needed(cid, 1 + k) - mgr.blocks_needed(cid, 1)
+            if k < 1:
+                continue
+            budget -= k
+            out.append((i, SpeculativeRequest(s.request_id, s.token_at(0, s.num_tokens), k, s.sampler)))
+        return out
+
+    def _verify_and_emit(self, verified: list) -> list[RequestOutput]:
+        """Accept proposals (:func:`~mlx_ferrum.engine.speculative.verify`), roll the
+        target and draft caches back to the accepted length (``truncate_kv`` frees the
+        whole blocks past it), and emit the tokens one by one so that EOS, a stop string
+        or ``max_tokens`` ends the run where it would end without speculation."""
+        seqs = [s for s, _, _ in verified]
+        results = verify([r for _, r, _ in verified], [p for _, _, p in verified], [s.sampler for s in seqs])
+        cap = self.executor.kv_capacity()
+        outs = []
+        for (s, row, prop), res in zip(verified, results):
+            self.spec_num_drafts += 1
+            self.spec_proposed_tokens += len(prop.token_ids)
+            self.spec_accepted_tokens += res.num_accepted
+            kept = s.num_computed + res.num_accepted  # prompt + output + accepted proposals
+            self.executor.truncate_kv(KvCacheHandle(s.request_id, kept + len(prop.token_ids) - res.num_accepted,
+                                                    self.executor.layout), kept)
+            self._proposer.committed(s.request_id, kept)
+            s.num_computed = kept
+            want_lp = s.params.logprobs is not None
+            if want_lp:
+                n = len(res.token_ids)
+                lps, top_ids, top_lps = token_logprobs(row[:n], res.token_ids, s.params.logprobs or 0)
+            now = time.time()
+            delta, new_ids = "", []
+            for j, tok in enumerate(res.token_ids):
+                m = s.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.token_times.append(now)
+                self.num_generated_tokens += 1
+                if want_lp:
+                    s.logprobs.append(lps[j])
+                    if top_ids is not None:
+                        s.top_logprobs.append(dict(zip(top_ids[j], top_lps[j])))
+                s.output_ids.append(tok)
+                s.sampler.append(tok)
+                new_ids.append(tok)
+                out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
+                text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+                s.text += text
+                delta += text
+                if reason is not None:
+                    self._finish(s, reason)
+                    break
+            outs.append(self._output(s, delta, new_ids))
+        return outs

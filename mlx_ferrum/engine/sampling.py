@@ -82,6 +82,8 @@ class SamplingParams:
     - ``logprobs`` (int >= 0 or ``None``): also return the chosen token's log-probability
       and that many top alternatives.
     - ``ignore_eos`` (bool): keep generating past EOS.
+    - ``speculative`` (bool, default True): ``False`` opts this request out of
+      speculative decoding when the engine runs it (``RuntimeConfig.speculative``).
 
     Raises:
         SamplingParamsError: a field is out of range (the message names the field and
@@ -99,6 +101,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[int] = None
     ignore_eos: bool = False
+    speculative: bool = True
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -134,6 +137,8 @@ class SamplingParams:
             bad("logprobs", "use None or an int >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "use True or False")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "use True or False")
 
     @property
     def greedy(self) -> bool:
