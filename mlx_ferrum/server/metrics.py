@@ -44,7 +44,11 @@ class _EngineCollector:
         hits.add_metric([], s["kv"].get("prefix_hit_tokens", 0))
         preempt = CounterMetricFamily("mlx_ferrum:num_preemptions", "Sequences preempted and recomputed.")
         preempt.add_metric([], s["num_preemptions"])
-        return [running, waiting, usage, blocks, hit_rate, hits, preempt]
+        generated = CounterMetricFamily("mlx_ferrum:generation_tokens", "Tokens generated (every request, aborted ones included).")
+        generated.add_metric([], s["generated_tokens"])
+        prefilled = CounterMetricFamily("mlx_ferrum:prompt_tokens", "Prompt tokens run through the model (prefix-cache hits excluded).")
+        prefilled.add_metric([], s["prefilled_tokens"])
+        return [running, waiting, usage, blocks, hit_rate, hits, preempt, generated, prefilled]
 
 
 class ServerMetrics:
@@ -62,22 +66,22 @@ class ServerMetrics:
         self.itl = Histogram("mlx_ferrum:inter_token_latency_seconds", "Time between consecutive output tokens (s).", buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("mlx_ferrum:e2e_request_latency_seconds", "Arrival to finish (s).", buckets=_E2E_BUCKETS, registry=r)
         self.finished = Counter("mlx_ferrum:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("mlx_ferrum:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("mlx_ferrum:generation_tokens", "Generated tokens of finished requests.", registry=r)
         self.http_errors = Counter("mlx_ferrum:http_errors", "Requests answered with an error, by status code.", ["status"], registry=r)
 
     def observe_finished(self, out) -> None:
         """Record one finished :class:`~mlx_ferrum.engine.RequestOutput`."""
         m = out.metrics
         self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         for gap in m.inter_token_latencies:
             self.itl.observe(gap)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def observe_aborted(self) -> None:
+        """Record a request whose stream was closed before its final output (client left)."""
+        self.finished.labels(finished_reason="abort").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -95,6 +95,9 @@ class OpenAIServing:
         self.vocab_size = getattr(args, "vocab_size", None) or self.tokenizer.backend.get_vocab_size()
         self._inflight: set[str] = set()
         self.shutting_down = False
+        self._anchor = list(self.tokenizer.encode("a", add_special_tokens=False))[:1]
+        self._anchor_text = self.tokenizer.decode(self._anchor, skip_special_tokens=False)
+        self._token_text: dict[int, str] = {}
 
     # -------------------------------------------------------------- checks
     def check_model(self, name: Optional[str]) -> None:
@@ -190,7 +193,10 @@ class OpenAIServing:
     async def _close(self, choices: list[_Choice]) -> None:
         """Close every engine stream; unfinished requests are aborted and free their blocks."""
         for c in choices:
-            self._inflight.discard(c.request_id)
+            if c.request_id in self._inflight:
+                self._inflight.discard(c.request_id)
+                if self.metrics is not None:
+                    self.metrics.observe_aborted()
             try:
                 await c.stream.aclose()
             except Exception:  # noqa: BLE001 - closing must reach every stream
@@ -239,7 +245,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- helpers
     def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
+        """A token's text as it reads inside a sequence (with its leading space).
+
+        Decoding a lone SentencePiece token drops its leading space, so decode it after
+        an anchor token and strip the anchor's text.
+        """
+        text = self._token_text.get(tid)
+        if text is None:
+            full = self.tokenizer.decode(self._anchor + [tid], skip_special_tokens=False)
+            text = full[len(self._anchor_text):] if full.startswith(self._anchor_text) else self.tokenizer.decode([tid], skip_special_tokens=False)
+            self._token_text[tid] = text
+        return text
 
     def _usage(self, choices: list[_Choice]) -> p.UsageInfo:
         firsts = {}
