@@ -161,7 +161,7 @@ class _GracefulServer(uvicorn.Server):
             # Deferred to the loop: the handler may have interrupted code holding the engine lock.
             self._loop.call_soon_threadsafe(self._abort_all)
         super().handle_exit(sig, frame)
-        self._captured_signals.clear()  # a clean, requested exit: status 0
+        getattr(self, "_captured_signals", []).clear()  # a clean, requested exit: status 0, not the signal re-raised
 
     def _abort_all(self) -> None:
         n = self.serving.abort_all()
