@@ -287,3 +287,16 @@ def test_metrics_exposition(server, client):
                  "mlx_ferrum:prefix_cache_hit_rate", "mlx_ferrum:time_to_first_token_seconds_bucket",
                  "mlx_ferrum:inter_token_latency_seconds_bucket", 'mlx_ferrum:request_success_total{finished_reason="length"}'):
         assert name in text, name
+
+
+def test_one_refused_prompt_fails_the_request_and_aborts_its_siblings(server):
+    before = server.metrics()["mlx_ferrum:generation_tokens_total"]
+    body = {"model": MODEL, "prompt": ["Lily", "Lily " * 600], "max_tokens": 400, "ignore_eos": True, "n": 2}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    deadline = time.monotonic() + 15
+    while server.metrics()["mlx_ferrum:num_requests_running"] != 0 or server.metrics()["mlx_ferrum:kv_cache_used_blocks"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.3)
+    assert server.metrics()["mlx_ferrum:generation_tokens_total"] - before < 2 * 400  # the "Lily" pair did not run to the end

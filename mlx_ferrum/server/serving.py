@@ -67,7 +67,7 @@ class _Choice:
     prompt_ids: list[int]
     request_id: str
     stream: AsyncIterator[RequestOutput]
-    first: RequestOutput
+    first: Optional[RequestOutput]
     last: Optional[RequestOutput] = None
 
 
@@ -158,31 +158,44 @@ class OpenAIServing:
 
     # -------------------------------------------------------------- engine
     async def _submit(self, prompts: list[list[int]], req: p._SamplingFields, max_tokens, logprobs) -> list[_Choice]:
-        """Start ``n`` engine requests per prompt and await each one's first output."""
+        """Start ``n`` engine requests per prompt together and await each one's first output.
+
+        Raises:
+            ServingError: 400 when a parameter is invalid (before anything is submitted)
+                or the engine refuses a request at admission (every other one is aborted).
+        """
         if not isinstance(req.n, int) or req.n < 1:
             raise ServingError(400, f"n={req.n!r} is invalid: use an int >= 1", param="n")
-        choices: list[_Choice] = []
+        plan = [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j))
+                for pi, ids in enumerate(prompts) for j in range(req.n)]
+        started = []
+        for pi, ids, params in plan:
+            rid = uuid.uuid4().hex
+            started.append((pi, ids, rid, self.async_engine.astream(ids, params, request_id=rid)))
+            self._inflight.add(rid)
+        tasks = [asyncio.ensure_future(stream.__anext__()) for *_, stream in started]
         try:
-            for pi, ids in enumerate(prompts):
-                for j in range(req.n):
-                    params = self._params(req, len(ids), max_tokens, logprobs, j)
-                    rid = f"{uuid.uuid4().hex}"
-                    stream = self.async_engine.astream(ids, params, request_id=rid)
-                    self._inflight.add(rid)
-                    try:
-                        first = await stream.__anext__()
-                    except (PromptTooLongError, RequestError) as e:
-                        self._inflight.discard(rid)
-                        raise ServingError(400, str(e), param="prompt") from None
-                    choice = _Choice(len(choices), pi, ids, rid, stream, first)
-                    choices.append(choice)
-                    if first.finished:
-                        self._finished(choice, first)
-                        if first.finish_reason == "error":
-                            raise ServingError(400, first.error or "the request failed", param="prompt")
-        except BaseException:
-            await self._close(choices)
+            firsts = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled (client gone): gather cancelled the tasks
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close([_Choice(i, pi, ids, rid, stream, None) for i, (pi, ids, rid, stream) in enumerate(started)])
             raise
+        choices = [_Choice(i, pi, ids, rid, stream, first) for i, ((pi, ids, rid, stream), first) in enumerate(zip(started, firsts))]
+        failure: Optional[ServingError] = None
+        for c in choices:
+            if isinstance(c.first, BaseException):
+                self._inflight.discard(c.request_id)
+                if isinstance(c.first, (PromptTooLongError, RequestError)):
+                    failure = failure or ServingError(400, str(c.first), param="prompt")
+                else:
+                    failure = failure or ServingError(500, f"{type(c.first).__name__}: {c.first}", type="internal_server_error")
+            elif c.first.finished:
+                self._finished(c, c.first)
+                if c.first.finish_reason == "error":
+                    failure = failure or ServingError(400, c.first.error or "the request failed", param="prompt")
+        if failure is not None:
+            await self._close(choices)
+            raise failure
         return choices
 
     def _finished(self, choice: _Choice, out: RequestOutput) -> None:
