@@ -292,17 +292,18 @@ class ServerRun:
         self._fh.close()
 
 
-def _warmup(url: str, model_name: str, args) -> None:
-    body = {"model": model_name, "prompt": "warm up", "max_tokens": 4, "temperature": 0.0}
+def _warmup(url: str, model_name: str, args, prompt: str) -> None:
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
     for _ in range(2):
         httpx.post(url + "/v1/completions", json=body, timeout=args.request_timeout)
 
 
-def run_side(side: Side, model: Path, template_file: Path, workloads: list[Workload], args, log_dir: Path) -> dict:
+def run_side(side: Side, model: Path, template_file: Path, workloads: list[Workload], args, log_dir: Path,
+             warmup_prompt: str) -> dict:
     server = ServerRun(side, model, template_file, args, log_dir)
     try:
         server.wait_ready(args.startup_timeout)
-        _warmup(server.url, side.model_name, args)
+        _warmup(server.url, side.model_name, args, warmup_prompt)
         res = {}
         for w in workloads:
             res[w.name] = asyncio.run(run_workload(server.url, side.model_name, w, args.request_timeout, args.run_timeout))
@@ -422,7 +423,10 @@ def main(argv=None) -> int:
         return 0
 
     model = _resolve_model(args.model)
-    workloads = build_workloads(args, Tokenizer.from_pretrained(model))
+    tokenizer = Tokenizer.from_pretrained(model)
+    workloads = build_workloads(args, tokenizer)
+    # words of the model's own vocabulary: a word-level tokenizer maps others to nothing useful
+    warmup_prompt = _prompt_text(tokenizer, random.Random(args.seed + 1), 8)
     all_sides = {"ferrum-pc0": Side("mlx-ferrum prefix-cache=0", "ferrum", {"FERRUM_PREFIX_CACHE": "0"}),
                  "ferrum-pc1": Side("mlx-ferrum prefix-cache=1", "ferrum", {"FERRUM_PREFIX_CACHE": "1"}),
                  "mlx_lm": Side("mlx_lm.server", "mlx_lm")}
@@ -441,7 +445,7 @@ def main(argv=None) -> int:
         order = sides if rep % 2 == 0 else list(reversed(sides))
         for side in order:
             t0 = time.perf_counter()
-            res = run_side(side, model, template_file, workloads, args, log_dir)
+            res = run_side(side, model, template_file, workloads, args, log_dir, warmup_prompt)
             for name, r in res.items():
                 raw[name][side.label].append(r)
             summary = ", ".join(f"{n}: {r['output_tok_s']:.0f} tok/s, {r['failed']} failed" for n, r in res.items())

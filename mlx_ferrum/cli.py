@@ -152,7 +152,7 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None,
             type=(lambda raw, var=var, parse=parse: parse(var, raw)),
-            help=f"default: ${var}, else {default}",
+            help=f"default: ${var}, else {'paged' if f.name == 'kv_layout' else default}",
         )
 
 

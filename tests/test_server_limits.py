@@ -64,3 +64,16 @@ def test_cached_tokens_report_prefix_cache_hits(client, server, stories_expected
     assert second.choices[0].text == first.choices[0].text
     hits = server.metrics()["mlx_ferrum:prefix_cache_hits_total"] - hits_before
     assert hits >= expected
+
+
+def test_serve_with_an_unreadable_chat_template_exits_2(stories_path, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from server_helpers import REPO
+
+    r = subprocess.run([sys.executable, "-m", "mlx_ferrum", "serve", "--model", str(stories_path),
+                        "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, timeout=120,
+                       cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 2 and "--chat-template" in r.stderr
