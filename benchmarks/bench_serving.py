@@ -8,7 +8,7 @@ Usage::
 
     # start each server in turn (127.0.0.1, a free port), same workloads, ratios at the end
     python benchmarks/bench_serving.py --compare --model ../shared/models/stories260K
-    python benchmarks/bench_serving.py --compare --model qwen-0.5b-shape --system-tokens 128 --num-clients 32
+    python benchmarks/bench_serving.py --compare --model qwen-0.5b-shape --sides ferrum-pc0,ferrum-pc1
     python benchmarks/bench_serving.py --compare --quick          # a small run of both workloads (< 2 min)
 
 Workloads (both streamed, greedy, so both servers produce the same tokens):
@@ -37,7 +37,12 @@ to mlx-ferrum as ``--chat-template FILE`` and to mlx_lm.server as ``--chat-templ
 since the test checkpoints carry none.
 
 ``--model qwen-0.5b-shape`` builds (once, under $TMPDIR) the random-weight checkpoint
-with Qwen2.5-0.5B's shapes from ``benchmarks/common.py``. Every load loop is bounded:
+with Qwen2.5-0.5B's shapes from ``benchmarks/common.py``. Its word-level
+``tokenizer.json`` is read by mlx-ferrum as written, but transformers (inside
+mlx_lm.server) loads it as a Qwen2 BPE tokenizer that maps every word to one id, so the
+two servers would not see the same prompts (and mlx_lm.server's generation thread died
+on the resulting all-cached prompts): use it for mlx-ferrum-only runs, and compare
+against mlx_lm.server on a checkpoint whose tokenizer both read alike (stories260K). Every load loop is bounded:
 ``--num-requests`` and ``--turns`` fix the request count and ``--run-timeout`` the time.
 """
 

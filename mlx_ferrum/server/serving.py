@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -221,6 +222,17 @@ class OpenAIServing:
             for c in choices:
                 c.last = c.first
                 yield c, c.first
+            if len(choices) == 1:  # one stream: no tasks needed to merge
+                c = choices[0]
+                if not c.first.finished:
+                    async for out in c.stream:
+                        c.last = out
+                        if out.finished:
+                            self._finished(c, out)
+                        yield c, out
+                        if out.finished:
+                            break
+                return
             live = {c.index: c for c in choices if not c.first.finished}
             tasks: dict[asyncio.Task, _Choice] = {}
             try:
@@ -358,6 +370,7 @@ class OpenAIServing:
             c = p.ChatCompletionChunk(id=rid, model=name, choices=choice_list, usage=usage)
             return f"data: {c.model_dump_json(exclude_none=True)}\n\n"
 
+        head = _chunk_head(rid, "chat.completion.chunk", name)
         merged = self._merged(choices)
         try:
             for c in choices:
@@ -366,13 +379,13 @@ class OpenAIServing:
             async for c, out in merged:
                 if not out.delta and not out.finished and out.logprobs is None:
                     continue  # the detokenizer holds this token back (stop match or partial UTF-8)
-                lp = self._chat_logprobs(out, sent[c.index])
+                choice = {"index": c.index, "delta": {"content": out.delta}, "finish_reason": out.finish_reason}
+                if out.logprobs is not None:
+                    choice["logprobs"] = self._chat_logprobs(out, sent[c.index]).model_dump(exclude_none=True)
                 sent[c.index] = len(out.token_ids)
-                data = p.ChatCompletionStreamChoice(index=c.index, delta=p.DeltaMessage(content=out.delta), logprobs=lp).model_dump(exclude_none=True)
-                data["finish_reason"] = out.finish_reason  # an explicit null until the end, as OpenAI sends
-                head = p.ChatCompletionChunk(id=rid, model=name, choices=[]).model_dump(exclude_none=True)
-                head["choices"] = [data]
-                yield f"data: {_json(head)}\n\n"
+                # built by hand: this runs once per token per stream, and pydantic here cost
+                # more event-loop time than the rest of the request path
+                yield head + _json(choice) + "]}\n\n"
             if include_usage:
                 yield chunk([], usage=self._usage(choices))
             yield "data: [DONE]\n\n"
@@ -420,6 +433,7 @@ class OpenAIServing:
 
     async def _completion_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = _chunk_head(rid, "text_completion", name)
         merged = self._merged(choices)
         try:
             sent = {c.index: 0 for c in choices}
@@ -427,14 +441,13 @@ class OpenAIServing:
             async for c, out in merged:
                 if not out.delta and not out.finished and out.logprobs is None:
                     continue
-                lp = self._completion_logprobs(out, sent[c.index], offsets[c.index])
+                choice = {"index": c.index, "text": out.delta, "finish_reason": out.finish_reason}
+                if out.logprobs is not None:
+                    lp = self._completion_logprobs(out, sent[c.index], offsets[c.index])
+                    choice["logprobs"] = lp.model_dump(exclude_none=True)
                 sent[c.index] = len(out.token_ids)
                 offsets[c.index] += len(out.delta)
-                data = p.CompletionChoice(index=c.index, text=out.delta, logprobs=lp).model_dump(exclude_none=True)
-                data["finish_reason"] = out.finish_reason
-                head = p.CompletionResponse(id=rid, model=name, choices=[]).model_dump(exclude_none=True)
-                head["choices"] = [data]
-                yield f"data: {_json(head)}\n\n"
+                yield head + _json(choice) + "]}\n\n"
             if include_usage:
                 u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices))
                 yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
@@ -459,6 +472,11 @@ class OpenAIServing:
         self.check_model(req.model)
         self._check_ids(list(req.tokens))
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+def _chunk_head(request_id: str, object_name: str, model: str) -> str:
+    """The start of every SSE chunk of one response, up to its ``choices`` list."""
+    return f'data: {{"id":{_json(request_id)},"object":"{object_name}","created":{int(time.time())},"model":{_json(model)},"choices":['
 
 
 def _json(obj) -> str:
