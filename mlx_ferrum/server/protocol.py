@@ -69,7 +69,6 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None
-    echo: bool = False
 
 
 class TokenizeRequest(_Request):
