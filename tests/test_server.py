@@ -300,3 +300,22 @@ def test_one_refused_prompt_fails_the_request_and_aborts_its_siblings(server):
         time.sleep(0.1)
     time.sleep(0.3)
     assert server.metrics()["mlx_ferrum:generation_tokens_total"] - before < 2 * 400  # the "Lily" pair did not run to the end
+
+
+def test_client_leaving_a_non_streamed_request_aborts_it(server):
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    deadline = time.monotonic() + 15
+    while True:
+        m = server.metrics()
+        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    time.sleep(0.5)
+    after = server.metrics()
+    assert after["mlx_ferrum:generation_tokens_total"] - before["mlx_ferrum:generation_tokens_total"] < 450
+    assert after['mlx_ferrum:request_success_total{finished_reason="abort"}'] > before.get(
+        'mlx_ferrum:request_success_total{finished_reason="abort"}', 0)
