@@ -1,4 +1,4 @@
-"""The ``mlx-ferrum`` command line: ``generate``, ``chat``, ``bench``.
+"""The ``mlx-ferrum`` command line: ``generate``, ``chat``, ``bench``, ``serve``.
 
 ``generate`` writes only the generated text to stdout; statistics (prompt and decode
 tokens per second, peak memory) go to stderr, so the output can be piped; ``-p -``
@@ -257,6 +257,60 @@ def cmd_bench(args) -> int:
     return run_bench_cli(args)
 
 
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`RuntimeConfig` field (``--block-size`` ...); unset = its FERRUM_* variable."""
+    from dataclasses import fields
+
+    from .config import _ENV
+
+    for f in fields(RuntimeConfig):
+        var, parse, default = _ENV[f.name]
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            type=(lambda raw, var=var, parse=parse: parse(var, raw)),
+            help=f"default: ${var}, else {'paged' if f.name == 'kv_layout' else default}",
+        )
+
+
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible HTTP server (see ``mlx_ferrum.server``)."""
+    import logging
+    import os
+    from dataclasses import fields
+
+    from .server import run_server
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if getattr(args, f.name) is not None}
+    if args.enable_prefix_caching:
+        overrides["prefix_cache"] = True
+    if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
+        overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
+    config = RuntimeConfig(**overrides)
+    template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as fh:
+                template = fh.read()
+        except OSError as e:
+            raise ChatTemplateError(f"cannot read --chat-template {args.chat_template!r}: {e.strerror}: give a readable Jinja file") from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    model, tokenizer = _load(args)
+    names = args.served_model_name or [args.model]
+    print(f"mlx-ferrum serve: {names[0]} on http://{args.host}:{args.port}/v1 ({config.kv_layout} KV, "
+          f"prefix cache {'on' if config.prefix_cache else 'off'}, max_num_seqs {config.max_num_seqs})", file=sys.stderr)
+    code = run_server(
+        model, tokenizer, config, host=args.host, port=args.port, served_model_names=names,
+        api_key=args.api_key, chat_template=template, log_level=args.log_level,
+    )
+    # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
+    # backend, destroying MLX state after the paged engine ran in a worker thread aborts
+    # the process ("terminate called without an active exception"), which would turn a
+    # graceful exit 0 into 134.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mlx-ferrum``."""
     from . import __version__
@@ -289,6 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     b.add_argument("--compare", default=None, choices=["mlx-lm"], help="also run mlx-lm's BatchGenerator")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
+    s.add_argument("--dtype", default=None, help="cast weights: float32, float16 or bfloat16")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None, help="names accepted in 'model' (default: --model)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the checkpoint's)")
+    s.add_argument("--enable-prefix-caching", action="store_true", help="same as --prefix-cache 1 / FERRUM_PREFIX_CACHE=1")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_runtime_args(s)
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

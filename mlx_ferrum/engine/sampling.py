@@ -3,7 +3,9 @@
 Processing order for one step (Hugging Face ``generate``'s warper order, also vLLM's):
 
 1. repetition penalty on the raw logits (Keskar et al. 2019, "CTRL", section 4.1;
-   HF ``RepetitionPenaltyLogitsProcessor``);
+   HF ``RepetitionPenaltyLogitsProcessor``), then presence and frequency penalties on
+   the generated tokens (OpenAI's API reference, "Parameter details"; vLLM's
+   ``apply_penalties``);
 2. temperature;
 3. top-k (Fan et al. 2018, "Hierarchical Neural Story Generation");
 4. top-p / nucleus (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration");
@@ -35,6 +37,7 @@ __all__ = [
     "SamplerState",
     "SampleResult",
     "apply_repetition_penalty",
+    "apply_presence_frequency_penalty",
     "apply_temperature",
     "apply_top_k",
     "apply_top_p",
@@ -73,6 +76,10 @@ class SamplingParams:
       ``min_p * max probability``; ``0`` is off.
     - ``repetition_penalty`` (float > 0): CTRL penalty on every token already seen
       (prompt and output); ``1`` is off.
+    - ``presence_penalty`` (float in [-2, 2]): subtracted once from the logit of every
+      token already generated; ``0`` is off.
+    - ``frequency_penalty`` (float in [-2, 2]): subtracted from a token's logit once per
+      time it was generated; ``0`` is off.
     - ``seed`` (int in [0, 2**64) or ``None``): the row's PRNG seed; ``None`` draws one
       from MLX's global generator (so ``mx.random.seed`` makes it reproducible).
     - ``max_tokens`` (int >= 1): tokens to generate at most.
@@ -102,6 +109,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     ignore_eos: bool = False
     speculative: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -117,6 +126,10 @@ class SamplingParams:
             bad("min_p", "use a number in [0, 1] (0 = off)")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "use a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not (-2 <= v <= 2):
+                bad(name, "use a number in [-2, 2] (0 = off)")
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**64)):
             bad("seed", "use None or an int in [0, 2**64)")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -205,6 +218,42 @@ def apply_repetition_penalty(logits: mx.array, history: Sequence[Sequence[int]],
     seen = mx.zeros((batch, vocab), dtype=mx.bool_).at[mx.array(rows), mx.array(cols)].add(True)
     penalised = mx.where(x < 0, x * pen, x / pen)
     return mx.where(seen, penalised, x)
+
+
+def apply_presence_frequency_penalty(
+    logits: mx.array, generated: Sequence[Sequence[int]], presence: RowParam, frequency: RowParam
+) -> mx.array:
+    """Subtract ``presence * [count > 0] + frequency * count`` from each logit.
+
+    ``count[b, v]`` is how often id ``v`` occurs in ``generated[b]`` (the output only,
+    not the prompt, as in OpenAI's API and vLLM). Ids outside ``[0, V)`` are ignored.
+
+    Args:
+        logits: ``[B, V]``, any float dtype.
+        generated: ``B`` sequences of generated token ids.
+        presence, frequency: per row, in [-2, 2]; ``0`` leaves the row unchanged.
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Raises:
+        ExecutorError: ``logits`` is not 2-D, or the per-row arguments have the wrong length.
+    """
+    x = _as_2d(logits)
+    batch, vocab = x.shape
+    if len(generated) != batch:
+        raise ExecutorError(f"presence/frequency penalty got {len(generated)} histories for {batch} rows")
+    rows: list[int] = []
+    cols: list[int] = []
+    for b, ids in enumerate(generated):
+        for t in ids:
+            if 0 <= int(t) < vocab:
+                rows.append(b)
+                cols.append(int(t))
+    if not rows:
+        return x
+    counts = mx.zeros((batch, vocab), dtype=mx.float32).at[mx.array(rows), mx.array(cols)].add(1.0)
+    return x - _rows(presence, batch) * (counts > 0).astype(mx.float32) - _rows(frequency, batch) * counts
 
 
 def apply_temperature(logits: mx.array, temperature: RowParam) -> mx.array:
@@ -318,17 +367,21 @@ class SamplerState:
       sampled step, so a seed gives the same tokens whatever else shares the batch.
     - ``history``: token ids seen so far (prompt, then each sampled token), read by the
       repetition penalty.
+    - ``num_prompt_tokens``: how many leading ``history`` ids are the prompt (the
+      presence and frequency penalties read only the ids after them).
     """
 
     params: SamplingParams
     key: mx.array
     history: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> "SamplerState":
         """A fresh state: key from ``params.seed`` (or MLX's global generator); history = prompt."""
         key = mx.random.key(params.seed) if params.seed is not None else _random_key()
-        return cls(params=params, key=key, history=[int(t) for t in prompt_ids])
+        history = [int(t) for t in prompt_ids]
+        return cls(params=params, key=key, history=history, num_prompt_tokens=len(history))
 
     def next_key(self) -> mx.array:
         """Split the key: keep one half, return the other for this step's draw."""
@@ -397,6 +450,13 @@ def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True
     x = raw
     if any(p.repetition_penalty != 1.0 for p in params):
         x = apply_repetition_penalty(x, [s.history for s in states], [p.repetition_penalty for p in params])
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        x = apply_presence_frequency_penalty(
+            x,
+            [s.history[s.num_prompt_tokens :] for s in states],
+            [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params],
+        )
 
     greedy_rows = [p.greedy for p in params]
     argmax = mx.argmax(x, axis=-1).astype(mx.int32)

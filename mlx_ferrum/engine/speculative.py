@@ -45,6 +45,7 @@ from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
 from ..executor import KvCacheHandle, LlmExecutor, SeqWork
 from .sampling import (
+    apply_presence_frequency_penalty,
     SamplerState,
     SamplingParams,
     apply_min_p,
@@ -114,7 +115,10 @@ class Verified:
 
 
 def processed_logits(
-    logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generated: Optional[Sequence[Sequence[int]]] = None,
 ) -> tuple[mx.array, Optional[mx.array]]:
     """The logits :func:`~mlx_ferrum.engine.sampling.sample` draws from, one row per entry.
 
@@ -122,6 +126,8 @@ def processed_logits(
         logits: ``[R, V]`` raw logits, any float dtype.
         params: ``R`` sampling parameters (one per row).
         histories: ``R`` token-id histories (for the repetition penalty).
+        generated: ``R`` lists of generated ids only (for the presence and frequency
+            penalties); None when no row has them.
 
     Returns:
         ``(penalised, filtered)``: ``[R, V]`` float32 logits after the repetition penalty
@@ -132,6 +138,10 @@ def processed_logits(
     x = logits.astype(mx.float32)
     if any(p.repetition_penalty != 1.0 for p in params):
         x = apply_repetition_penalty(x, histories, [p.repetition_penalty for p in params])
+    if generated is not None and any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        x = apply_presence_frequency_penalty(
+            x, generated, [p.presence_penalty for p in params], [p.frequency_penalty for p in params]
+        )
     if all(p.greedy for p in params):
         return x, None
     y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
@@ -205,16 +215,18 @@ def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Se
     Raises:
         ValueError: a logits block does not have ``m_b + 1`` rows.
     """
-    params, histories = [], []
+    params, histories, generated = [], [], []
     for lg, prop, st in zip(logits, proposals, states):
         m = len(prop.token_ids)
         if lg.shape[0] != m + 1:
             raise ValueError(f"verify got {lg.shape[0]} logits rows for {m} proposed tokens: expected {m + 1}")
+        penalised = st.params.presence_penalty != 0.0 or st.params.frequency_penalty != 0.0
         for i in range(m + 1):
             params.append(st.params)
             histories.append(st.history + prop.token_ids[:i] if st.params.repetition_penalty != 1.0 else st.history)
+            generated.append(st.history[st.num_prompt_tokens:] + prop.token_ids[:i] if penalised else [])
     rows = mx.concatenate(list(logits), axis=0)
-    x, y = processed_logits(rows, params, histories)
+    x, y = processed_logits(rows, params, histories, generated)
     argmax = mx.argmax(x, axis=-1).tolist()
     probs = _softmax(y) if y is not None else None
 

@@ -1,0 +1,210 @@
+"""The FastAPI app of ``mlx-ferrum serve`` and its uvicorn runner.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Every error
+is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, then every in-flight
+request is aborted, so each open stream and each waiting response ends with finish
+reason ``abort``; uvicorn then waits for those responses to finish and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Optional
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import protocol as p
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .serving import OpenAIServing, ServingError
+
+logger = logging.getLogger("mlx_ferrum.server")
+
+_DISCONNECT_POLL_S = 0.25
+
+
+def _error(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(ServingError(status, message, type, param).body().model_dump(), status_code=status)
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run ``coro``; cancel it (aborting its engine requests) if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None) -> FastAPI:
+    """The FastAPI app over ``serving``.
+
+    Args:
+        serving: the :class:`OpenAIServing` that answers requests.
+        metrics: the registry served at ``/metrics`` (None: built over ``serving.engine``).
+        api_key: when set, every path but ``/health`` and ``/metrics`` needs
+            ``Authorization: Bearer <api_key>`` (else 401).
+    """
+    metrics = metrics if metrics is not None else (serving.metrics or ServerMetrics(serving.engine))
+    serving.metrics = metrics
+    app = FastAPI(title="mlx-ferrum", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+
+    def fail(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
+        metrics.http_errors.labels(status=str(status)).inc()
+        return _error(status, message, type, param)
+
+    @app.exception_handler(ServingError)
+    async def _serving_error(request: Request, exc: ServingError):
+        return fail(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return fail(400, f"the request body is not valid JSON: {first.get('msg', '')}", "invalid_request_error")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return fail(400, f"invalid parameter {param}: {first.get('msg', 'invalid value')}", "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return fail(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("request failed")
+        return fail(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ServingError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+
+    guarded = [Depends(check_key)]
+
+    async def _answer(request: Request, coro):
+        result = await _until_disconnect(request, coro)
+        if result is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        if isinstance(result, p.BaseModel):
+            return JSONResponse(result.model_dump(exclude_none=True))
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        return await _answer(request, serving.chat(body))
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await _answer(request, serving.completion(body))
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return p.ModelList(data=[p.ModelCard(id=n, root=n, max_model_len=serving.max_model_len) for n in serving.model_names]).model_dump()
+
+    @app.get("/health")
+    async def health():
+        serving.check_alive()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: p.TokenizeRequest):
+        return serving.tokenize(body).model_dump()
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: p.DetokenizeRequest):
+        return serving.detokenize(body).model_dump()
+
+    return app
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus: a signal first aborts in-flight requests, and the process
+    exits 0 instead of re-raising the signal after the graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing):
+        super().__init__(config)
+        self.serving = serving
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.serving.shutting_down = True
+        if self._loop is not None:
+            # Deferred to the loop: the handler may have interrupted code holding the engine lock.
+            self._loop.call_soon_threadsafe(self._abort_all)
+        super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).clear()  # a clean, requested exit: status 0, not the signal re-raised
+
+    def _abort_all(self) -> None:
+        n = self.serving.abort_all()
+        if n:
+            logger.info("shutdown: aborted %d in-flight request(s)", n)
+
+
+def run_server(
+    model,
+    tokenizer,
+    config=None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_names: Optional[list[str]] = None,
+    api_key: Optional[str] = None,
+    chat_template: Optional[str] = None,
+    log_level: str = "info",
+) -> int:
+    """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
+
+    Args:
+        model, tokenizer: from :func:`mlx_ferrum.load`.
+        config: the engine's :class:`~mlx_ferrum.config.RuntimeConfig` (None reads the environment).
+        host, port: where to listen (loopback by default).
+        served_model_names: names accepted in requests' ``model`` (default ``["default"]``).
+        api_key: require ``Authorization: Bearer <api_key>``.
+        chat_template: a Jinja template string overriding the checkpoint's.
+        log_level: uvicorn's log level.
+    """
+    from ..engine import AsyncEngine, Engine
+
+    engine = Engine(model, tokenizer, config)
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(engine)
+    serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics)
+    app = build_app(serving, metrics, api_key)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
+        backlog=2048, timeout_keep_alive=30,
+    )
+    server = _GracefulServer(uv_config, serving)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0

@@ -1,0 +1,88 @@
+"""Prometheus metrics of the server, through ``prometheus_client``.
+
+Names follow vLLM's (``vllm:num_requests_running`` ...) under the ``mlx_ferrum:`` prefix.
+Gauges that mirror engine state (running and waiting requests, KV-cache usage, prefix
+cache hits) are read from :meth:`Engine.stats` at scrape time by a custom collector, so
+they can never drift from the engine; per-request histograms and counters are recorded
+by the server as each request finishes. Each :class:`ServerMetrics` has its own
+registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets (seconds) as vLLM's, which span Metal-GPU and CPU-backend latencies.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class _EngineCollector:
+    """Yields the engine-state gauges from ``engine.stats()`` at each scrape."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        running = GaugeMetricFamily("mlx_ferrum:num_requests_running", "Requests in the running batch.")
+        running.add_metric([], s["num_running"])
+        waiting = GaugeMetricFamily("mlx_ferrum:num_requests_waiting", "Requests waiting to be scheduled.")
+        waiting.add_metric([], s["num_waiting"])
+        total, used = s.get("kv_blocks_total"), s.get("kv_blocks_used")
+        usage = GaugeMetricFamily("mlx_ferrum:kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1; 0 for the contiguous layout).")
+        usage.add_metric([], (used / total) if total else 0.0)
+        blocks = GaugeMetricFamily("mlx_ferrum:kv_cache_used_blocks", "KV-cache blocks in use.")
+        blocks.add_metric([], used or 0)
+        hit_rate = GaugeMetricFamily("mlx_ferrum:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.")
+        hit_rate.add_metric([], s.get("prefix_cache_hit_rate") or 0.0)
+        hits = CounterMetricFamily("mlx_ferrum:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        hits.add_metric([], s["kv"].get("prefix_hit_tokens", 0))
+        preempt = CounterMetricFamily("mlx_ferrum:num_preemptions", "Sequences preempted and recomputed.")
+        preempt.add_metric([], s["num_preemptions"])
+        generated = CounterMetricFamily("mlx_ferrum:generation_tokens", "Tokens generated (every request, aborted ones included).")
+        generated.add_metric([], s["generated_tokens"])
+        prefilled = CounterMetricFamily("mlx_ferrum:prompt_tokens", "Prompt tokens run through the model (prefix-cache hits excluded).")
+        prefilled.add_metric([], s["prefilled_tokens"])
+        return [running, waiting, usage, blocks, hit_rate, hits, preempt, generated, prefilled]
+
+
+class ServerMetrics:
+    """The server's Prometheus registry.
+
+    Args:
+        engine: the :class:`~mlx_ferrum.engine.Engine` whose ``stats()`` feeds the gauges.
+    """
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram("mlx_ferrum:time_to_first_token_seconds", "Time to first token (s).", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("mlx_ferrum:inter_token_latency_seconds", "Time between consecutive output tokens (s).", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("mlx_ferrum:e2e_request_latency_seconds", "Arrival to finish (s).", buckets=_E2E_BUCKETS, registry=r)
+        self.finished = Counter("mlx_ferrum:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
+        self.http_errors = Counter("mlx_ferrum:http_errors", "Requests answered with an error, by status code.", ["status"], registry=r)
+
+    def observe_finished(self, out) -> None:
+        """Record one finished :class:`~mlx_ferrum.engine.RequestOutput`."""
+        m = out.metrics
+        self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def observe_aborted(self) -> None:
+        """Record a request whose stream was closed before its final output (client left)."""
+        self.finished.labels(finished_reason="abort").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
