@@ -381,3 +381,22 @@ def test_benchmark_quick_mode(stories_path):
                        env=dict(os.environ, PYTHONPATH=REPO, FERRUM_SHARED_MODELS=str(stories_path.parent)))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "| quote" in r.stdout and "tok/fwd on" in r.stdout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_presence_and_frequency_penalties_are_applied_when_verifying(model, layout):
+    """Greedy rows with presence/frequency penalties: the verifier must penalise each
+    proposed position by the tokens generated before it, exactly as sample() would."""
+    r = random.Random(5)
+    prompts, params = [], []
+    for i in range(6):
+        unit = [r.randrange(97) for _ in range(r.randint(2, 5))]
+        prompts.append((unit * 10)[:30])
+        params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                     presence_penalty=0.8 if i % 2 else 0.0, frequency_penalty=0.6))
+    ref = Engine(model, None, config(layout)).generate(prompts, params)
+    eng = Engine(model, None, config(layout, speculative="ngram", prompt_lookup_min=1, num_speculative_tokens=3))
+    outs = eng.generate(prompts, params)
+    assert spec_stats(eng)["spec_proposed_tokens"] > 0
+    for ref_out, out in zip(ref, outs):
+        assert out.token_ids == ref_out.token_ids
