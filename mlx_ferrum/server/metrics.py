@@ -48,7 +48,15 @@ class _EngineCollector:
         generated.add_metric([], s["generated_tokens"])
         prefilled = CounterMetricFamily("mlx_ferrum:prompt_tokens", "Prompt tokens run through the model (prefix-cache hits excluded).")
         prefilled.add_metric([], s["prefilled_tokens"])
-        return [running, waiting, usage, blocks, hit_rate, hits, preempt, generated, prefilled]
+        # speculative decoding, under vLLM's spec_decode names (all 0 when it is off)
+        drafts = CounterMetricFamily("mlx_ferrum:spec_decode_num_drafts", "Verified rows that carried proposed tokens.")
+        drafts.add_metric([], s.get("spec_num_drafts", 0))
+        draft_tokens = CounterMetricFamily("mlx_ferrum:spec_decode_num_draft_tokens", "Tokens proposed by the speculative proposer.")
+        draft_tokens.add_metric([], s.get("spec_proposed_tokens", 0))
+        accepted = CounterMetricFamily("mlx_ferrum:spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
+        accepted.add_metric([], s.get("spec_accepted_tokens", 0))
+        return [running, waiting, usage, blocks, hit_rate, hits, preempt, generated, prefilled,
+                drafts, draft_tokens, accepted]
 
 
 class ServerMetrics:
