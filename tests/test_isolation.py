@@ -363,3 +363,30 @@ def test_stream_generate_names_non_finite_logits_and_releases_the_cache(layout):
     assert not (ex.manager.seqs if ex.layout == "paged" else ex._contiguous)
     # a healthy prompt on the same model still works
     assert len(list(mf.stream_generate(m, _NoTextTokenizer(), [1, 3, 5], config=cfg, max_tokens=4))) == 4
+
+
+def test_a_process_that_leaves_an_async_engine_running_exits_cleanly(stories_path, tmp_path):
+    """A paged AsyncEngine left running at interpreter exit used to abort the process
+    (exit 134, "terminate called without an active exception"); it is stopped at exit."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "leave_running.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio
+        import mlx_ferrum as mf
+        from mlx_ferrum.engine import AsyncEngine
+        model, tokenizer = mf.load({str(stories_path)!r})
+        engine = AsyncEngine(mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged")))
+        async def main():
+            async for _ in engine.astream("Once upon a time", mf.SamplingParams(max_tokens=8)):
+                pass
+        asyncio.run(main())
+        print("done")
+    """))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "done"

@@ -8,8 +8,10 @@ request's outputs reach its ``async for`` through an ``asyncio.Queue`` fed with
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
+import weakref
 from typing import AsyncIterator, Optional
 
 from .engine import Engine, RequestOutput
@@ -17,6 +19,17 @@ from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Engines whose stepping thread is alive. A daemon thread that is still inside MLX when
+# the interpreter finalizes makes the process abort ("terminate called without an active
+# exception", exit 134), so every live engine is stopped and joined at exit.
+_live_engines: "weakref.WeakSet[AsyncEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    for engine in list(_live_engines):
+        engine.shutdown()
 
 
 def _is_token_ids(prompt) -> bool:
@@ -38,6 +51,7 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mlx-ferrum-engine", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
 
     def _loop(self) -> None:
         # The loop never dies: Engine.step() fails a broken step's requests itself; an
@@ -118,7 +132,12 @@ class AsyncEngine:
         return last
 
     def shutdown(self) -> None:
-        """Stop the background thread."""
+        """Stop the background thread (after the step it is running); idempotent.
+
+        Called for every live engine at interpreter exit as well.
+        """
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        _live_engines.discard(self)
