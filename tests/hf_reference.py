@@ -69,6 +69,7 @@ def _phi3(window: int) -> Any:
     return transformers.Phi3Config(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, original_max_position_embeddings=256,
+        sliding_window=window,
         rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.1 * i for i in range(half)],
