@@ -73,6 +73,19 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
     return (w if w is not None else emb.weight).dtype
 
 
+def uniform_sliding_window(model: nn.Module) -> Optional[int]:
+    """The sliding window every layer shares (Mistral, Phi-3), else None.
+
+    Only then may the paged manager free blocks outside the window: a model with any
+    full-attention layer (Gemma 3, gpt-oss) needs every block for that layer.
+    """
+    args = model.args
+    if not hasattr(args, "window"):
+        return None
+    windows = {args.window(i) for i in range(args.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None
+
+
 def _as_token_list(ids: mx.array, what: str) -> list[int]:
     if not isinstance(ids, mx.array):
         ids = mx.array(ids)
@@ -158,7 +171,8 @@ class LlmExecutor:
                 self.config.kv_memory_fraction,
             )
             self.manager = PagedKvCacheManager(
-                num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache
+                num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache,
+                sliding_window=uniform_sliding_window(model),
             )
             self.pool = PagedKvPool(
                 args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs, args.head_dim, self.dtype
@@ -279,7 +293,8 @@ class LlmExecutor:
                     mgr.truncate(cid, prev)
             raise
         self.pool.copy_blocks(copies)
-        tables = [mgr.seqs[w.cache_id].block_ids for w in items]
+        # blocks freed outside a sliding window (-1) point at block 0: attention never reads them
+        tables = [[max(b, 0) for b in mgr.seqs[w.cache_id].block_ids] for w in items]
         max_blocks = max(len(t) for t in tables)
         table_arr = mx.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=mx.int32)
         ctx = [mgr.seqs[w.cache_id].num_tokens for w in items]
