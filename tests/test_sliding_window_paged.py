@@ -1,10 +1,11 @@
 """Sliding-window block freeing in the paged layout.
 
-A model whose every layer has the same window (Mistral here) lets the paged manager
-free blocks wholly before the window. The manager tests check the accounting; the
-engine test checks that generation with freeing, prefix caching and preemption
-produces exactly what the contiguous layout (a masked cache that frees nothing)
-produces, request by request.
+A model whose every layer has the same window (Mistral) lets the paged manager free
+blocks wholly before the window; a model mixing full and sliding layers (Gemma 3)
+gets one block table per layer group, and only the sliding group frees. The manager
+tests check the accounting; the engine test checks that generation with freeing,
+prefix caching and preemption produces exactly what the contiguous layout (a masked
+cache that frees nothing) produces, request by request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import KvCacheError
-from mlx_ferrum.kv_cache import PagedKvCacheManager
+from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvCacheManager
 from mlx_ferrum.kv_cache.manager import FREED_BLOCK
 
 
@@ -70,18 +71,46 @@ def test_fork_truncate_and_prefix_cache_with_freed_blocks():
     assert mgr.allocator.num_in_use == 0
 
 
-@pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
+def test_layer_groups_hold_full_blocks_for_global_layers_and_a_window_for_sliding_ones():
+    windows = [16, 16, None, 16, 16, None]
+    mgr = LayerGroupKvManager(64, 8, 64, windows, prefix_cache=True)
+    assert mgr.group_windows == [None, 16] and mgr.layer_groups == [1, 1, 0, 1, 1, 0]
+    mgr.create("a")
+    mgr.append_slots("a", 100, list(range(100)))
+    for i in range(60):
+        res = mgr.append_slots("a", 1, [100 + i])
+        assert len(res.group_results) == 2
+        mgr.check_invariants()
+    full, sliding = (g.allocator.num_in_use for g in mgr.groups)
+    assert full == -(-160 // 8) and sliding <= -(-16 // 8) + 2
+    per_token_layer = 10
+    assert mgr.bytes_held(per_token_layer) == (full * 2 + sliding * 4) * 8 * per_token_layer
+    mgr.fork("a", "b")
+    with pytest.raises(KvCacheError):
+        mgr.truncate("b", 155)  # its window would start in a freed sliding block
+    mgr.truncate("b", 159)
+    mgr.create("c")
+    # freed sliding blocks stay cached until evicted, so all 20 full blocks match in both groups
+    assert mgr.match_prefix("c", list(range(200))) == 160
+    for cid in ("a", "b", "c"):
+        mgr.release(cid)
+    mgr.check_invariants()
+    assert mgr.allocator.num_in_use == 0
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3_text"])
+def windowed_model(request, tmp_path_factory):
     from hf_reference import make_checkpoint
 
     from mlx_ferrum.models import load_model
 
-    folder = tmp_path_factory.mktemp("mistral_window")
-    make_checkpoint("mistral", folder, window=12)
+    folder = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(request.param, folder, window=12)
     return load_model(folder)[0]
 
 
-def test_engine_with_freeing_prefix_cache_and_preemption_matches_contiguous(mistral):
+def test_engine_with_freeing_prefix_cache_and_preemption_matches_contiguous(windowed_model):
+    mistral = windowed_model
     r = random.Random(5)
     shared = [r.randrange(3, 128) for _ in range(24)]
     prompts = [

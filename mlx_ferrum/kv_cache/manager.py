@@ -224,15 +224,7 @@ class PagedKvCacheManager:
             KvCacheError: ``new_len`` is negative or above ``num_tokens``.
         """
         seq = self._seq(cache_id)
-        if not 0 <= new_len <= seq.num_tokens:
-            raise KvCacheError(f"cannot truncate {cache_id!r} of {seq.num_tokens} tokens to {new_len}")
-        if self.sliding_window is not None and 0 < new_len and new_len - self.sliding_window + 1 < self.first_live_token(
-            cache_id
-        ):
-            raise KvCacheError(
-                f"cannot truncate {cache_id!r} to {new_len} tokens: the blocks its sliding window would need were "
-                "freed; release the sequence and recompute it instead"
-            )
+        self.check_truncate(cache_id, new_len)
         keep = -(-new_len // self.block_size)
         for b in seq.block_ids[keep:]:
             if b != FREED_BLOCK:
@@ -249,6 +241,24 @@ class PagedKvCacheManager:
                     # its tail will be overwritten, so its key no longer describes it
                     self._on_evict(partial)
                     self.allocator.mark_cached(partial, False)
+
+    def check_truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Raise what :meth:`truncate` would raise, changing nothing.
+
+        Raises:
+            KvCacheError: ``new_len`` is out of range, or the sliding window of the
+                token at ``new_len`` would start in a block already freed.
+        """
+        seq = self._seq(cache_id)
+        if not 0 <= new_len <= seq.num_tokens:
+            raise KvCacheError(f"cannot truncate {cache_id!r} of {seq.num_tokens} tokens to {new_len}")
+        if self.sliding_window is not None and new_len and max(0, new_len - self.sliding_window + 1) < self.first_live_token(
+            cache_id
+        ):
+            raise KvCacheError(
+                f"cannot truncate {cache_id!r} to {new_len} tokens: the blocks its sliding window would need were "
+                "freed; release the sequence and recompute it instead"
+            )
 
     def release(self, cache_id: Hashable) -> None:
         """Free every block of ``cache_id`` and forget it.

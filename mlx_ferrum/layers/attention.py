@@ -73,6 +73,12 @@ class AttentionMetadata:
     host_query_start_loc: list = field(default_factory=list)
     logits_indices: Optional[mx.array] = None
     slot_index: Any = None
+    # paged, layer groups (models mixing full and sliding layers): layer_groups[layer]
+    # is the layer's group; each group has its own slot_mapping and block_tables
+    layer_groups: Optional[list] = None
+    group_slot_mappings: Optional[list] = None
+    group_block_tables: Optional[list] = None
+    group_slot_indices: Optional[dict] = None
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -200,9 +206,20 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
     kt = k[0].transpose(1, 0, 2)
     vt = v[0].transpose(1, 0, 2)
     pool = meta.pool
-    if meta.slot_index is None:
-        meta.slot_index = pool.slot_indices(meta.slot_mapping)
-    pool.write(layer, meta.slot_mapping, kt, vt, indices=meta.slot_index)
+    if meta.layer_groups is not None:
+        # this layer's group has its own block ids (sliding groups free old blocks)
+        g = meta.layer_groups[layer]
+        slot_mapping, block_tables = meta.group_slot_mappings[g], meta.group_block_tables[g]
+        if meta.group_slot_indices is None:
+            meta.group_slot_indices = {}
+        if g not in meta.group_slot_indices:
+            meta.group_slot_indices[g] = pool.slot_indices(slot_mapping)
+        slot_index = meta.group_slot_indices[g]
+    else:
+        if meta.slot_index is None:
+            meta.slot_index = pool.slot_indices(meta.slot_mapping)
+        slot_mapping, block_tables, slot_index = meta.slot_mapping, meta.block_tables, meta.slot_index
+    pool.write(layer, slot_mapping, kt, vt, indices=slot_index)
     kp, vp = pool.k[layer], pool.v[layer]
     nd = meta.num_decode_seqs
     n_seqs = len(meta.host_context_lens)
@@ -210,7 +227,7 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
     if nd:
         parts.append(
             kernels.paged_attention_decode(
-                qt[:nd], kp, vp, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                qt[:nd], kp, vp, block_tables[:nd], meta.context_lens[:nd], scale,
                 host_context_lens=meta.host_context_lens[:nd],
                 window=window, sinks=sinks,
             )
@@ -224,7 +241,7 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
                 qt[base:],
                 kp,
                 vp,
-                meta.block_tables[nd:],
+                block_tables[nd:],
                 meta.context_lens[nd:],
                 mx.array(rel, dtype=mx.int32),
                 scale,
