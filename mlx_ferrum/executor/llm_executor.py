@@ -361,6 +361,11 @@ class LlmExecutor:
                 else:
                     mgr.truncate(cid, prev)
             raise
+        for w in items:
+            # keep only each sliding window between steps; a verify step (all logits)
+            # keeps its blocks until the rejected draft tokens are truncated
+            if not w.all_logits:
+                mgr.trim_to_window(w.cache_id)
         out: list[Optional[mx.array]] = [None] * len(work)
         r = 0
         for i, w in zip(order, items):

@@ -169,6 +169,11 @@ class LayerGroupKvManager:
             raise
         return GroupAppendResult(results[0].slots, results[0].copies, results)
 
+    def trim_to_window(self, cache_id: Hashable) -> None:
+        """Free, in each sliding group, the blocks outside the next token's window."""
+        for g in self.groups:
+            g.trim_to_window(cache_id)
+
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Keep the first ``new_len`` tokens in every group (checked in all groups first).
 

@@ -207,6 +207,16 @@ class PagedKvCacheManager:
                 self.allocator.free(b)
                 seq.block_ids[i] = FREED_BLOCK
 
+    def trim_to_window(self, cache_id: Hashable) -> None:
+        """Free the blocks the next token's window no longer covers (no-op without a window).
+
+        Called by the executor after a forward pass, so a sequence holds only its
+        window between steps. Not called after a speculative verify step, whose
+        rejected tokens may be truncated away.
+        """
+        if self.sliding_window is not None:
+            self._free_outside_window(self._seq(cache_id))
+
     def first_live_token(self, cache_id: Hashable) -> int:
         """Position of the first token whose block is still held (0 without a window)."""
         seq = self._seq(cache_id)
