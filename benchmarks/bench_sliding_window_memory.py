@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
-from common import fmt_bytes, print_header  # noqa: E402
+from common import fmt_bytes, print_header, print_table  # noqa: E402
 
 
 def gemma3_config(window: int, all_global: bool = False) -> dict:
@@ -79,18 +79,26 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--quick", action="store_true", help="1024 tokens, window 256 (same 4:1 ratio of length to window)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.window = 1024, 256
     print_header("bench_sliding_window_memory: KV bytes held, Gemma-3 layer pattern (5 sliding : 1 global)",
                  {"sequence": f"{args.tokens} tokens, prefill chunks of 512, window {args.window}, fp32, block 16"})
     tokens = [int(t) for t in mx.random.randint(0, 1024, (args.tokens,), key=mx.random.key(0)).tolist()]
     windowed = ferrum_bytes(gemma3_config(args.window), tokens)
     full = ferrum_bytes(gemma3_config(args.window, all_global=True), tokens)
     ref = mlx_lm_bytes(gemma3_config(args.window), tokens)
-    print(f"   mlx_ferrum paged, sliding groups freed : {fmt_bytes(windowed)}")
-    print(f"   mlx_ferrum paged, all layers global    : {fmt_bytes(full)}")
-    print(f"   mlx-lm caches (RotatingKVCache)        : {fmt_bytes(ref)}")
-    print(f"   ratio windowed / full attention        : {windowed / full:.3f}  (target <= 0.40)")
-    print(f"   ratio mlx_ferrum / mlx-lm              : {windowed / ref:.3f}")
+    print_table(
+        ["cache", "KV bytes held", "bytes", "ratio to full attention"],
+        [
+            ["mlx_ferrum paged, sliding groups freed", fmt_bytes(windowed), windowed, f"{windowed / full:.3f}"],
+            ["mlx_ferrum paged, all layers global", fmt_bytes(full), full, "1.000"],
+            ["mlx-lm (RotatingKVCache for sliding layers)", fmt_bytes(ref), ref, f"{ref / full:.3f}"],
+        ],
+    )
+    print(f"\n   ratio windowed / full attention: {windowed / full:.3f} (target <= 0.40); "
+          f"mlx_ferrum / mlx-lm: {windowed / ref:.3f}")
     return {"windowed": windowed, "full": full, "mlx_lm": ref, "ratio": windowed / full}
 
 
