@@ -120,9 +120,13 @@ def reference_logits(model, ids: list[int]) -> np.ndarray:
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """``n`` greedy tokens by full recompute in transformers; also the logits of the
-    whole sequence (to check the top-2 margins)."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(reference_logits(model, ids)[-1].argmax()))
+    """``n`` greedy tokens from transformers' ``generate`` (its own KV cache, sliding
+    layers included); also the eager full-sequence logits of prompt + tokens, which the
+    caller uses for the per-position check and the top-2 margins."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )
+    ids = [int(t) for t in out[0]]
     return ids[len(prompt):], reference_logits(model, ids)
