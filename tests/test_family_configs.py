@@ -93,3 +93,19 @@ def test_longrope_matches_transformers_on_both_sides_of_the_original_context(sta
     expected, _ = modeling_phi3.apply_rotary_pos_emb(xt, xt, cos, sin)
     ours = Rope(16, rope_parameters(cfg.to_dict()), 1024)(mx.array(x), mx.array([start]))
     assert np.abs(np.array(ours) - expected.numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize("use_sliding_window", [False, True])
+def test_qwen2_sliding_layers_follow_transformers_layer_types(use_sliding_window):
+    from mlx_ferrum.models.llama import layer_windows
+
+    cfg = transformers.Qwen2Config(
+        num_hidden_layers=6, sliding_window=32, use_sliding_window=use_sliding_window, max_window_layers=4
+    )
+    expected = [32 if t == "sliding_attention" else None for t in cfg.layer_types]
+    as_saved = cfg.to_dict()
+    assert layer_windows(as_saved, "qwen2", 6) == expected
+    del as_saved["layer_types"]  # older configs: from max_window_layers
+    if not use_sliding_window:
+        as_saved["sliding_window"] = 32
+    assert layer_windows(as_saved, "qwen2", 6) == expected

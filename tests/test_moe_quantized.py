@@ -68,3 +68,39 @@ def test_mlx_4bit_qwen3_moe_matches_mlx_lm(quantized_folder):
     for layout in ("contiguous", "paged"):
         cfg = RuntimeConfig(kv_layout=layout, kv_capacity=256, max_num_blocks=64 if layout == "paged" else None)
         assert _greedy(LlmExecutor(ours, config=cfg), prompt) == expected, layout
+
+
+def test_mlx_quantized_gpt_oss_checkpoint_loads_as_quantized(tmp_path):
+    """A gpt-oss checkpoint in mlx-lm's quantized format (stacked ``experts.*_proj``
+    with per-expert biases, an 8-bit router, ``config["quantization"]``) loads into
+    ``QuantizedSwitchLinear`` experts and computes what the in-memory quantized model
+    computes. (mlx-lm 0.32's own gpt-oss conversion reads the fused Hub tensors in the
+    MXFP4 release's orientation, so it cannot serve as the reference here.)"""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    src = tmp_path / "src"
+    make_checkpoint("gpt_oss", src)
+    model, config, _ = load_model(src)
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        if path.endswith("mlp.router"):
+            return {"group_size": 32, "bits": 8}
+        return {"group_size": 32, "bits": 4}
+
+    nn.quantize(model, class_predicate=predicate)
+    out = tmp_path / "q"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    quant = {"group_size": 32, "bits": 4, "mode": "affine"}
+    for i in range(len(model.layers)):
+        quant[f"model.layers.{i}.mlp.router"] = {"group_size": 32, "bits": 8}
+    (out / "config.json").write_text(json.dumps({**config, "quantization": quant}))
+    loaded, _, _ = load_model(out)
+    experts = loaded.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_proj, QuantizedSwitchLinear) and "bias" in experts.gate_proj
+    assert loaded.model.layers[0].mlp.router.bits == 8
+    ids = mx.array([[int(t) for t in mx.random.randint(3, config["vocab_size"], (40,), key=mx.random.key(3)).tolist()]])
+    assert mx.array_equal(loaded(ids), model(ids))
