@@ -98,7 +98,7 @@ def test_layer_groups_hold_full_blocks_for_global_layers_and_a_window_for_slidin
     assert mgr.allocator.num_in_use == 0
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3_text"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3_text", "gpt_oss"])
 def windowed_model(request, tmp_path_factory):
     from hf_reference import make_checkpoint
 
