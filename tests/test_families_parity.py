@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf_reference import CONFIGS, VOCAB, make_checkpoint, reference_greedy, reference_logits
+from hf_reference import CONFIGS, VOCAB, make_checkpoint, reference_greedy
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
 from mlx_ferrum.models import load_model

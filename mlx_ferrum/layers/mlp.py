@@ -3,8 +3,9 @@
 - :class:`GatedMLP`: ``down(act(gate(x)) * up(x))`` with ``act`` SiLU (SwiGLU, Llama,
   Qwen) or tanh-approximated GELU (GeGLU, Gemma 3); Shazeer, "GLU Variants Improve
   Transformer" (2020).
-- :class:`FusedGatedMLP`: the same with gate and up stored as one ``gate_up_proj``
-  whose first half is the gate (Phi-3's layout, transformers' ``Phi3MLP``).
+
+Phi-3's fused ``gate_up_proj`` (gate first) is split into ``gate_proj``/``up_proj`` at
+load (:mod:`mlx_ferrum.models.phi3`), so it runs through :class:`GatedMLP` too.
 """
 
 from __future__ import annotations
@@ -64,20 +65,3 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class FusedGatedMLP(nn.Module):
-    """Gated MLP with one ``gate_up_proj`` (``[2 * intermediate, hidden]``, gate first).
-
-    ``[..., hidden] -> [..., hidden]``; same maths as :class:`GatedMLP`.
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self._act = activation(act)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(self._act(gate) * up)

@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, apply_rope, attention
+from ..layers.mlp import GatedMLP
 from ..layers.rope import Rope, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -205,18 +206,11 @@ def _legacy_rope(args: ModelArgs) -> dict:
     return params
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, "GLU Variants Improve Transformer", 2020)."""
+class MLP(GatedMLP):
+    """SwiGLU feed-forward (Shazeer, "GLU Variants Improve Transformer", 2020) sized from ``args``."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        d, h = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(d, h, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(d, h, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(h, d, bias=args.mlp_bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(args.hidden_size, args.intermediate_size, "silu", bias=args.mlp_bias)
 
 
 class DecoderLayer(nn.Module):

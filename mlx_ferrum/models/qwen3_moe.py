@@ -17,13 +17,12 @@ already use, so both load.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MalformedConfigError
-from ..layers.attention import AttentionMetadata
 from ..layers.moe import SwitchGLU, softmax_topk
 from . import llama
 from .stacking import stack_experts
