@@ -56,6 +56,12 @@ class AttentionMetadata:
             are wanted, or None for all.
         slot_index: paged: the pool index arrays of ``slot_mapping``, built once per pass
             and shared by every layer's write.
+        layer_groups: paged, models mixing full and sliding-window layers
+            (:class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`): group index of each layer,
+            else None. Each group has its own block ids, so its layers use
+            ``group_slot_mappings[g]`` (``[T]`` int32) and ``group_block_tables[g]``
+            (``[num_seqs, max_blocks]`` int32) instead of ``slot_mapping`` /
+            ``block_tables``; ``group_slot_indices`` caches their pool index arrays.
     """
 
     layout: str = "none"
