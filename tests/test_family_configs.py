@@ -109,3 +109,29 @@ def test_qwen2_sliding_layers_follow_transformers_layer_types(use_sliding_window
     if not use_sliding_window:
         as_saved["sliding_window"] = 32
     assert layer_windows(as_saved, "qwen2", 6) == expected
+
+
+def test_qwen3_moe_fused_expert_layout_loads_the_same(tmp_path):
+    """transformers 5 keeps Qwen3-MoE experts fused in memory (``experts.gate_up_proj``
+    ``[E, 2I, H]``, gate rows first; ``experts.down_proj`` ``[E, H, I]``); a checkpoint
+    written that way must give the same model as the per-expert Hub layout."""
+    src = tmp_path / "hub"
+    make_checkpoint("qwen3_moe", src)
+    ref, cfg, _ = load_model(src)
+    weights = mx.load(str(src / "model.safetensors"))
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(src / "config.json", fused / "config.json")
+    out = {k: v for k, v in weights.items() if ".experts." not in k}
+    experts = cfg["num_local_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.0.gate_proj.weight" not in weights:
+            continue
+        gate = mx.stack([weights[f"{p}.{e}.gate_proj.weight"] for e in range(experts)])
+        up = mx.stack([weights[f"{p}.{e}.up_proj.weight"] for e in range(experts)])
+        out[f"{p}.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
+        out[f"{p}.down_proj"] = mx.stack([weights[f"{p}.{e}.down_proj.weight"] for e in range(experts)])
+    mx.save_safetensors(str(fused / "model.safetensors"), out)
+    model, _, _ = load_model(fused)
+    assert mx.array_equal(model(_ids()), ref(_ids()))

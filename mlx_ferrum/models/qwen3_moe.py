@@ -11,7 +11,8 @@ Experts run through ``mx.gather_mm`` / ``mx.gather_qmm`` (:mod:`mlx_ferrum.layer
 Weights: the Hub's per-expert tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight``
 are stacked at load into ``mlp.switch_mlp.{gate,up,down}_proj.weight``
 ``[num_experts, out, in]``, the names mlx-lm's converted (and quantized) checkpoints
-already use, so both load.
+already use, so both load; so does transformers' fused in-memory layout
+(``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``).
 """
 
 from __future__ import annotations
@@ -130,4 +131,14 @@ class Model(llama.Model):
             if self.args.is_sparse(i):
                 prefix = f"model.layers.{i}.mlp"
                 stack_experts(weights, f"{prefix}.experts", f"{prefix}.switch_mlp", self.args.num_experts)
+                # transformers' in-memory layout, if a checkpoint was written with it:
+                # gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+                fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
+                if fused is not None:
+                    gate, up = mx.split(fused, 2, axis=1)
+                    weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
+                    weights[f"{prefix}.switch_mlp.up_proj.weight"] = up
+                down = weights.pop(f"{prefix}.experts.down_proj", None)
+                if down is not None:
+                    weights[f"{prefix}.switch_mlp.down_proj.weight"] = down
         return weights
