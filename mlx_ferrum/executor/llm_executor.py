@@ -28,7 +28,14 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
-from ..kv_cache import ContiguousKvCache, PagedKvCacheManager, PagedKvPool, bytes_per_block, default_num_blocks
+from ..kv_cache import (
+    ContiguousKvCache,
+    LayerGroupKvManager,
+    PagedKvCacheManager,
+    PagedKvPool,
+    bytes_per_block,
+    default_num_blocks,
+)
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
 from .types import (
     AttentionType,
@@ -71,6 +78,18 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
     emb = model.model.embed_tokens
     w = getattr(emb, "scales", None)
     return (w if w is not None else emb.weight).dtype
+
+
+def layer_windows(model: nn.Module) -> list[Optional[int]]:
+    """The sliding window of each layer (None: full attention), from ``model.args.window``.
+
+    One shared window (Mistral, Phi-3) lets the paged manager free blocks outside it;
+    mixed layers (Gemma 3, gpt-oss) get a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
+    """
+    args = model.args
+    if not hasattr(args, "window"):
+        return [None] * args.num_hidden_layers
+    return [args.window(i) for i in range(args.num_hidden_layers)]
 
 
 def _as_token_list(ids: mx.array, what: str) -> list[int]:
@@ -159,9 +178,17 @@ class LlmExecutor:
                 max_num_seqs=self.config.max_num_seqs,
                 max_seq_len=self.max_seq_len,
             )
-            self.manager = PagedKvCacheManager(
-                num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache
-            )
+            windows = layer_windows(model)
+            if len(set(windows)) > 1:
+                # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
+                self.manager = LayerGroupKvManager(
+                    num_blocks, bs, -(-self.max_seq_len // bs), windows, prefix_cache=self.config.prefix_cache
+                )
+            else:
+                self.manager = PagedKvCacheManager(
+                    num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs),
+                    prefix_cache=self.config.prefix_cache, sliding_window=windows[0],
+                )
             self.pool = PagedKvPool(
                 args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs, args.head_dim, self.dtype
             )
@@ -262,6 +289,9 @@ class LlmExecutor:
         slots: list[int] = []
         positions: list[int] = []
         copies: list[tuple[int, int]] = []
+        grouped = isinstance(mgr, LayerGroupKvManager)
+        group_slots: list[list[int]] = [[] for _ in mgr.groups] if grouped else []
+        group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups] if grouped else []
         try:
             for w in items:
                 existed = mgr.has(w.cache_id)
@@ -272,6 +302,10 @@ class LlmExecutor:
                 res = mgr.append_slots(w.cache_id, len(w.tokens), w.tokens)
                 slots.extend(res.slots)
                 copies.extend(res.copies)
+                if grouped:
+                    for g, r in enumerate(res.group_results):
+                        group_slots[g].extend(r.slots)
+                        group_copies[g].extend(r.copies)
                 positions.extend(range(start, start + len(w.tokens)))
         except BaseException:  # Ctrl-C too: never leave slots appended twice
             for cid, prev in before:
@@ -280,10 +314,19 @@ class LlmExecutor:
                 else:
                     mgr.truncate(cid, prev)
             raise
-        self.pool.copy_blocks(copies)
-        tables = [mgr.seqs[w.cache_id].block_ids for w in items]
-        max_blocks = max(len(t) for t in tables)
-        table_arr = mx.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=mx.int32)
+        if grouped:
+            for g, pairs in enumerate(group_copies):
+                self.pool.copy_blocks(pairs, layers=[i for i, x in enumerate(mgr.layer_groups) if x == g])
+        else:
+            self.pool.copy_blocks(copies)
+
+        def block_tables(seqs) -> mx.array:
+            # blocks freed outside a sliding window (-1) point at block 0: attention never reads them
+            tables = [[max(b, 0) for b in seqs[w.cache_id].block_ids] for w in items]
+            max_blocks = max(len(t) for t in tables)
+            return mx.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=mx.int32)
+
+        table_arr = block_tables(mgr.seqs)
         ctx = [mgr.seqs[w.cache_id].num_tokens for w in items]
         qsl = [0]
         for w in items:
@@ -305,6 +348,10 @@ class LlmExecutor:
             host_query_start_loc=qsl,
             logits_indices=None if len(logit_rows) == qsl[-1] else mx.array(logit_rows, dtype=mx.int32),
         )
+        if grouped:
+            meta.layer_groups = mgr.layer_groups
+            meta.group_slot_mappings = [mx.array(gs, dtype=mx.int32) for gs in group_slots]
+            meta.group_block_tables = [block_tables(g.seqs) for g in mgr.groups]
         tokens = mx.array([t for w in items for t in w.tokens], dtype=mx.int32)[None]
         try:
             logits = self.model(tokens, meta)[0]
@@ -316,6 +363,11 @@ class LlmExecutor:
                 else:
                     mgr.truncate(cid, prev)
             raise
+        for w in items:
+            # keep only each sliding window between steps; a verify step (all logits)
+            # keeps its blocks until the rejected draft tokens are truncated
+            if not w.all_logits:
+                mgr.trim_to_window(w.cache_id)
         out: list[Optional[mx.array]] = [None] * len(work)
         r = 0
         for i, w in zip(order, items):
@@ -520,6 +572,8 @@ class LlmExecutor:
         a = self.args
         per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self.dtype.size
         if self.layout == "paged":
+            if isinstance(self.manager, LayerGroupKvManager):
+                return self.manager.bytes_held(per_tok // a.num_hidden_layers)
             return self.manager.allocator.num_in_use * self.manager.block_size * per_tok
         return sum(c[0].capacity for c in self._contiguous.values()) * per_tok
 

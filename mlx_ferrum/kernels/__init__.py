@@ -7,6 +7,10 @@ test launcher is installed with :func:`mlx_ferrum.kernels.metal.use_launcher`) a
 ``FERRUM_METAL_KERNELS`` / ``RuntimeConfig.metal_kernels`` is not ``0``; else to
 the reference. A shape the kernels do not take goes to the reference, and the
 reason is logged once (logger ``mlx_ferrum.kernels``, level INFO).
+
+Sliding-window (``window``) and attention-sink (``sinks``) attention always run on
+the reference path: the Metal kernels do not take these parameters yet, so a call
+that passes either is routed to the reference (and the reason logged once).
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ def paged_attention_decode(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     metadata: Optional[metal.DecodeMetadata] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Decode attention over paged K/V; see :func:`mlx_ferrum.kernels.reference.paged_attention_decode`.
 
@@ -81,8 +87,16 @@ def paged_attention_decode(
     ``metadata`` (:func:`mlx_ferrum.kernels.metal.decode_metadata`, built once per step)
     spares the kernel path rebuilding its launch arrays per layer; the reference ignores it.
     Runs the Metal kernel (vLLM paged attention v1/v2, GQA-packed) when enabled and the
-    shape is supported, else the reference.
+    shape is supported, else the reference. ``window`` / ``sinks`` (sliding window,
+    attention sinks) always take the reference path.
     """
+    if window is not None or sinks is not None:
+        if metal_path_enabled():
+            _fallback("paged_attention_decode", "sliding-window / sink attention is not in the Metal kernel")
+        return reference.paged_attention_decode(
+            q, k_pool, v_pool, block_tables, context_lens, scale,
+            host_context_lens=host_context_lens, window=window, sinks=sinks,
+        )
     if metal_path_enabled():
         reason = metal.decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
         if reason is None:
@@ -106,6 +120,8 @@ def paged_prefill_attention(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Causal varlen prefill attention over paged K/V; see
     :func:`mlx_ferrum.kernels.reference.paged_prefill_attention`.
@@ -118,7 +134,16 @@ def paged_prefill_attention(
     verify, short extends); longer chunks are compute bound and go to the reference,
     whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units (or,
     with ``metal.PREFILL_MATRIX_KERNEL`` set, to the ``simdgroup_matrix`` kernel).
+    ``window`` / ``sinks`` always take the reference path.
     """
+    if window is not None or sinks is not None:
+        if metal_path_enabled():
+            _fallback("paged_prefill_attention", "sliding-window / sink attention is not in the Metal kernel")
+        return reference.paged_prefill_attention(
+            q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
+            host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
+            window=window, sinks=sinks,
+        )
     if metal_path_enabled():
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
         qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()

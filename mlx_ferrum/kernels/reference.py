@@ -44,6 +44,8 @@ def paged_attention_decode(
     scale: float,
     *,
     host_context_lens: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -60,10 +62,16 @@ def paged_attention_decode(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         host_context_lens: the same lengths as Python ints, when the caller has them;
             a single sequence then slices its context and uses the fused SDPA.
+        window: sliding window in tokens (None: full). Only the last ``window`` tokens
+            of each context are read; blocks before them may have been freed (their
+            table entries are then any valid block id).
+        sinks: ``[num_heads]`` attention-sink logits (gpt-oss), or None: one extra
+            logit per head in the softmax denominator, with no value.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype: for sequence ``i``,
-        ``softmax(q_i K_i^T * scale) V_i`` over its first ``context_lens[i]`` tokens.
+        ``softmax(q_i K_i^T * scale) V_i`` over its first ``context_lens[i]`` tokens
+        (the last ``window`` of them with a window).
     """
     num_seqs, num_heads, head_dim = q.shape
     nb = block_tables.shape[1]
@@ -73,9 +81,11 @@ def paged_attention_decode(
         # one sequence: slice its context and use the fused SDPA, which sums in the same
         # order as the contiguous layout does
         n = int(host_context_lens[0])
-        keys = _gather(k_pool, block_tables)[:, :, :n]
-        values = _gather(v_pool, block_tables)[:, :, :n]
-        return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale)[:, :, 0, :]
+        start = max(0, n - window) if window is not None else 0
+        keys = _gather(k_pool, block_tables)[:, :, start:n]
+        values = _gather(v_pool, block_tables)[:, :, start:n]
+        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, **extra)[:, :, 0, :]
     # Scores are taken block by block in the pool's own layout ([S, nb, KVH, bs, D]),
     # so the gathered K/V are never transposed into a dense [S, KVH, T, D] copy; only
     # the small score tensor is masked. Masking is exact because pools stay finite.
@@ -86,10 +96,17 @@ def paged_attention_decode(
     scores = qg @ keys.swapaxes(-1, -2)  # [S, nb, KVH, g, bs]
     pos = mx.arange(nb)[:, None] * bs + mx.arange(bs)[None, :]
     valid = pos[None] < context_lens[:, None, None]  # [S, nb, bs]
+    if window is not None:
+        valid = valid & (pos[None] >= context_lens[:, None, None] - window)
     scores = mx.where(valid[:, :, None, None, :], scores, _NEG_INF)
     m = scores.max(axis=(1, 4), keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(f32).reshape(1, 1, kvh, g, 1)
+        m = mx.maximum(m, sink)
     p = mx.exp(scores - m)
     denom = p.sum(axis=(1, 4))  # [S, KVH, g]
+    if sinks is not None:
+        denom = denom + mx.exp(sink - m).reshape(num_seqs, kvh, g)
     out = (p @ values).sum(axis=1)  # [S, KVH, g, D]
     out = out / denom[..., None]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
@@ -106,6 +123,8 @@ def paged_prefill_attention(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Causal attention of several new tokens per sequence over cached prefix plus themselves.
 
@@ -124,6 +143,10 @@ def paged_prefill_attention(
         scale: softmax scale.
         host_context_lens, host_query_start_loc: the same values as Python ints, when
             the caller has them, to avoid reading the arrays back.
+        window: sliding window in tokens (None: full); query ``p`` attends keys
+            ``p - window + 1 .. p`` only, and blocks wholly before the first query's
+            window are never read.
+        sinks: ``[num_heads]`` attention-sink logits, or None (see the decode function).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
@@ -138,14 +161,21 @@ def paged_prefill_attention(
         if qlen == 0:
             continue
         nb = -(-clen // bs)
-        table = block_tables[i, :nb]
-        keys = _gather(k_pool, table)[None, :, :clen]  # [1, KVH, clen, D]
-        values = _gather(v_pool, table)[None, :, :clen]
+        # with a window, blocks wholly before the first query's window are skipped
+        first = max(0, clen - qlen - window + 1) // bs if window is not None else 0
+        table = block_tables[i, first:nb]
+        start = first * bs
+        keys = _gather(k_pool, table)[None, :, : clen - start]  # [1, KVH, clen - start, D]
+        values = _gather(v_pool, table)[None, :, : clen - start]
         qi = mx.swapaxes(q[q0:q1], 0, 1)[None]  # [1, H, qlen, D]
         qpos = mx.arange(clen - qlen, clen)[:, None]
-        allowed = mx.arange(clen)[None, :] <= qpos  # [qlen, clen]
+        kpos = mx.arange(start, clen)[None, :]
+        allowed = kpos <= qpos  # [qlen, clen - start]
+        if window is not None:
+            allowed = allowed & (kpos > qpos - window)
         mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
-        o = mx.fast.scaled_dot_product_attention(qi, keys, values, scale=scale, mask=mask)
+        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        o = mx.fast.scaled_dot_product_attention(qi, keys, values, scale=scale, mask=mask, **extra)
         outs.append(mx.swapaxes(o[0], 0, 1))  # [qlen, H, D]
     if not outs:
         return mx.zeros_like(q)

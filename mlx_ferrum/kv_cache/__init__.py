@@ -3,10 +3,13 @@
 - :class:`ContiguousKvCache`: ``[1, num_kv_heads, capacity, head_dim]`` per layer and sequence.
 - :class:`PagedKvPool`: ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer, shared.
 - :class:`BlockAllocator`, :class:`PagedKvCacheManager`: host-side bookkeeping of the pool.
+- :class:`LayerGroupKvManager`: one block table per layer group (full / sliding-window
+  layers) for models that mix them.
 """
 
 from .block_allocator import BlockAllocator
 from .contiguous import ContiguousKvCache
+from .layer_groups import LayerGroupKvManager
 from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
 from .pool import PagedKvPool, bytes_per_block, default_num_blocks
 
@@ -14,6 +17,7 @@ __all__ = [
     "AppendResult",
     "BlockAllocator",
     "ContiguousKvCache",
+    "LayerGroupKvManager",
     "PagedKvCacheManager",
     "PagedKvPool",
     "SequenceBlocks",

@@ -15,6 +15,13 @@ token ids with the prompt's before reuse (as nano-vllm does), so even a digest c
 cannot hand out wrong KV. A new sequence whose prompt starts with cached blocks shares
 them by reference count (``match_prefix``) and prefills only the rest. Freed hashed
 blocks stay reusable until evicted, least recently freed first.
+
+Sliding windows (``sliding_window``, for models whose every layer has the same
+window, e.g. Mistral and Phi-3): before each append, the blocks that lie wholly
+before the window of the first new token are freed, so a sequence holds about
+``window / block_size + 1`` blocks however long it grows. Their entries in
+``block_ids`` become :data:`FREED_BLOCK` (the executor points them at any valid
+block; attention never reads them). This is vLLM's sliding-window block freeing.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from typing import Hashable, Optional, Sequence
 
 from ..errors import KvCacheError, KvCacheExhaustedError, UnknownCacheError
 from .block_allocator import BlockAllocator
+
+FREED_BLOCK = -1
+"""``block_ids`` entry of a block freed because it left the sliding window."""
 
 
 #: digest of the empty prefix, the parent of a sequence's first block
@@ -79,14 +89,24 @@ class PagedKvCacheManager:
         block_size: tokens per block.
         max_blocks_per_seq: longest block table a sequence may have (capacity / block_size).
         prefix_cache: share full blocks across sequences by hash chain.
+        sliding_window: every layer attends only to its last ``sliding_window``
+            tokens, so blocks wholly outside that window are freed (None: keep all).
 
     Raises (from its methods):
         KvCacheExhaustedError: the pool cannot hold the new tokens (nothing changes).
         UnknownCacheError: an unknown ``cache_id``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_blocks_per_seq: int, prefix_cache: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        prefix_cache: bool = False,
+        sliding_window: Optional[int] = None,
+    ):
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.max_blocks_per_seq = max_blocks_per_seq
         self.prefix_cache = prefix_cache
         self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
@@ -174,6 +194,8 @@ class PagedKvCacheManager:
                 f"{self.max_blocks_per_seq * bs}: raise FERRUM_KV_CAPACITY or shorten the request"
             )
         copies: list[tuple[int, int]] = []
+        if self.sliding_window is not None and n > 0:
+            self._free_outside_window(seq)
         cow = n > 0 and self._last_block_is_shared_partial(seq)
         new_needed = max(0, -(-end // bs) - len(seq.block_ids))
         fresh = self.allocator.allocate_n(new_needed + (1 if cow else 0))
@@ -194,6 +216,32 @@ class PagedKvCacheManager:
             self._register_full_blocks(seq)
         return AppendResult(slots, copies)
 
+    def _free_outside_window(self, seq: SequenceBlocks) -> None:
+        # The first new token, at position num_tokens, reads keys from
+        # num_tokens - window + 1 on; later tokens read even later ones.
+        first_needed = max(0, seq.num_tokens - self.sliding_window + 1)
+        for i in range(first_needed // self.block_size):
+            b = seq.block_ids[i]
+            if b != FREED_BLOCK:
+                self.allocator.free(b)
+                seq.block_ids[i] = FREED_BLOCK
+
+    def trim_to_window(self, cache_id: Hashable) -> None:
+        """Free the blocks the next token's window no longer covers (no-op without a window).
+
+        Called by the executor after a forward pass, so a sequence holds only its
+        window between steps. Not called after a speculative verify step, whose
+        rejected tokens may be truncated away.
+        """
+        if self.sliding_window is not None:
+            self._free_outside_window(self._seq(cache_id))
+
+    def first_live_token(self, cache_id: Hashable) -> int:
+        """Position of the first token whose block is still held (0 without a window)."""
+        seq = self._seq(cache_id)
+        freed = next((i for i, b in enumerate(seq.block_ids) if b != FREED_BLOCK), len(seq.block_ids))
+        return freed * self.block_size
+
     # ---------------------------------------------------------------- release
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Keep the first ``new_len`` tokens and free the blocks past them.
@@ -205,11 +253,11 @@ class PagedKvCacheManager:
             KvCacheError: ``new_len`` is negative or above ``num_tokens``.
         """
         seq = self._seq(cache_id)
-        if not 0 <= new_len <= seq.num_tokens:
-            raise KvCacheError(f"cannot truncate {cache_id!r} of {seq.num_tokens} tokens to {new_len}")
+        self.check_truncate(cache_id, new_len)
         keep = -(-new_len // self.block_size)
         for b in seq.block_ids[keep:]:
-            self.allocator.free(b)
+            if b != FREED_BLOCK:
+                self.allocator.free(b)
         del seq.block_ids[keep:]
         seq.num_tokens = new_len
         full = new_len // self.block_size
@@ -223,6 +271,24 @@ class PagedKvCacheManager:
                     self._on_evict(partial)
                     self.allocator.mark_cached(partial, False)
 
+    def check_truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Raise what :meth:`truncate` would raise, changing nothing.
+
+        Raises:
+            KvCacheError: ``new_len`` is out of range, or the sliding window of the
+                token at ``new_len`` would start in a block already freed.
+        """
+        seq = self._seq(cache_id)
+        if not 0 <= new_len <= seq.num_tokens:
+            raise KvCacheError(f"cannot truncate {cache_id!r} of {seq.num_tokens} tokens to {new_len}")
+        if self.sliding_window is not None and new_len and max(0, new_len - self.sliding_window + 1) < self.first_live_token(
+            cache_id
+        ):
+            raise KvCacheError(
+                f"cannot truncate {cache_id!r} to {new_len} tokens: the blocks its sliding window would need were "
+                "freed; release the sequence and recompute it instead"
+            )
+
     def release(self, cache_id: Hashable) -> None:
         """Free every block of ``cache_id`` and forget it.
 
@@ -233,7 +299,8 @@ class PagedKvCacheManager:
         if seq is None:
             raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
         for b in seq.block_ids:
-            self.allocator.free(b)
+            if b != FREED_BLOCK:
+                self.allocator.free(b)
 
     def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
         """Make ``new_cache_id`` share all of ``cache_id``'s blocks (copy-on-write on append).
@@ -246,7 +313,8 @@ class PagedKvCacheManager:
         self.create(new_cache_id)
         dst = self.seqs[new_cache_id]
         for b in src.block_ids:
-            self.allocator.acquire(b)
+            if b != FREED_BLOCK:
+                self.allocator.acquire(b)
         dst.block_ids = list(src.block_ids)
         dst.num_tokens = src.num_tokens
         dst.token_ids = list(src.token_ids)
@@ -338,5 +406,6 @@ class PagedKvCacheManager:
         for seq in self.seqs.values():
             assert len(seq.block_ids) == -(-seq.num_tokens // self.block_size), "block table length mismatch"
             for b in seq.block_ids:
-                counts[b] += 1
+                if b != FREED_BLOCK:
+                    counts[b] += 1
         assert counts == self.allocator.ref_counts, "reference counts do not balance"

@@ -72,13 +72,17 @@ class PagedKvPool:
         """Index arrays addressing ``slot_mapping`` in this pool (see ``kernels.reference.slot_indices``)."""
         return slot_indices(slot_mapping, self.shape[1], self.shape[2])
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of shared blocks)."""
+    def copy_blocks(self, copies: list[tuple[int, int]], layers=None) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer, or in ``layers`` (a list of
+        layer indices: one layer group's), for copy-on-write of shared blocks."""
         if not copies:
             return
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
-        pools = self.k + self.v
+        if layers is None:
+            pools = self.k + self.v
+        else:
+            pools = [self.k[i] for i in layers] + [self.v[i] for i in layers]
         # Evaluate the gathers first: a pending read of a pool would make the scatter
         # below copy the whole pool instead of updating it in place (benchmarks.md, §3).
         blocks = [p[src] for p in pools]

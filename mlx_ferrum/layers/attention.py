@@ -56,6 +56,12 @@ class AttentionMetadata:
             are wanted, or None for all.
         slot_index: paged: the pool index arrays of ``slot_mapping``, built once per pass
             and shared by every layer's write.
+        layer_groups: paged, models mixing full and sliding-window layers
+            (:class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`): group index of each layer,
+            else None. Each group has its own block ids, so its layers use
+            ``group_slot_mappings[g]`` (``[T]`` int32) and ``group_block_tables[g]``
+            (``[num_seqs, max_blocks]`` int32) instead of ``slot_mapping`` /
+            ``block_tables``; ``group_slot_indices`` caches their pool index arrays.
     """
 
     layout: str = "none"
@@ -73,6 +79,12 @@ class AttentionMetadata:
     host_query_start_loc: list = field(default_factory=list)
     logits_indices: Optional[mx.array] = None
     slot_index: Any = None
+    # paged, layer groups (models mixing full and sliding layers): layer_groups[layer]
+    # is the layer's group; each group has its own slot_mapping and block_tables
+    layer_groups: Optional[list] = None
+    group_slot_mappings: Optional[list] = None
+    group_block_tables: Optional[list] = None
+    group_slot_indices: Optional[dict] = None
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -92,7 +104,14 @@ def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, meta: Optional[AttentionMetadata], layer: int, scale: float
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    meta: Optional[AttentionMetadata],
+    layer: int,
+    scale: float,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Store this step's K/V in the cache ``meta`` names and attend.
 
@@ -102,26 +121,58 @@ def attention(
         meta: the step's metadata (``None``: causal, no cache).
         layer: index of the calling layer, to pick its cache.
         scale: softmax scale.
+        window: sliding-window size in tokens, or None for full attention. The query at
+            position ``p`` sees keys at positions ``p - window + 1 .. p`` (Mistral,
+            Beltagy et al. "Longformer" 2020; transformers' ``sliding_window_overlay``).
+        sinks: ``[num_heads]`` attention-sink logits (gpt-oss), or None. Each head's
+            softmax gets one extra logit that takes probability mass and no value
+            (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", 2023).
 
     Returns:
         ``[B, num_heads, L, head_dim]`` in q's dtype.
     """
     if meta is None or meta.layout == "none":
-        mask = "causal" if q.shape[2] > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        l = q.shape[2]
+        mask = "causal" if l > 1 else None
+        if window is not None and l > window:
+            pos = mx.arange(l)
+            mask = _window_mask(pos[:, None], pos[None, :], window, q.dtype)
+        return _sdpa(q, k, v, scale, mask, sinks)
     if meta.layout == "contiguous":
-        return _contiguous(q, k, v, meta, layer, scale)
+        return _contiguous(q, k, v, meta, layer, scale, window, sinks)
     if meta.layout == "paged":
-        return _paged(q, k, v, meta, layer, scale)
+        return _paged(q, k, v, meta, layer, scale, window, sinks)
     raise ValueError(f"unknown KV layout {meta.layout!r}")
 
 
-def _contiguous(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.array:
+def _sdpa(q, k, v, scale: float, mask, sinks: Optional[mx.array]) -> mx.array:
+    if sinks is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks.astype(q.dtype))
+
+
+def _window_mask(qpos: mx.array, kpos: mx.array, window: Optional[int], dtype) -> mx.array:
+    """Additive mask: 0 where ``qpos - window < kpos <= qpos``, else ``-inf``."""
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed = allowed & (kpos > qpos - window)
+    return mx.where(allowed, 0.0, _NEG_INF).astype(dtype)
+
+
+def _contiguous(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=None, sinks=None) -> mx.array:
     b, _, l, _ = q.shape
     if b == 1:
         keys, values = meta.caches[0][layer].append(k, v)
+        n = keys.shape[2]
         mask = "causal" if l > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        if window is not None and n > window:
+            if l == 1:
+                # a decode step reads only its window: a slice, no mask
+                keys, values = keys[:, :, n - window :], values[:, :, n - window :]
+            else:
+                qpos = mx.arange(n - l, n)[:, None]
+                mask = _window_mask(qpos, mx.arange(n)[None, :], window, q.dtype)
+        return _sdpa(q, keys, values, scale, mask, sinks)
     ks, vs = [], []
     for i in range(b):
         ki, vi = meta.caches[i][layer].append(k[i : i + 1], v[i : i + 1])
@@ -131,7 +182,13 @@ def _contiguous(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> m
     pad = lambda x: x if x.shape[2] == max_len else mx.pad(x, [(0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)])  # noqa: E731
     keys = mx.concatenate([pad(x) for x in ks], axis=0)
     values = mx.concatenate([pad(x) for x in vs], axis=0)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=meta.pad_mask)
+    mask = meta.pad_mask
+    if window is not None and max_len > window:
+        # rows differ in length: the window is cut per row, from each row's own positions
+        lens = mx.array([x.shape[2] for x in ks], dtype=mx.int32)[:, None, None, None]
+        qpos = lens - l + mx.arange(l)[None, None, :, None]
+        mask = _window_mask(qpos, mx.arange(max_len)[None, None, None, :], window, q.dtype)
+    return _sdpa(q, keys, values, scale, mask, sinks)
 
 
 def contiguous_pad_mask(cache_lens_after: list[int], new_tokens: int, dtype) -> Optional[mx.array]:
@@ -149,15 +206,26 @@ def contiguous_pad_mask(cache_lens_after: list[int], new_tokens: int, dtype) -> 
     return mx.where(kpos <= qpos, 0.0, _NEG_INF).astype(dtype)
 
 
-def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.array:
+def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=None, sinks=None) -> mx.array:
     # packed: q [1, H, T, D] -> [T, H, D]
     qt = q[0].transpose(1, 0, 2)
     kt = k[0].transpose(1, 0, 2)
     vt = v[0].transpose(1, 0, 2)
     pool = meta.pool
-    if meta.slot_index is None:
-        meta.slot_index = pool.slot_indices(meta.slot_mapping)
-    pool.write(layer, meta.slot_mapping, kt, vt, indices=meta.slot_index)
+    if meta.layer_groups is not None:
+        # this layer's group has its own block ids (sliding groups free old blocks)
+        g = meta.layer_groups[layer]
+        slot_mapping, block_tables = meta.group_slot_mappings[g], meta.group_block_tables[g]
+        if meta.group_slot_indices is None:
+            meta.group_slot_indices = {}
+        if g not in meta.group_slot_indices:
+            meta.group_slot_indices[g] = pool.slot_indices(slot_mapping)
+        slot_index = meta.group_slot_indices[g]
+    else:
+        if meta.slot_index is None:
+            meta.slot_index = pool.slot_indices(meta.slot_mapping)
+        slot_mapping, block_tables, slot_index = meta.slot_mapping, meta.block_tables, meta.slot_index
+    pool.write(layer, slot_mapping, kt, vt, indices=slot_index)
     kp, vp = pool.k[layer], pool.v[layer]
     nd = meta.num_decode_seqs
     n_seqs = len(meta.host_context_lens)
@@ -165,8 +233,9 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
     if nd:
         parts.append(
             kernels.paged_attention_decode(
-                qt[:nd], kp, vp, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                qt[:nd], kp, vp, block_tables[:nd], meta.context_lens[:nd], scale,
                 host_context_lens=meta.host_context_lens[:nd],
+                window=window, sinks=sinks,
             )
         )
     if nd < n_seqs:
@@ -178,12 +247,13 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
                 qt[base:],
                 kp,
                 vp,
-                meta.block_tables[nd:],
+                block_tables[nd:],
                 meta.context_lens[nd:],
                 mx.array(rel, dtype=mx.int32),
                 scale,
                 host_context_lens=meta.host_context_lens[nd:],
                 host_query_start_loc=rel,
+                window=window, sinks=sinks,
             )
         )
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -1,8 +1,12 @@
 """The Llama family, driven by a Hugging Face ``config.json``.
 
 Covers Llama 2/3/3.1/3.2 (``rope_scaling`` of type ``llama3``, ``linear`` and
-``dynamic``), Mistral, Qwen2/2.5 (bias on q/k/v) and Qwen3 (RMSNorm on q and k, an
-explicit ``head_dim``), with grouped-query attention and tied or untied embeddings.
+``dynamic``), Mistral (with ``sliding_window``: every layer attends to its last
+``sliding_window`` tokens, as transformers' ``MistralModel`` does), Qwen2/2.5 (bias
+on q/k/v) and Qwen3 (RMSNorm on q and k, an explicit ``head_dim``), with
+grouped-query attention and tied or untied embeddings. Qwen2/3 configs with
+``use_sliding_window`` get windows on the layers ``layer_types`` (or
+``max_window_layers``) marks as sliding.
 
 Architecture: Touvron et al., "Llama 2" (2023) and Meta's Llama 3 reference code;
 RoPE from Su et al., "RoFormer" (2021) in the rotate-half convention of Hugging Face
@@ -16,8 +20,7 @@ the KV cache of whichever layout the metadata carries.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -26,6 +29,8 @@ import mlx.nn as nn
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, apply_rope, attention
 from .config_validation import validate_config
+from ..layers.mlp import GatedMLP
+from ..layers.rope import Rope, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -55,6 +60,13 @@ class ModelArgs:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sliding_window: Optional[int] = None
+    layer_windows: list = field(default_factory=list)
+    rope_params: dict = field(default_factory=dict)
+
+    def window(self, layer_idx: int) -> Optional[int]:
+        """The sliding window (tokens) of layer ``layer_idx``, or None for full attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
@@ -94,6 +106,7 @@ class ModelArgs:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
         rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        windows = layer_windows(config, mt, layers)
         if mt == "qwen2":
             attention_bias = True  # Qwen2 always has q/k/v bias; its config has no key for it
         else:
@@ -116,79 +129,36 @@ class ModelArgs:
             o_proj_bias=attention_bias and mt != "qwen2",
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=mt == "qwen3",
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_windows=windows,
+            rope_params=rope_parameters(config),
         )
 
 
-class Rope(nn.Module):
-    """Rotary embedding with explicit positions (rotate-half convention).
+def layer_windows(config: dict[str, Any], model_type: str, num_layers: int) -> list[Optional[int]]:
+    """Per-layer sliding window (tokens) of a Llama-family config, None for full attention.
 
-    Scaling types: ``default``, ``linear`` (positions divided by ``factor``),
-    ``llama3`` (per-frequency scaling of Llama 3.1), ``dynamic`` (NTK-aware base
-    growth, applied from the original context length, as in HF's dynamic RoPE when the
-    sequence exceeds it; we apply it statically for a ``max_position_embeddings`` context).
+    Mistral applies ``sliding_window`` to every layer (transformers' ``MistralModel``).
+    Qwen2/Qwen3 apply it only with ``use_sliding_window``, to the layers ``layer_types``
+    marks ``sliding_attention`` (else those from ``max_window_layers`` on). Llama has none.
 
     Raises:
-        UnsupportedArchitectureError: an unknown ``rope_scaling`` type.
+        MalformedConfigError: ``sliding_window`` is not a positive integer.
     """
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.dims = args.head_dim
-        self.scale = 1.0
-        base = args.rope_theta
-        freqs = None
-        rs = args.rope_scaling
-        kind = None
-        if rs:
-            kind = rs.get("rope_type", rs.get("type", "default"))
-        if kind in (None, "default"):
-            pass
-        elif kind == "linear":
-            self.scale = 1.0 / float(rs["factor"])
-        elif kind == "llama3":
-            freqs = _llama3_freqs(args.head_dim, base, rs)
-        elif kind == "dynamic":
-            factor = float(rs["factor"])
-            orig = int(rs.get("original_max_position_embeddings", args.max_position_embeddings))
-            seq = max(args.max_position_embeddings, orig)
-            if seq > orig:
-                d = args.head_dim
-                base = base * ((factor * seq / orig) - (factor - 1)) ** (d / (d - 2))
-        else:
-            raise UnsupportedArchitectureError(
-                f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, dynamic"
-            )
-        self.base = None if freqs is not None else base
-        self._freqs = freqs
-
-    def __call__(self, x: mx.array, offset) -> mx.array:
-        """Rotate ``x`` ``[B, H, L, D]``; row ``b`` token ``l`` sits at position ``offset[b] + l``."""
-        return mx.fast.rope(
-            x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offset, freqs=self._freqs
-        )
-
-
-def _llama3_freqs(dims: int, base: float, rs: dict) -> mx.array:
-    """Llama 3.1 frequency scaling: long wavelengths divided by ``factor``, smooth in between."""
-    factor = float(rs["factor"])
-    low = float(rs.get("low_freq_factor", 1.0))
-    high = float(rs.get("high_freq_factor", 4.0))
-    orig = float(rs.get("original_max_position_embeddings", 8192))
-    low_wavelen = orig / low
-    high_wavelen = orig / high
-    out = []
-    for i in range(0, dims, 2):
-        inv = 1.0 / (base ** (i / dims))
-        wavelen = 2 * math.pi / inv
-        if wavelen < high_wavelen:
-            new = inv
-        elif wavelen > low_wavelen:
-            new = inv / factor
-        else:
-            smooth = (orig / wavelen - low) / (high - low)
-            new = (1 - smooth) * inv / factor + smooth * inv
-        out.append(1.0 / new)  # mx.fast.rope takes wavelength-like "freqs": angle = pos / freqs
-    return mx.array(out, dtype=mx.float32)
+    window = config.get("sliding_window")
+    if window is None:
+        return [None] * num_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise MalformedConfigError(f"sliding_window must be a positive integer or null, found {window!r}")
+    if model_type == "mistral":
+        return [window] * num_layers
+    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        types = config.get("layer_types")
+        if isinstance(types, list) and len(types) == num_layers:
+            return [window if t == "sliding_attention" else None for t in types]
+        start = int(config.get("max_window_layers", num_layers))
+        return [window if i >= start else None for i in range(num_layers)]
+    return [None] * num_layers
 
 
 class Attention(nn.Module):
@@ -210,7 +180,8 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.qk_norm = args.qk_norm
-        self.rope = Rope(args)
+        self.window = args.window(layer_idx)
+        self.rope = Rope(args.head_dim, args.rope_params or _legacy_rope(args), args.max_position_embeddings)
 
     def __call__(self, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
         b, l, _ = x.shape
@@ -225,22 +196,23 @@ class Attention(nn.Module):
         v = v.transpose(0, 2, 1, 3)
         q = apply_rope(self.rope, q, meta)
         k = apply_rope(self.rope, k, meta)
-        o = attention(q, k, v, meta, self.layer_idx, self.scale)  # [B, H, L, D]
+        o = attention(q, k, v, meta, self.layer_idx, self.scale, window=self.window)  # [B, H, L, D]
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, l, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, "GLU Variants Improve Transformer", 2020)."""
+def _legacy_rope(args: ModelArgs) -> dict:
+    """Rope settings of a ``ModelArgs`` built by hand (without ``rope_params``)."""
+    params = dict(args.rope_scaling or {})
+    params["rope_theta"] = args.rope_theta
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+class MLP(GatedMLP):
+    """SwiGLU feed-forward (Shazeer, "GLU Variants Improve Transformer", 2020) sized from ``args``."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        d, h = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(d, h, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(d, h, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(h, d, bias=args.mlp_bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(args.hidden_size, args.intermediate_size, "silu", bias=args.mlp_bias)
 
 
 class DecoderLayer(nn.Module):

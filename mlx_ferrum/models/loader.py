@@ -36,7 +36,7 @@ from ..errors import (
     WeightShapeError,
 )
 from .config_validation import validate_weights
-from .llama import SUPPORTED_MODEL_TYPES, Model, ModelArgs
+from .registry import SUPPORTED_MODEL_TYPES, family
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -310,8 +310,9 @@ def _resolve_dtype(dtype: Any) -> Optional[mx.Dtype]:
 
 def load_model(
     path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None
-) -> tuple[Model, dict, Path]:
-    """Load a checkpoint folder or hub id into an evaluated :class:`Model`.
+) -> tuple[nn.Module, dict, Path]:
+    """Load a checkpoint folder or hub id into an evaluated model of its family
+    (see :mod:`mlx_ferrum.models.registry`).
 
     Args:
         path_or_repo_id: local folder or hub repo id (see :func:`resolve_model_path`).
@@ -346,10 +347,11 @@ def load_model(
             f"model_type {model_type!r} ({folder / CONFIG_FILE}) is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    args = ModelArgs.from_dict(config)
+    module = family(model_type)
+    args = module.ModelArgs.from_dict(config)
     quant = _quantization_spec(config)
     weights = load_weights(folder)
-    model = Model(args)
+    model = module.Model(args)
     weights = model.sanitize(weights)
     validate_weights(weights, quantized=quant is not None)  # int/bool dtypes and NaN/Inf refused
     if quant is not None:

@@ -1,0 +1,223 @@
+"""Per-layer-group block accounting for models that mix full and sliding-window layers.
+
+Gemma 3 (5 sliding layers per global one) and gpt-oss (alternating) cannot free a
+block while any full-attention layer still reads it, yet their sliding layers need
+only the last ``window`` tokens. As in vLLM's hybrid KV cache manager, layers are
+grouped by window and each group keeps its own block tables over its own block ids
+(one :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` per group): the full group
+holds every block of a sequence, a sliding group only the blocks its window covers.
+KV bytes held are counted per group: blocks in use times the bytes a block costs in
+that group's layers.
+
+The pool itself (:class:`~mlx_ferrum.kv_cache.PagedKvPool`) keeps one array per
+layer; a layer's block ids are those of its group, so the groups never share a slot.
+Every group's pool has the same number of blocks.
+
+:class:`LayerGroupKvManager` offers the methods the scheduler and the executor call
+on a :class:`PagedKvCacheManager`; sequence-level questions (tokens stored, whether
+``n`` more tokens fit) are answered for all groups together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
+
+
+@dataclass
+class GroupAppendResult:
+    """Where ``n`` new tokens go in every group.
+
+    Attributes:
+        slots: group 0's slots (the full-attention group when there is one).
+        copies: group 0's copy-on-write pairs.
+        group_results: one :class:`AppendResult` per group.
+    """
+
+    slots: list[int]
+    copies: list[tuple[int, int]]
+    group_results: list[AppendResult]
+
+
+class _AllocatorView:
+    """What the scheduler reads of an allocator, over all groups: a sequence fits when
+    it fits in every group, so ``num_free`` is the smallest group's."""
+
+    def __init__(self, groups: list[PagedKvCacheManager]):
+        self._groups = groups
+
+    @property
+    def num_blocks(self) -> int:
+        return self._groups[0].allocator.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return min(g.allocator.num_free for g in self._groups)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks in use summed over the groups (each costs only its group's layers)."""
+        return sum(g.allocator.num_in_use for g in self._groups)
+
+    @property
+    def peak_in_use(self) -> int:
+        return sum(g.allocator.peak_in_use for g in self._groups)
+
+
+def layer_group_windows(layer_windows: Sequence[Optional[int]]) -> tuple[list[Optional[int]], list[int]]:
+    """Group layers by window: ``(window of each group, group of each layer)``.
+
+    Full attention (None) comes first, then windows in increasing size.
+    """
+    windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
+    return windows, [windows.index(w) for w in layer_windows]
+
+
+class LayerGroupKvManager:
+    """Block tables of many sequences, one table per layer group.
+
+    Args:
+        num_blocks: blocks in each group's pool.
+        block_size: tokens per block.
+        max_blocks_per_seq: longest block table a sequence may have.
+        layer_windows: the sliding window of each layer (None: full attention).
+        prefix_cache: share full blocks across sequences by hash chain, per group.
+
+    Attributes:
+        groups: one :class:`PagedKvCacheManager` per group (``sliding_window`` set for
+            the sliding groups, so they free blocks outside their window).
+        layer_groups: ``layer_groups[layer]`` is the layer's group index.
+        group_windows: the window of each group.
+
+    Raises (from its methods): as :class:`PagedKvCacheManager`; an append that does
+    not fit in every group changes nothing.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        layer_windows: Sequence[Optional[int]],
+        prefix_cache: bool = False,
+    ):
+        self.group_windows, self.layer_groups = layer_group_windows(layer_windows)
+        self.groups = [
+            PagedKvCacheManager(num_blocks, block_size, max_blocks_per_seq, prefix_cache, sliding_window=w)
+            for w in self.group_windows
+        ]
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.prefix_cache = prefix_cache
+        self.allocator = _AllocatorView(self.groups)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each group's pool."""
+        return self.groups[0].num_blocks
+
+    @property
+    def seqs(self) -> dict[Hashable, SequenceBlocks]:
+        """Group 0's sequences (token counts are the same in every group)."""
+        return self.groups[0].seqs
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """None: groups differ (use each group's own ``sliding_window``)."""
+        return None
+
+    def _seq(self, cache_id: Hashable) -> SequenceBlocks:
+        return self.groups[0]._seq(cache_id)
+
+    def has(self, cache_id: Hashable) -> bool:
+        return self.groups[0].has(cache_id)
+
+    def create(self, cache_id: Hashable) -> None:
+        for g in self.groups:
+            g.create(cache_id)
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        return self.groups[0].num_tokens(cache_id)
+
+    def block_table(self, cache_id: Hashable, group: int = 0) -> list[int]:
+        """Physical block ids of ``cache_id`` in ``group`` (a copy)."""
+        return self.groups[group].block_table(cache_id)
+
+    def blocks_needed(self, cache_id: Optional[Hashable], n: int) -> int:
+        """The most new blocks any one group needs for ``n`` more tokens."""
+        return max(g.blocks_needed(cache_id, n) for g in self.groups)
+
+    def can_append(self, cache_id: Optional[Hashable], n: int) -> bool:
+        return all(g.can_append(cache_id, n) for g in self.groups)
+
+    def append_slots(self, cache_id: Hashable, n: int, token_ids: Optional[Sequence[int]] = None) -> GroupAppendResult:
+        """Reserve slots for ``n`` new tokens in every group (all groups or none).
+
+        Raises:
+            KvCacheExhaustedError: some group cannot hold them; no group changed.
+        """
+        before = self.num_tokens(cache_id)
+        results: list[AppendResult] = []
+        try:
+            for g in self.groups:
+                results.append(g.append_slots(cache_id, n, token_ids))
+        except Exception:
+            for g in self.groups[: len(results)]:
+                g.truncate(cache_id, before)
+            raise
+        return GroupAppendResult(results[0].slots, results[0].copies, results)
+
+    def trim_to_window(self, cache_id: Hashable) -> None:
+        """Free, in each sliding group, the blocks outside the next token's window."""
+        for g in self.groups:
+            g.trim_to_window(cache_id)
+
+    def truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens in every group (checked in all groups first).
+
+        Raises:
+            KvCacheError: see :meth:`PagedKvCacheManager.check_truncate`; nothing changed.
+        """
+        for g in self.groups:
+            g.check_truncate(cache_id, new_len)
+        for g in self.groups:
+            g.truncate(cache_id, new_len)
+
+    def release(self, cache_id: Hashable) -> None:
+        for g in self.groups:
+            g.release(cache_id)
+
+    def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        for g in self.groups:
+            g.fork(cache_id, new_cache_id)
+
+    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Share cached prefix blocks in every group; the shortest group match wins."""
+        hits = [g.match_prefix(cache_id, token_ids) for g in self.groups]
+        common = min(hits)
+        for g, hit in zip(self.groups, hits):
+            if hit > common:
+                g.truncate(cache_id, common)
+        return common
+
+    def bytes_held(self, bytes_per_token_per_layer: int) -> int:
+        """KV bytes held by all sequences: per group, blocks in use x block_size x
+        that group's layer count x ``bytes_per_token_per_layer`` (K and V together)."""
+        total = 0
+        for gi, g in enumerate(self.groups):
+            layers = self.layer_groups.count(gi)
+            total += g.allocator.num_in_use * self.block_size * layers * bytes_per_token_per_layer
+        return total
+
+    def cache_metrics_snapshot(self) -> dict:
+        """Group 0's metrics, with ``used_blocks`` per group under ``group_used_blocks``."""
+        snap = self.groups[0].cache_metrics_snapshot()
+        snap["group_used_blocks"] = [g.allocator.num_in_use for g in self.groups]
+        snap["group_windows"] = list(self.group_windows)
+        return snap
+
+    def check_invariants(self) -> None:
+        for g in self.groups:
+            g.check_invariants()

@@ -1,0 +1,67 @@
+"""Dense feed-forward blocks shared by the model families.
+
+- :class:`GatedMLP`: ``down(act(gate(x)) * up(x))`` with ``act`` SiLU (SwiGLU, Llama,
+  Qwen) or tanh-approximated GELU (GeGLU, Gemma 3); Shazeer, "GLU Variants Improve
+  Transformer" (2020).
+
+Phi-3's fused ``gate_up_proj`` (gate first) is split into ``gate_proj``/``up_proj`` at
+load (:mod:`mlx_ferrum.models.phi3`), so it runs through :class:`GatedMLP` too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UnsupportedArchitectureError
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GELU with the tanh approximation (Hendrycks & Gimpel 2016), ``gelu_pytorch_tanh``."""
+    return nn.gelu_approx(x)
+
+
+_ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu": nn.gelu,
+}
+
+
+def activation(name: str) -> Callable[[mx.array], mx.array]:
+    """The activation function a config names (``hidden_act`` / ``hidden_activation``).
+
+    Raises:
+        UnsupportedArchitectureError: an unknown name (the message lists the known ones).
+    """
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"activation {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}"
+        ) from None
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: ``[..., hidden] -> [..., hidden]``.
+
+    Args:
+        hidden_size, intermediate_size: widths.
+        act: the activation name (see :func:`activation`).
+        bias: whether the three projections carry a bias.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self._act = activation(act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,199 @@
+"""gpt-oss (``gpt_oss``).
+
+Architecture: OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (2025), as implemented
+by transformers' ``GptOssForCausalLM`` (the parity reference):
+
+- attention with biases on q/k/v/o and a learned sink logit per head
+  (``self_attn.sinks``), alternating sliding-window and full layers (``layer_types``);
+- YaRN rope (:mod:`mlx_ferrum.layers.rope`);
+- a mixture-of-experts MLP whose router has a bias and takes the softmax of the top-k
+  logits, and whose experts use the clamped SwiGLU
+  (:func:`~mlx_ferrum.layers.moe.clamped_swiglu`) with biases.
+
+Weights: the bf16 Hub layout (transformers' ``save_pretrained``) stores each layer's
+experts fused, ``mlp.experts.gate_up_proj`` ``[E, hidden, 2 * intermediate]`` with
+gate and up interleaved on the last axis, ``down_proj`` ``[E, intermediate, hidden]``
+and their ``*_bias``. They are split and transposed at load into
+``mlp.experts.{gate,up,down}_proj.{weight,bias}`` ``[E, out, in]``, mlx-lm's names,
+so MLX-quantized checkpoints from ``mlx_lm convert`` load as they are. The original
+MXFP4 release (``*_blocks`` / ``*_scales``) is not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import MalformedConfigError, ModelLoadError
+from ..layers.attention import AttentionMetadata, apply_rope, attention
+from ..layers.moe import SwitchGLU, clamped_swiglu, topk_softmax
+from ..layers.rope import Rope, rope_parameters
+from . import llama
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    """Llama arguments plus gpt-oss's MoE, sink and window settings."""
+
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 1
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    layer_types: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
+        """Read a HF ``config.json`` dict.
+
+        Raises:
+            MalformedConfigError: missing keys, ``layer_types`` of the wrong length, or
+                ``num_experts_per_tok`` out of range.
+        """
+        base = llama.ModelArgs.from_dict({**config, "model_type": "llama", "attention_bias": True})
+        n = base.num_hidden_layers
+        types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        if len(types) != n:
+            raise MalformedConfigError(f"layer_types has {len(types)} entries for {n} layers")
+        window = config.get("sliding_window")
+        experts = int(config.get("num_local_experts", config.get("num_experts", 0)) or 0)
+        top_k = int(config.get("num_experts_per_tok", 1))
+        if not 1 <= top_k <= max(experts, 1) or experts < 1:
+            raise MalformedConfigError(
+                f"num_experts_per_tok={top_k} must be in [1, num_local_experts={experts}] with at least one expert"
+            )
+        fields = asdict(base)
+        fields.update(
+            model_type="gpt_oss",
+            o_proj_bias=True,
+            sliding_window=window,
+            layer_windows=[window if t == "sliding_attention" else None for t in types],
+            rope_params=rope_parameters(config),
+        )
+        return cls(
+            **fields,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+            layer_types=list(types),
+        )
+
+
+class Attention(nn.Module):
+    """Biased GQA attention with per-head sinks and this layer's window."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.window = args.window(layer_idx)
+        d = args.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=True)
+        self.sinks = mx.zeros((self.n_heads,))
+        self.rope = Rope(self.head_dim, args.rope_params, args.max_position_embeddings)
+
+    def __call__(self, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
+        b, l, _ = x.shape
+        q = self.q_proj(x).reshape(b, l, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = apply_rope(self.rope, q, meta)
+        k = apply_rope(self.rope, k, meta)
+        o = attention(q, k, v, meta, self.layer_idx, self.scale, window=self.window, sinks=self.sinks)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, l, -1))
+
+
+class MoeBlock(nn.Module):
+    """Biased top-k router (``router``) and clamped-SwiGLU experts (``experts``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.router = nn.Linear(args.hidden_size, args.num_local_experts, bias=True)
+        self.experts = SwitchGLU(
+            args.hidden_size, args.intermediate_size, args.num_local_experts,
+            glu=clamped_swiglu(args.swiglu_limit, args.swiglu_alpha), bias=True,
+        )
+
+    def __call__(self, x: mx.array) -> mx.array:
+        indices, weights = topk_softmax(self.router(x), self.top_k)
+        y = self.experts(x, indices)
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MoeBlock(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GptOssModel(llama.LlamaModel):
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(llama.Model):
+    """gpt-oss causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]``."""
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.args = args
+        self.model_type = args.model_type
+        self.model = GptOssModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Split the fused Hub expert tensors into per-projection stacked ``[E, out, in]`` weights.
+
+        Raises:
+            ModelLoadError: the original MXFP4 layout (``*_blocks``), which is not read.
+        """
+        weights = super().sanitize(weights)
+        if any(k.endswith("_blocks") for k in weights):
+            raise ModelLoadError(
+                "this gpt-oss checkpoint stores MXFP4 expert blocks, which are not read: use the bf16 Hub "
+                "layout (e.g. a transformers save_pretrained copy) or an mlx_lm convert checkpoint"
+            )
+        a = self.args
+        hidden, inter = a.hidden_size, a.intermediate_size
+        for i in range(a.num_hidden_layers):
+            p = f"model.layers.{i}.mlp.experts"
+            gate_up = weights.pop(f"{p}.gate_up_proj", None)
+            if gate_up is not None:
+                if gate_up.shape[-2:] == (hidden, 2 * inter):
+                    gate_up = gate_up.swapaxes(-1, -2)  # -> [E, 2I, H]
+                weights[f"{p}.gate_proj.weight"] = mx.contiguous(gate_up[..., ::2, :])
+                weights[f"{p}.up_proj.weight"] = mx.contiguous(gate_up[..., 1::2, :])
+            bias = weights.pop(f"{p}.gate_up_proj_bias", None)
+            if bias is not None:
+                weights[f"{p}.gate_proj.bias"] = mx.contiguous(bias[..., ::2])
+                weights[f"{p}.up_proj.bias"] = mx.contiguous(bias[..., 1::2])
+            down = weights.pop(f"{p}.down_proj", None)
+            if down is not None:
+                if down.shape[-2:] == (inter, hidden) and inter != hidden:
+                    down = down.swapaxes(-1, -2)  # -> [E, H, I]
+                elif inter == hidden:
+                    down = down.swapaxes(-1, -2)  # transformers' layout is [E, I, H]
+                weights[f"{p}.down_proj.weight"] = mx.contiguous(down)
+            bias = weights.pop(f"{p}.down_proj_bias", None)
+            if bias is not None:
+                weights[f"{p}.down_proj.bias"] = bias
+        return weights

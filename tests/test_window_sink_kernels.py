@@ -1,0 +1,94 @@
+"""Reference paged attention with a sliding window and attention sinks, against a dense
+numpy implementation written from the definitions (Mistral's window: query ``p`` sees
+keys ``p - window + 1 .. p``; gpt-oss's sinks: one extra logit per head in the softmax
+denominator, with no value)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_ferrum import kernels
+from mlx_ferrum.kernels import reference
+
+H, KVH, D, BS = 4, 2, 16, 8
+
+
+def _dense(q, keys, values, qpos, window, sinks, scale):
+    """q [H, D] at position qpos; keys/values [KVH, T, D]."""
+    g = H // KVH
+    out = np.zeros((H, D), np.float64)
+    t = np.arange(keys.shape[1])
+    ok = t <= qpos
+    if window is not None:
+        ok &= t > qpos - window
+    for h in range(H):
+        s = keys[h // g] @ q[h] * scale
+        s = np.where(ok, s, -np.inf)
+        m = s.max() if sinks is None else max(s.max(), sinks[h])
+        p = np.exp(s - m)
+        den = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m))
+        out[h] = (p @ values[h // g]) / den
+    return out
+
+
+def _setup(lens, seed=0):
+    rng = np.random.default_rng(seed)
+    nb_per = [-(-n // BS) for n in lens]
+    num_blocks = sum(nb_per) + 3
+    k_pool = rng.standard_normal((num_blocks, KVH, BS, D)).astype(np.float32)
+    v_pool = rng.standard_normal((num_blocks, KVH, BS, D)).astype(np.float32)
+    perm = rng.permutation(num_blocks)
+    tables, start = [], 0
+    for nb in nb_per:
+        tables.append(list(perm[start : start + nb]))
+        start += nb
+    width = max(nb_per)
+    table = np.array([t + [0] * (width - len(t)) for t in tables], np.int32)
+    dense = []
+    for t, n in zip(tables, lens):
+        ks = k_pool[t].transpose(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n]
+        vs = v_pool[t].transpose(1, 0, 2, 3).reshape(KVH, -1, D)[:, :n]
+        dense.append((ks, vs))
+    return rng, k_pool, v_pool, table, dense
+
+
+@pytest.mark.parametrize("window,use_sinks", [(None, True), (5, False), (11, True)])
+def test_decode_window_and_sinks(window, use_sinks):
+    lens = [3, 17, 30]
+    rng, k_pool, v_pool, table, dense = _setup(lens)
+    q = rng.standard_normal((len(lens), H, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
+    scale = D ** -0.5
+    expected = np.stack([_dense(q[i], *dense[i], lens[i] - 1, window, sinks, scale) for i in range(len(lens))])
+    args = (mx.array(q), mx.array(k_pool), mx.array(v_pool), mx.array(table), mx.array(lens, dtype=mx.int32), scale)
+    sk = None if sinks is None else mx.array(sinks)
+    blockwise = reference.paged_attention_decode(*args, window=window, sinks=sk)
+    assert np.abs(np.array(blockwise) - expected).max() < 1e-4
+    # the single-sequence fast path, and the dispatcher (routes window/sinks to the reference)
+    for i in range(len(lens)):
+        one = kernels.paged_attention_decode(
+            mx.array(q[i : i + 1]), mx.array(k_pool), mx.array(v_pool), mx.array(table[i : i + 1]),
+            mx.array([lens[i]], dtype=mx.int32), scale, host_context_lens=[lens[i]], window=window, sinks=sk,
+        )
+        assert np.abs(np.array(one)[0] - expected[i]).max() < 1e-4
+
+
+@pytest.mark.parametrize("window,use_sinks", [(None, True), (6, False), (9, True)])
+def test_prefill_window_and_sinks(window, use_sinks):
+    lens, qlens = [12, 29], [12, 10]  # the second: a chunk after 19 cached tokens
+    rng, k_pool, v_pool, table, dense = _setup(lens, seed=1)
+    q = rng.standard_normal((sum(qlens), H, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
+    scale = D ** -0.5
+    qsl = [0, qlens[0], qlens[0] + qlens[1]]
+    expected = []
+    for i, (n, ql) in enumerate(zip(lens, qlens)):
+        for j in range(ql):
+            expected.append(_dense(q[qsl[i] + j], *dense[i], n - ql + j, window, sinks, scale))
+    out = kernels.paged_prefill_attention(
+        mx.array(q), mx.array(k_pool), mx.array(v_pool), mx.array(table), mx.array(lens, dtype=mx.int32),
+        mx.array(qsl, dtype=mx.int32), scale, window=window, sinks=None if sinks is None else mx.array(sinks),
+    )
+    assert np.abs(np.array(out) - np.stack(expected)).max() < 1e-4
