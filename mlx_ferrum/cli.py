@@ -15,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from .config import RuntimeConfig
-from .errors import FerrumError, PromptTooLongError
+from .errors import ChatTemplateError, FerrumError, PromptTooLongError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
