@@ -67,6 +67,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "metal_kernels": ("FERRUM_METAL_KERNELS", _parse_bool, True),
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
+    "async_scheduling": ("FERRUM_ASYNC_SCHEDULING", _parse_bool, True),
 }
 
 #: Pool size in bytes used to size the paged pool where no Metal device reports a
@@ -94,6 +95,8 @@ class RuntimeConfig:
     - ``kv_memory_fraction`` (``FERRUM_KV_MEMORY_FRACTION``, 0.5): share of the Metal
       working set (minus weights) given to the paged pool when ``max_num_blocks`` is unset.
     - ``kv_cache_step`` (``FERRUM_KV_CACHE_STEP``, 256): growth step, in tokens, of the contiguous cache.
+    - ``async_scheduling`` (``FERRUM_ASYNC_SCHEDULING``, 1): the engine queues step t+1 before it
+      reads step t's tokens (vLLM's name); 0 runs every step synchronously.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -110,6 +113,7 @@ class RuntimeConfig:
     metal_kernels: Optional[bool] = None
     kv_memory_fraction: Optional[float] = None
     kv_cache_step: Optional[int] = None
+    async_scheduling: Optional[bool] = None
 
     def __post_init__(self) -> None:
         explicit = set()

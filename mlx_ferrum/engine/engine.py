@@ -25,12 +25,30 @@ from ..config import RuntimeConfig
 from ..errors import FerrumError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
 from .prompt import Prompt, encode_prompt
-from .sampling import SamplingParams, sample
+from .sampling import SampleResult, SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .stop import emit_token
 
 _req_ids = itertools.count()
+
+#: Placeholder in ``Sequence.output_ids`` for a token sampled but not yet read back.
+_IN_FLIGHT = -1
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its lazy :class:`SampleResult` and, per sampled request, its row
+    and the index in ``output_ids`` the token goes to."""
+
+    result: SampleResult
+    rows: list = field(default_factory=list)  # (sequence, row, output index)
+    row_of: dict = field(default_factory=dict)  # request id -> row
+
+    @property
+    def tokens(self) -> mx.array:
+        """``[B]`` int32 sampled ids, on the device."""
+        return self.result.tokens
 
 
 @dataclass
@@ -95,6 +113,10 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
         self._finished_ttft: list[float] = []
         self._finished_itl: list[float] = []
+        self._pipelined = bool(self.config.async_scheduling) and not (
+            self.executor.manager is not None and self.executor.manager.prefix_cache
+        )
+        self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -147,9 +169,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while a request waits or runs (or has an output not yet returned)."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._pending)
+            return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+        while seq.output_ids and seq.output_ids[-1] == _IN_FLIGHT:
+            seq.output_ids.pop()  # never read back: not part of the output
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -181,63 +205,137 @@ class Engine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for each request that changed."""
+        """Run one scheduling step; returns an output for each request that changed.
+
+        Pipelined (``RuntimeConfig.async_scheduling``, the default): this step's forward
+        pass and sampling are queued with ``mx.async_eval`` BEFORE the previous step's
+        tokens are read back, detokenized and checked for stops, so the host work of one
+        step overlaps the device work of the next (vLLM's async scheduling; mlx-lm's
+        ``generate_step`` overlaps the same way). Outputs therefore trail by one step;
+        token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
+        one-step lag).
+        """
         with self._step_lock:
             with self._lock:
                 outputs, self._pending = self._pending, []
+                if self._inflight is not None and not self._can_overlap():
+                    outputs.extend(self._resolve(self._inflight))
+                    self._inflight = None
                 plan = self.scheduler.schedule()
                 for seq in plan.rejected:
                     self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
                                  "raise FERRUM_KV_MAX_BLOCKS or shorten it")
                     outputs.append(self._output(seq, "", []))
                 items = plan.items
-                now = time.time()
-                work = []
-                for it in items:
-                    s = it.seq
-                    if s.metrics.first_scheduled_time is None:
-                        s.metrics.first_scheduled_time = now
-                    work.append(SeqWork(s.request_id, s.token_at(s.num_computed, s.num_computed + it.num_tokens)))
-            if not items:
-                return outputs
-            try:
-                logits = self.executor.run(work)
-            except FerrumError as e:
-                with self._lock:
-                    for it in items:
-                        if not it.seq.finished:
-                            self._finish(it.seq, "error", str(e))
-                            outputs.append(self._output(it.seq, "", []))
-                return outputs
+                work = self._build_work(items)
+            launched = None
+            if items:
+                try:
+                    launched = self._launch(items, work)
+                except FerrumError as e:
+                    with self._lock:
+                        for it in items:
+                            if not it.seq.finished:
+                                self._finish(it.seq, "error", str(e))
+                                outputs.append(self._output(it.seq, "", []))
             with self._lock:
-                self.num_steps += 1
-                sampled = []
-                for it, row in zip(items, logits):
-                    s = it.seq
-                    if s.finished:  # aborted while the step ran
-                        continue
-                    samples = it.samples
-                    if s.num_computed < len(s.prompt_ids):
-                        self.num_prefilled_tokens += it.num_tokens
-                        s.metrics.num_prefilled_tokens += it.num_tokens
-                    s.num_computed += it.num_tokens
-                    if samples:
-                        sampled.append((s, row))
-                if sampled:
-                    outputs.extend(self._sample_and_emit(sampled))
+                if self._inflight is not None:
+                    outputs.extend(self._resolve(self._inflight))
+                self._inflight = launched
+                if launched is not None and not self._pipelined:
+                    outputs.extend(self._resolve(launched))
+                    self._inflight = None
             return outputs
 
-    def _sample_and_emit(self, sampled: list) -> list[RequestOutput]:
-        seqs = [s for s, _ in sampled]
-        rows = mx.concatenate([r for _, r in sampled], axis=0)
-        res = sample(rows, [s.sampler for s in seqs])
+    def _can_overlap(self) -> bool:
+        """True when the next step may be queued before the in-flight tokens are known.
+
+        Not with prefix caching (the manager hashes token ids on the host) and not while
+        an in-flight row uses a repetition penalty (its history needs the token).
+        """
+        if not self._pipelined:
+            return False
+        return not any(s.params.repetition_penalty != 1.0 for s, _, _ in self._inflight.rows)
+
+    def _build_work(self, items: list) -> list[SeqWork]:
+        """The executor's work for ``items``; a token still in flight is taken on the device
+        from the previous step's sampled tokens (``prev_row``)."""
+        now = time.time()
+        rows = self._inflight.row_of if self._inflight is not None else {}
+        work = []
+        for it in items:
+            s = it.seq
+            if s.metrics.first_scheduled_time is None:
+                s.metrics.first_scheduled_time = now
+            end = s.num_computed + it.num_tokens
+            tokens = s.token_at(s.num_computed, end)
+            prev_row = -1
+            if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
+                prev_row = rows[s.request_id]
+                tokens[-1] = 0
+            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row))
+        return work
+
+    def _launch(self, items: list, work: list[SeqWork]) -> Optional["_InFlight"]:
+        """Queue the forward pass and the sampling of ``items``; nothing is read back."""
+        prev = self._inflight.tokens if self._inflight is not None else None
+        logits, state = self.executor.forward(work, prev)
+        with self._lock:
+            self.num_steps += 1
+            sampled = []
+            samples = [it.samples for it in items]  # read before num_computed moves
+            for it in items:
+                s = it.seq
+                if s.finished:  # aborted while the step was built: its blocks may have been re-created
+                    self.executor.release_cache(s.request_id)
+                    continue
+                if s.num_computed < len(s.prompt_ids):
+                    self.num_prefilled_tokens += it.num_tokens
+                    s.metrics.num_prefilled_tokens += it.num_tokens
+                s.num_computed += it.num_tokens
+                if s.num_computed == s.num_tokens:
+                    sampled.append(s)
+            row_of_item = []
+            r = 0
+            for w in work:
+                row_of_item.append(r)
+                r += w.num_logit_rows
+            rows = [row_of_item[i] for i, it in enumerate(items) if samples[i] and not it.seq.finished]
+            if not sampled:
+                mx.async_eval(state)
+                return None
+            take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
+            res = sample(take, [s.sampler for s in sampled], record=False)
+            flight = _InFlight(res, [])
+            for b, s in enumerate(sampled):
+                s.output_ids.append(_IN_FLIGHT)
+                flight.rows.append((s, b, len(s.output_ids) - 1))
+                flight.row_of[s.request_id] = b
+            extra = [a for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+            mx.async_eval(res.tokens, *extra, *state)
+            return flight
+
+    def _resolve(self, flight: "_InFlight") -> list[RequestOutput]:
+        """Read a launched step's tokens, then detokenize, check stops and emit.
+
+        The one-step lag: a request that finishes here may already have its next token
+        queued (a placeholder at the end of ``output_ids``); it is dropped with the rest
+        of the request when :meth:`_finish` frees its blocks, and a later resolve skips
+        finished requests. Aborted or finished requests are skipped the same way.
+        """
+        res = flight.result
         tokens = res.tokens.tolist()
         lps = res.logprobs.tolist() if res.logprobs is not None else None
         tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
         now = time.time()
         outs = []
         cap = self.executor.kv_capacity()
-        for b, (s, tok) in enumerate(zip(seqs, tokens)):
+        for s, b, index in flight.rows:
+            if s.finished:
+                continue
+            tok = tokens[b]
+            s.output_ids[index] = tok
+            s.sampler.append(tok)
             m = s.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -248,11 +346,11 @@ class Engine:
                 if tops is not None and s.params.logprobs:
                     k = s.params.logprobs
                     s.top_logprobs.append(dict(zip(tops[0][b][:k], tops[1][b][:k])))
-            s.output_ids.append(tok)
-            out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
+            out_of_room = index + 1 >= s.params.max_tokens or len(s.prompt_ids) + index + 1 >= cap
             delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
             s.text += delta
             if reason is not None:
+                del s.output_ids[index + 1 :]  # a token queued in the lag is dropped
                 self._finish(s, reason)
             outs.append(self._output(s, delta, [tok]))
         return outs

@@ -11,7 +11,9 @@ from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``):
   call packs every sequence's new tokens into ONE row (varlen, no padding), with
   per-token positions and a ``slot_mapping`` into the pool (ferrum's ``unified_decode``).
 
-Every call evaluates its logits before returning, so timings in :meth:`status` are real.
+The ferrum-style calls (prefill/decode/...) and :meth:`LlmExecutor.run` evaluate their
+logits before returning, so timings in :meth:`status` are real. :meth:`LlmExecutor.forward`
+returns the pass unevaluated, for the engine's pipelined step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig
@@ -56,11 +59,25 @@ class SeqWork:
         cache_id: the sequence's cache (created when absent).
         tokens: the new token ids.
         all_logits: return logits for every new token, else for the last one.
+        return_logits: False for a prefill chunk that does not reach the end of its
+            prompt: no logits row at all (ignored when ``all_logits``).
+        prev_row: ``>= 0``: the last token is not known on the host yet; it is row
+            ``prev_row`` of the ``prev_tokens`` device array given to
+            :meth:`LlmExecutor.forward` (``tokens[-1]`` is a placeholder then).
     """
 
     cache_id: str
     tokens: list[int]
     all_logits: bool = False
+    return_logits: bool = True
+    prev_row: int = -1
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logits rows this item gets back: ``len(tokens)``, 1, or 0."""
+        if self.all_logits:
+            return len(self.tokens)
+        return 1 if self.return_logits else 0
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
@@ -163,6 +180,8 @@ class LlmExecutor:
             self.pool = PagedKvPool(
                 args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs, args.head_dim, self.dtype
             )
+        # decided once per executor: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
+        self._metal_kernels = bool(self.config.metal_kernels)
         self._state = ExecutorState.READY
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
@@ -210,32 +229,86 @@ class LlmExecutor:
             raise ExecutorError("this executor was shut down: create a new one")
 
     # ------------------------------------------------------------- core
-    def run(self, work: Sequence[SeqWork]) -> list[mx.array]:
-        """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``).
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+        """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``),
+        evaluated before returning.
 
         Caches that do not exist are created. On any error every cache touched by this
         call is restored to its previous length (and new ones released), so a failed call
         leaves no blocks behind and other sequences untouched.
 
+        Args:
+            work: one :class:`SeqWork` per sequence.
+            prev_tokens: see :meth:`forward`.
+
         Returns:
-            One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``,
-            in the model dtype, evaluated.
+            One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``
+            (``[0, vocab]`` when ``return_logits`` is False), in the model dtype, evaluated.
 
         Raises:
             PromptTooLongError, KvCacheExhaustedError, ExecutorError.
         """
+        logits, state = self.forward(work, prev_tokens)
+        mx.eval(logits, state)
+        out = []
+        r = 0
+        for w in work:
+            n = w.num_logit_rows
+            out.append(logits[r : r + n])
+            r += n
+        return out
+
+    def forward(
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Build one forward pass over ``work`` and return it UNEVALUATED.
+
+        This is the pipelined engine's entry: the caller samples from the lazy logits
+        and ``mx.async_eval``-s the result together with ``state`` (the KV arrays this
+        pass writes), so the host can build the next step while this one runs (the
+        overlap mlx-lm's ``generate_step`` gets from ``mx.async_eval``).
+
+        Args:
+            work: one :class:`SeqWork` per sequence (each ``cache_id`` once).
+            prev_tokens: ``[R]`` int32 device array (a previous step's sampled tokens);
+                an item with ``prev_row >= 0`` takes its LAST token from
+                ``prev_tokens[prev_row]`` instead of ``tokens[-1]`` (a placeholder).
+
+        Returns:
+            ``(logits, state)``: logits ``[R, vocab]`` (model dtype), the rows of every
+            item in ``work`` order (``num_logit_rows`` each); ``state`` the cache arrays
+            to evaluate with them.
+
+        Raises:
+            PromptTooLongError, KvCacheExhaustedError, ExecutorError (nothing changes then).
+        """
         self._check_open()
         if not work:
-            return []
+            return mx.zeros((0, self.args.vocab_size), self.dtype), []
+        self._validate(work, prev_tokens)
+        with self._lock:
+            self._state = ExecutorState.BUSY
+            try:
+                if self.layout == "paged":
+                    return self._forward_paged(work, prev_tokens)
+                return self._forward_contiguous(work, prev_tokens)
+            finally:
+                self._state = ExecutorState.READY
+
+    def _validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]) -> None:
         ids = [w.cache_id for w in work]
         if len(set(ids)) != len(ids):
             raise ExecutorError("a cache_id appears twice in one batch: send one item per sequence")
+        vocab = self.args.vocab_size
         for w in work:
             if not w.tokens:
                 raise ExecutorError(f"no tokens given for cache {w.cache_id!r}")
-            bad = [t for t in w.tokens if not 0 <= t < self.args.vocab_size]
-            if bad:
-                raise ExecutorError(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+            if w.prev_row >= 0 and prev_tokens is None:
+                raise ExecutorError(f"cache {w.cache_id!r} takes a previous step's token but prev_tokens is None")
+            host = w.tokens[:-1] if w.prev_row >= 0 else w.tokens
+            if host and not (0 <= min(host) and max(host) < vocab):
+                bad = next(t for t in host if not 0 <= t < vocab)
+                raise ExecutorError(f"token id {bad} is outside the vocabulary [0, {vocab})")
             have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
             if have + len(w.tokens) > self.max_seq_len:
                 raise PromptTooLongError(
@@ -243,84 +316,104 @@ class LlmExecutor:
                     f"{self.max_seq_len}: shorten the prompt or max_tokens, or raise FERRUM_KV_CAPACITY "
                     "(at most the model's max_position_embeddings for sound results)"
                 )
-        with self._lock:
-            self._state = ExecutorState.BUSY
-            try:
-                if self.layout == "paged":
-                    return self._run_paged(work)
-                return self._run_contiguous(work)
-            finally:
-                self._state = ExecutorState.READY
+        if self.manager is not None and self.manager.prefix_cache and any(w.prev_row >= 0 for w in work):
+            raise ExecutorError("prefix caching hashes token ids on the host: pass every token, not prev_row")
 
-    def _run_paged(self, work: Sequence[SeqWork]) -> list[mx.array]:
+    @staticmethod
+    def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
+        """The step's token ids as a device array; placeholders are filled from ``prev``
+        on the device, so a previous step's tokens never travel through the host."""
+        ids = mx.array(flat)
+        if patch_at:
+            ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
+        return ids
+
+    def _forward_paged(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
         order = sorted(range(len(work)), key=lambda i: len(work[i].tokens) != 1)  # decodes first, stable
-        items = [work[i] for i in order]
         mgr = self.manager
+        hash_tokens = mgr.prefix_cache
         before: list[tuple[str, Optional[int]]] = []
         slots: list[int] = []
-        positions: list[int] = []
         copies: list[tuple[int, int]] = []
+        starts: list[int] = []
         try:
-            for w in items:
+            for i in order:
+                w = work[i]
                 existed = mgr.has(w.cache_id)
                 if not existed:
                     mgr.create(w.cache_id)
                 start = mgr.num_tokens(w.cache_id)
                 before.append((w.cache_id, start if existed else None))
-                res = mgr.append_slots(w.cache_id, len(w.tokens), w.tokens)
+                res = mgr.append_slots(w.cache_id, len(w.tokens), w.tokens if hash_tokens else None)
                 slots.extend(res.slots)
                 copies.extend(res.copies)
-                positions.extend(range(start, start + len(w.tokens)))
+                starts.append(start)
         except Exception:
-            for cid, prev in before:
-                if prev is None:
-                    mgr.release(cid)
-                else:
-                    mgr.truncate(cid, prev)
+            self._undo_paged(before)
             raise
         self.pool.copy_blocks(copies)
-        tables = [mgr.seqs[w.cache_id].block_ids for w in items]
-        max_blocks = max(len(t) for t in tables)
-        table_arr = mx.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=mx.int32)
-        ctx = [mgr.seqs[w.cache_id].num_tokens for w in items]
-        qsl = [0]
-        for w in items:
-            qsl.append(qsl[-1] + len(w.tokens))
-        nd = sum(1 for w in items if len(w.tokens) == 1)
-        logit_rows: list[int] = []
-        for i, w in enumerate(items):
-            logit_rows.extend(range(qsl[i], qsl[i + 1]) if w.all_logits else [qsl[i + 1] - 1])
+        lens = np.fromiter((len(work[i].tokens) for i in order), dtype=np.int64, count=len(order))
+        qsl = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        total = int(qsl[-1])
+        starts_np = np.asarray(starts, dtype=np.int64)
+        # positions of packed token j: its sequence's start + (j - that sequence's first row)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts_np, lens)
+        ctx = (starts_np + lens).tolist()
+        tables = [mgr.seqs[work[i].cache_id].block_ids for i in order]
+        table_arr = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        for r, t in enumerate(tables):
+            table_arr[r, : len(t)] = t
+        nd = int(np.sum(lens == 1))
+        flat = np.empty(total, dtype=np.int32)
+        patch_at: list[int] = []
+        patch_rows: list[int] = []
+        packed_at = [0] * len(work)
+        for p, i in enumerate(order):
+            w = work[i]
+            flat[qsl[p] : qsl[p + 1]] = w.tokens
+            packed_at[i] = p
+            if w.prev_row >= 0:
+                patch_at.append(int(qsl[p + 1]) - 1)
+                patch_rows.append(w.prev_row)
+        rows: list[int] = []
+        for i, w in enumerate(work):
+            p = packed_at[i]
+            if w.all_logits:
+                rows.extend(range(int(qsl[p]), int(qsl[p + 1])))
+            elif w.return_logits:
+                rows.append(int(qsl[p + 1]) - 1)
+        identity = len(rows) == total and rows == list(range(total))
         meta = AttentionMetadata(
             layout="paged",
-            positions=mx.array(positions, dtype=mx.int32),
+            positions=mx.array(positions.astype(np.int32)),
             pool=self.pool,
-            slot_mapping=mx.array(slots, dtype=mx.int32),
-            block_tables=table_arr,
-            context_lens=mx.array(ctx, dtype=mx.int32),
-            query_start_loc=mx.array(qsl, dtype=mx.int32),
+            slot_mapping=mx.array(np.asarray(slots, dtype=np.int32)),
+            block_tables=mx.array(table_arr),
+            context_lens=mx.array(np.asarray(ctx, dtype=np.int32)),
+            query_start_loc=mx.array(qsl.astype(np.int32)),
             num_decode_seqs=nd,
             host_context_lens=ctx,
-            host_query_start_loc=qsl,
-            logits_indices=None if len(logit_rows) == qsl[-1] else mx.array(logit_rows, dtype=mx.int32),
+            host_query_start_loc=qsl.tolist(),
+            logits_indices=None if identity else mx.array(np.asarray(rows or [0], dtype=np.int32)),
+            metal_kernels=self._metal_kernels,
         )
-        tokens = mx.array([t for w in items for t in w.tokens], dtype=mx.int32)[None]
         try:
+            tokens = self._input_ids(flat, patch_at, patch_rows, prev)[None]
             logits = self.model(tokens, meta)[0]
-            mx.eval(logits, self.pool.k, self.pool.v)
         except Exception:
-            for cid, prev in before:
-                if prev is None:
-                    mgr.release(cid)
-                else:
-                    mgr.truncate(cid, prev)
+            self._undo_paged(before)
             raise
-        out: list[Optional[mx.array]] = [None] * len(work)
-        r = 0
-        for i, w in zip(order, items):
-            n = len(w.tokens) if w.all_logits else 1
-            out[i] = logits[r : r + n]
-            r += n
-        return out  # type: ignore[return-value]
+        if not rows:
+            logits = logits[:0]
+        return logits, self.pool.k + self.pool.v
+
+    def _undo_paged(self, before: list[tuple[str, Optional[int]]]) -> None:
+        for cid, prev in before:
+            if prev is None:
+                self.manager.release(cid)
+            else:
+                self.manager.truncate(cid, prev)
 
     def _new_contiguous(self) -> list[ContiguousKvCache]:
         a = self.args
@@ -332,50 +425,68 @@ class LlmExecutor:
             for _ in range(a.num_hidden_layers)
         ]
 
-    def _run_contiguous(self, work: Sequence[SeqWork]) -> list[mx.array]:
-        out: list[Optional[mx.array]] = [None] * len(work)
+    def _forward_contiguous(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
         groups: dict[int, list[int]] = {}
         for i, w in enumerate(work):
             groups.setdefault(len(w.tokens), []).append(i)
-        for n, idxs in groups.items():
-            rows = [work[i] for i in idxs]
-            created = []
-            for w in rows:
-                if w.cache_id not in self._contiguous:
-                    self._contiguous[w.cache_id] = self._new_contiguous()
-                    created.append(w.cache_id)
-            caches = [self._contiguous[w.cache_id] for w in rows]
-            prev = [c[0].len for c in caches]
-            rows_wanted = [
-                r for j, w in enumerate(rows) for r in (range(j * n, (j + 1) * n) if w.all_logits else [(j + 1) * n - 1])
-            ]
-            meta = AttentionMetadata(
-                layout="contiguous",
-                offsets=mx.array(prev, dtype=mx.int32),
-                caches=caches,
-                pad_mask=contiguous_pad_mask([p + n for p in prev], n, self.dtype),
-                # the LM head runs only on the rows whose logits are returned
-                logits_indices=None if len(rows_wanted) == n * len(rows) else mx.array(rows_wanted, dtype=mx.int32),
-            )
-            tokens = mx.array([w.tokens for w in rows], dtype=mx.int32)
-            try:
+        pieces: list[mx.array] = []
+        piece_owner: list[int] = []  # work index of each returned row, in piece order
+        state: list[mx.array] = []
+        undo: list[tuple[list, list[int], list[str]]] = []
+        try:
+            for n, idxs in groups.items():
+                rows = [work[i] for i in idxs]
+                created = []
+                for w in rows:
+                    if w.cache_id not in self._contiguous:
+                        self._contiguous[w.cache_id] = self._new_contiguous()
+                        created.append(w.cache_id)
+                caches = [self._contiguous[w.cache_id] for w in rows]
+                prev_lens = [c[0].len for c in caches]
+                undo.append((caches, prev_lens, created))
+                wanted: list[int] = []
+                for j, (i, w) in enumerate(zip(idxs, rows)):
+                    k = w.num_logit_rows
+                    wanted.extend(range((j + 1) * n - k, (j + 1) * n))
+                    piece_owner.extend([i] * k)
+                if not wanted:
+                    wanted = [0]
+                meta = AttentionMetadata(
+                    layout="contiguous",
+                    offsets=mx.array(np.asarray(prev_lens, dtype=np.int32)),
+                    caches=caches,
+                    pad_mask=contiguous_pad_mask([p + n for p in prev_lens], n, self.dtype),
+                    # the LM head runs only on the rows whose logits are returned
+                    logits_indices=None if len(wanted) == n * len(rows) else mx.array(np.asarray(wanted, dtype=np.int32)),
+                    metal_kernels=self._metal_kernels,
+                )
+                flat = np.asarray([w.tokens for w in rows], dtype=np.int32).reshape(-1)
+                patch_at = [j * n + n - 1 for j, w in enumerate(rows) if w.prev_row >= 0]
+                patch_rows = [w.prev_row for w in rows if w.prev_row >= 0]
+                tokens = self._input_ids(flat, patch_at, patch_rows, prev).reshape(len(rows), n)
                 logits = self.model(tokens, meta)
-                mx.eval(logits)
-            except Exception:
-                for c, p in zip(caches, prev):
+                flat_logits = logits.reshape(-1, logits.shape[-1])
+                if sum(w.num_logit_rows for w in rows) == 0:
+                    flat_logits = flat_logits[:0]
+                pieces.append(flat_logits)
+                for c in caches:
+                    for layer in c:
+                        state.extend((layer.k, layer.v))
+        except Exception:
+            for caches, prev_lens, created in undo:
+                for c, p in zip(caches, prev_lens):
                     for layer in c:
                         if layer.len > p:
                             layer.truncate(p)
                 for cid in created:
                     del self._contiguous[cid]
-                raise
-            flat = logits.reshape(-1, logits.shape[-1])
-            r = 0
-            for i, w in zip(idxs, rows):
-                k = n if w.all_logits else 1
-                out[i] = flat[r : r + k]
-                r += k
-        return out  # type: ignore[return-value]
+            raise
+        logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        # back to work order (groups reorder the items)
+        order = sorted(range(len(piece_owner)), key=lambda r: piece_owner[r])
+        if order != list(range(len(order))):
+            logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
+        return logits, state
 
     # ---------------------------------------------------------- ferrum API
     def _timed(self, kind: str, batch: int, fn):

@@ -56,6 +56,8 @@ class AttentionMetadata:
             are wanted, or None for all.
         slot_index: paged: the pool index arrays of ``slot_mapping``, built once per pass
             and shared by every layer's write.
+        metal_kernels: the executor's ``RuntimeConfig.metal_kernels``, decided once per
+            executor (None: the kernels read ``FERRUM_METAL_KERNELS``).
     """
 
     layout: str = "none"
@@ -73,6 +75,7 @@ class AttentionMetadata:
     host_query_start_loc: list = field(default_factory=list)
     logits_indices: Optional[mx.array] = None
     slot_index: Any = None
+    metal_kernels: Optional[bool] = None
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -167,6 +170,7 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
             kernels.paged_attention_decode(
                 qt[:nd], kp, vp, meta.block_tables[:nd], meta.context_lens[:nd], scale,
                 host_context_lens=meta.host_context_lens[:nd],
+                metal_kernels=meta.metal_kernels,
             )
         )
     if nd < n_seqs:
@@ -184,6 +188,7 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
                 scale,
                 host_context_lens=meta.host_context_lens[nd:],
                 host_query_start_loc=rel,
+                metal_kernels=meta.metal_kernels,
             )
         )
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
