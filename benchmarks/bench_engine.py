@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_engine.py --dtype bfloat16 --concurrency 1,8 --prompt-tokens 32 --max-tokens 8
     python benchmarks/bench_engine.py --openblas off    # MLX's bundled reference BLAS
 
-What is measured (see :mod:`mlx_ferrum.engine.bench` for the exact definitions): for
+What is measured (see :mod:`mlx_ferrum.bench` for the exact definitions): for
 each concurrency level N, N requests of ``--prompt-tokens`` random token ids (seeded,
 the same on both sides) arrive at once and each generates ``--max-tokens`` greedy
 tokens with EOS ignored. Reported per side: steady-state aggregate decode tok/s (all N
@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
     if argv is None:
         ensure_blas(args.openblas)
     import mlx_ferrum as mf
-    from mlx_ferrum.engine.bench import (
+    from mlx_ferrum.bench import (
         RATIO_HEADERS,
         TABLE_HEADERS,
         bench_engine,
