@@ -1,7 +1,9 @@
 """LlmExecutor: the ``ModelExecutor`` over a real decoder-only MLX model.
 
 One executor serves many sequences, each known by a ``cache_id``. The KV layout comes
-from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``):
+from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``) and lives
+behind one interface (:mod:`mlx_ferrum.kv_cache.store`): the executor has ONE forward
+path, and the layouts differ only in their store and in the attention call.
 
 - contiguous: each sequence has per-layer :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`.
   Batched calls put sequences on separate rows; rows whose caches differ in length are
@@ -31,7 +33,8 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
-from ..kv_cache import ContiguousKvCache, PagedKvCacheManager, PagedKvPool, bytes_per_block, default_num_blocks
+from ..kv_cache import ContiguousKvCache, PagedKvCacheManager, PagedKvPool, default_num_blocks
+from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
 from .types import (
     AttentionType,
@@ -152,34 +155,34 @@ class LlmExecutor:
             dtype=str(self.dtype).replace("mlx.core.", ""),
             num_parameters=n_params,
         )
-        self._contiguous: dict[str, list[ContiguousKvCache]] = {}
         self.manager: Optional[PagedKvCacheManager] = None
         self.pool: Optional[PagedKvPool] = None
         if manager is not None and self.layout != "paged":
             raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
-        if self.layout == "paged" and manager is not None:
+        per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * self.dtype.size
+        if self.layout == "paged":
+            if manager is None:
+                bs = self.config.block_size
+                num_blocks = self.config.max_num_blocks or default_num_blocks(
+                    args.num_hidden_layers,
+                    args.num_key_value_heads,
+                    bs,
+                    args.head_dim,
+                    self.dtype,
+                    self._weight_bytes,
+                    self.config.kv_memory_fraction,
+                )
+                manager = PagedKvCacheManager(
+                    num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache
+                )
             self.manager = manager
             self.pool = PagedKvPool(
                 args.num_hidden_layers, manager.num_blocks, args.num_key_value_heads, manager.block_size,
                 args.head_dim, self.dtype,
             )
-        elif self.layout == "paged":
-            bs = self.config.block_size
-            num_blocks = self.config.max_num_blocks or default_num_blocks(
-                args.num_hidden_layers,
-                args.num_key_value_heads,
-                bs,
-                args.head_dim,
-                self.dtype,
-                self._weight_bytes,
-                self.config.kv_memory_fraction,
-            )
-            self.manager = PagedKvCacheManager(
-                num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache
-            )
-            self.pool = PagedKvPool(
-                args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs, args.head_dim, self.dtype
-            )
+            self.store: KvStore = PagedKvStore(manager, self.pool, per_token)
+        else:
+            self.store = ContiguousKvStore(self._new_contiguous, per_token)
         # decided once per executor: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
         self._metal_kernels = bool(self.config.metal_kernels)
         self._state = ExecutorState.READY
@@ -190,22 +193,22 @@ class LlmExecutor:
         self._peak_kv_bytes = 0
 
     # ------------------------------------------------------------- handles
+    @property
+    def _contiguous(self) -> dict:
+        """Contiguous layout: cache id -> per-layer caches (empty for paged)."""
+        return self.store.caches if isinstance(self.store, ContiguousKvStore) else {}
+
     def _handle(self, cache_id: str) -> KvCacheHandle:
         if self.layout == "paged":
             seq = self.manager._seq(cache_id)
             return KvCacheHandle(
                 cache_id, seq.num_tokens, "paged", self.manager.block_size, tuple(seq.block_ids)
             )
-        caches = self._contiguous.get(cache_id)
-        if caches is None:
-            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
-        return KvCacheHandle(cache_id, caches[0].len, "contiguous")
+        return KvCacheHandle(cache_id, self.store.num_tokens(cache_id), "contiguous")
 
     def has_cache(self, cache_id: str) -> bool:
         """True when ``cache_id`` holds a cache."""
-        if self.layout == "paged":
-            return self.manager.has(cache_id)
-        return cache_id in self._contiguous
+        return self.store.has(cache_id)
 
     def num_tokens(self, cache_id: str) -> int:
         """Tokens stored for ``cache_id``.
@@ -213,12 +216,7 @@ class LlmExecutor:
         Raises:
             UnknownCacheError: unknown ``cache_id``.
         """
-        if self.layout == "paged":
-            return self.manager.num_tokens(cache_id)
-        caches = self._contiguous.get(cache_id)
-        if caches is None:
-            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
-        return caches[0].len
+        return self.store.num_tokens(cache_id)
 
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""
@@ -289,9 +287,7 @@ class LlmExecutor:
         with self._lock:
             self._state = ExecutorState.BUSY
             try:
-                if self.layout == "paged":
-                    return self._forward_paged(work, prev_tokens)
-                return self._forward_contiguous(work, prev_tokens)
+                return self._forward(work, prev_tokens)
             finally:
                 self._state = ExecutorState.READY
 
@@ -328,92 +324,60 @@ class LlmExecutor:
             ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
         return ids
 
-    def _forward_paged(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
-        order = sorted(range(len(work)), key=lambda i: len(work[i].tokens) != 1)  # decodes first, stable
-        mgr = self.manager
-        hash_tokens = mgr.prefix_cache
-        before: list[tuple[str, Optional[int]]] = []
-        slots: list[int] = []
-        copies: list[tuple[int, int]] = []
-        starts: list[int] = []
+    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
+        """One code path for both layouts: the store places the tokens and says how
+        many passes they take (paged: one packed pass; contiguous: one per token count)."""
+        passes, undo = self.store.prepare([(w.cache_id, w.tokens) for w in work])
+        pieces: list[mx.array] = []
+        owner: list[int] = []  # work index of each returned logits row, in piece order
         try:
-            for i in order:
-                w = work[i]
-                existed = mgr.has(w.cache_id)
-                if not existed:
-                    mgr.create(w.cache_id)
-                start = mgr.num_tokens(w.cache_id)
-                before.append((w.cache_id, start if existed else None))
-                res = mgr.append_slots(w.cache_id, len(w.tokens), w.tokens if hash_tokens else None)
-                slots.extend(res.slots)
-                copies.extend(res.copies)
-                starts.append(start)
+            for kv_pass in passes:
+                pieces.append(self._run_pass(work, kv_pass, prev, owner))
         except Exception:
-            self._undo_paged(before)
+            undo()
             raise
-        self.pool.copy_blocks(copies)
-        lens = np.fromiter((len(work[i].tokens) for i in order), dtype=np.int64, count=len(order))
-        qsl = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=qsl[1:])
-        total = int(qsl[-1])
-        starts_np = np.asarray(starts, dtype=np.int64)
-        # positions of packed token j: its sequence's start + (j - that sequence's first row)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts_np, lens)
-        ctx = (starts_np + lens).tolist()
-        tables = [mgr.seqs[work[i].cache_id].block_ids for i in order]
-        table_arr = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for r, t in enumerate(tables):
-            table_arr[r, : len(t)] = t
-        nd = int(np.sum(lens == 1))
-        flat = np.empty(total, dtype=np.int32)
+        logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
+        if order != list(range(len(order))):
+            logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
+        return logits, self.store.state([w.cache_id for w in work])
+
+    def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
+        """Build one pass's metadata and input ids and call the model (lazily); returns the
+        logits rows of its items ``[R, vocab]`` and appends their owners to ``owner``."""
+        flat = np.empty(kv_pass.rows * kv_pass.cols, dtype=np.int32)
         patch_at: list[int] = []
         patch_rows: list[int] = []
-        packed_at = [0] * len(work)
-        for p, i in enumerate(order):
-            w = work[i]
-            flat[qsl[p] : qsl[p + 1]] = w.tokens
-            packed_at[i] = p
-            if w.prev_row >= 0:
-                patch_at.append(int(qsl[p + 1]) - 1)
-                patch_rows.append(w.prev_row)
         rows: list[int] = []
-        for i, w in enumerate(work):
-            p = packed_at[i]
-            if w.all_logits:
-                rows.extend(range(int(qsl[p]), int(qsl[p + 1])))
-            elif w.return_logits:
-                rows.append(int(qsl[p + 1]) - 1)
-        identity = len(rows) == total and rows == list(range(total))
-        meta = AttentionMetadata(
-            layout="paged",
-            positions=mx.array(positions.astype(np.int32)),
-            pool=self.pool,
-            slot_mapping=mx.array(np.asarray(slots, dtype=np.int32)),
-            block_tables=mx.array(table_arr),
-            context_lens=mx.array(np.asarray(ctx, dtype=np.int32)),
-            query_start_loc=mx.array(qsl.astype(np.int32)),
-            num_decode_seqs=nd,
-            host_context_lens=ctx,
-            host_query_start_loc=qsl.tolist(),
-            logits_indices=None if identity else mx.array(np.asarray(rows or [0], dtype=np.int32)),
-            metal_kernels=self._metal_kernels,
-        )
-        try:
-            tokens = self._input_ids(flat, patch_at, patch_rows, prev)[None]
-            logits = self.model(tokens, meta)[0]
-        except Exception:
-            self._undo_paged(before)
-            raise
-        if not rows:
-            logits = logits[:0]
-        return logits, self.pool.k + self.pool.v
+        for i, start in zip(kv_pass.items, kv_pass.starts):
+            w = work[i]
+            n = len(w.tokens)
+            flat[start : start + n] = w.tokens
+            if w.prev_row >= 0:
+                patch_at.append(start + n - 1)
+                patch_rows.append(w.prev_row)
+            k = w.num_logit_rows
+            rows.extend(range(start + n - k, start + n))
+            owner.extend([i] * k)
+        meta = self._metadata(kv_pass.fields, kv_pass.cols)
+        # the LM head runs only on the rows whose logits are returned
+        if not (len(rows) == flat.size and rows == list(range(flat.size))):
+            meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
+        tokens = self._input_ids(flat, patch_at, patch_rows, prev).reshape(kv_pass.rows, kv_pass.cols)
+        logits = self.model(tokens, meta)
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if rows else logits[:0]
 
-    def _undo_paged(self, before: list[tuple[str, Optional[int]]]) -> None:
-        for cid, prev in before:
-            if prev is None:
-                self.manager.release(cid)
-            else:
-                self.manager.truncate(cid, prev)
+    def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
+        """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""
+        f = dict(fields)
+        lens_after = f.pop("cache_lens_after", None)
+        if lens_after is not None:
+            f["pad_mask"] = contiguous_pad_mask(lens_after, new_tokens, self.dtype)
+        for k, v in f.items():
+            if isinstance(v, np.ndarray):
+                f[k] = mx.array(v)
+        return AttentionMetadata(metal_kernels=self._metal_kernels, **f)
 
     def _new_contiguous(self) -> list[ContiguousKvCache]:
         a = self.args
@@ -424,69 +388,6 @@ class LlmExecutor:
             )
             for _ in range(a.num_hidden_layers)
         ]
-
-    def _forward_contiguous(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
-        groups: dict[int, list[int]] = {}
-        for i, w in enumerate(work):
-            groups.setdefault(len(w.tokens), []).append(i)
-        pieces: list[mx.array] = []
-        piece_owner: list[int] = []  # work index of each returned row, in piece order
-        state: list[mx.array] = []
-        undo: list[tuple[list, list[int], list[str]]] = []
-        try:
-            for n, idxs in groups.items():
-                rows = [work[i] for i in idxs]
-                created = []
-                for w in rows:
-                    if w.cache_id not in self._contiguous:
-                        self._contiguous[w.cache_id] = self._new_contiguous()
-                        created.append(w.cache_id)
-                caches = [self._contiguous[w.cache_id] for w in rows]
-                prev_lens = [c[0].len for c in caches]
-                undo.append((caches, prev_lens, created))
-                wanted: list[int] = []
-                for j, (i, w) in enumerate(zip(idxs, rows)):
-                    k = w.num_logit_rows
-                    wanted.extend(range((j + 1) * n - k, (j + 1) * n))
-                    piece_owner.extend([i] * k)
-                if not wanted:
-                    wanted = [0]
-                meta = AttentionMetadata(
-                    layout="contiguous",
-                    offsets=mx.array(np.asarray(prev_lens, dtype=np.int32)),
-                    caches=caches,
-                    pad_mask=contiguous_pad_mask([p + n for p in prev_lens], n, self.dtype),
-                    # the LM head runs only on the rows whose logits are returned
-                    logits_indices=None if len(wanted) == n * len(rows) else mx.array(np.asarray(wanted, dtype=np.int32)),
-                    metal_kernels=self._metal_kernels,
-                )
-                flat = np.asarray([w.tokens for w in rows], dtype=np.int32).reshape(-1)
-                patch_at = [j * n + n - 1 for j, w in enumerate(rows) if w.prev_row >= 0]
-                patch_rows = [w.prev_row for w in rows if w.prev_row >= 0]
-                tokens = self._input_ids(flat, patch_at, patch_rows, prev).reshape(len(rows), n)
-                logits = self.model(tokens, meta)
-                flat_logits = logits.reshape(-1, logits.shape[-1])
-                if sum(w.num_logit_rows for w in rows) == 0:
-                    flat_logits = flat_logits[:0]
-                pieces.append(flat_logits)
-                for c in caches:
-                    for layer in c:
-                        state.extend((layer.k, layer.v))
-        except Exception:
-            for caches, prev_lens, created in undo:
-                for c, p in zip(caches, prev_lens):
-                    for layer in c:
-                        if layer.len > p:
-                            layer.truncate(p)
-                for cid in created:
-                    del self._contiguous[cid]
-            raise
-        logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-        # back to work order (groups reorder the items)
-        order = sorted(range(len(piece_owner)), key=lambda r: piece_owner[r])
-        if order != list(range(len(order))):
-            logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
-        return logits, state
 
     # ---------------------------------------------------------- ferrum API
     def _timed(self, kind: str, batch: int, fn):
@@ -579,61 +480,32 @@ class LlmExecutor:
         """
         cid = kv_cache.cache_id
         with self._lock:
-            if self.layout == "paged":
-                self.manager.truncate(cid, new_len)
-            else:
-                caches = self._contiguous.get(cid)
-                if caches is None:
-                    raise UnknownCacheError(f"unknown KV cache {cid!r}: it was never created or was released")
-                for c in caches:
-                    c.truncate(new_len)
+            self.store.truncate(cid, new_len)
         return self._handle(cid)
 
     def fork_cache(self, kv_cache: KvCacheHandle, new_cache_id: Optional[str] = None) -> KvCacheHandle:
         """A new sequence starting with ``kv_cache``'s tokens (paged: shared blocks, copy-on-write)."""
         new_id = new_cache_id or f"seq-{next(_ids)}"
         with self._lock:
-            if self.layout == "paged":
-                self.manager.fork(kv_cache.cache_id, new_id)
-            else:
-                src = self._contiguous.get(kv_cache.cache_id)
-                if src is None:
-                    raise UnknownCacheError(f"unknown KV cache {kv_cache.cache_id!r}")
-                dst = self._new_contiguous()
-                for s, d in zip(src, dst):
-                    if s.len:
-                        d.append(s.k[..., : s.len, :], s.v[..., : s.len, :])
-                self._contiguous[new_id] = dst
+            self.store.fork(kv_cache.cache_id, new_id)
         return self._handle(new_id)
 
     def release_cache(self, cache_id: str) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
         with self._lock:
-            if self.layout == "paged":
-                if self.manager.has(cache_id):
-                    self.manager.release(cache_id)
-            else:
-                self._contiguous.pop(cache_id, None)
+            self.store.release(cache_id)
 
     # ------------------------------------------------------------ reports
     def _kv_used_bytes(self) -> int:
-        a = self.args
-        per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self.dtype.size
-        if self.layout == "paged":
-            return self.manager.allocator.num_in_use * self.manager.block_size * per_tok
-        return sum(c[0].capacity for c in self._contiguous.values()) * per_tok
+        return self.store.used_bytes()
 
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
-        if self.layout == "paged":
-            return self.pool.nbytes
-        return self._kv_used_bytes()
+        return self.store.allocated_bytes()
 
     def cache_metrics_snapshot(self) -> dict:
         """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
-        if self.layout == "paged":
-            return self.manager.cache_metrics_snapshot()
-        return {"num_sequences": len(self._contiguous), "allocated_bytes": self._kv_used_bytes()}
+        return self.store.metrics()
 
     def capabilities(self) -> ExecutorCapabilities:
         """What this executor does (every flag is true of the implementation)."""
@@ -698,8 +570,6 @@ class LlmExecutor:
     def shutdown(self) -> None:
         """Release every cache; later calls raise ``ExecutorError``."""
         with self._lock:
-            if self.layout == "paged":
-                for cid in list(self.manager.seqs):
-                    self.manager.release(cid)
-            self._contiguous.clear()
+            for cid in self.store.cache_ids():
+                self.store.release(cid)
             self._state = ExecutorState.SHUTDOWN
