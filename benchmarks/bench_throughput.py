@@ -1,10 +1,10 @@
-"""Fair serving benchmark: mlx_ferrum's Engine against mlx-lm's BatchGenerator, one run.
+"""Offline throughput (vLLM's ``benchmark_throughput`` setting): mlx_ferrum's Engine against mlx-lm's BatchGenerator, one run.
 
 Usage::
 
-    python benchmarks/bench_serving.py --model ../shared/models/stories260K --concurrency 1,8,32 --max-tokens 128
-    python benchmarks/bench_serving.py --qwen-shape --concurrency 32 --max-tokens 32   # fp32 random Qwen2.5-0.5B shape
-    python benchmarks/bench_serving.py ... --with-sync    # also the engine with async_scheduling=False
+    python benchmarks/bench_throughput.py --model ../shared/models/stories260K --concurrency 1,8,32 --max-tokens 128
+    python benchmarks/bench_throughput.py --qwen-shape --concurrency 32 --max-tokens 32   # fp32 random Qwen2.5-0.5B shape
+    python benchmarks/bench_throughput.py ... --with-sync    # also the engine with async_scheduling=False
 
 Both sides get the same work and the same admission: N requests of ``--prompt-tokens``
 random token ids (seeded, identical on both sides) arrive at once, all are prefilled
