@@ -158,3 +158,13 @@ def test_explicit_metal_kernels_true_beats_the_environment(model, monkeypatch):
         with pytest.raises(Exception):  # the recording launcher returns no kernel to call
             ex.prefill(mf.PrefillInput(input_ids=mx.array([[1, 2, 3]])))
     assert calls, "RuntimeConfig(metal_kernels=True) lost to FERRUM_METAL_KERNELS=0"
+
+
+def test_ferrum_async_scheduling_variable_and_prefix_cache_turn_pipelining_off(model, monkeypatch):
+    monkeypatch.setenv("FERRUM_ASYNC_SCHEDULING", "0")
+    assert not Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))._pipelined
+    monkeypatch.delenv("FERRUM_ASYNC_SCHEDULING")
+    assert Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))._pipelined
+    # the manager hashes token ids on the host, so prefix caching runs synchronous steps
+    assert not Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
+                                                 prefix_cache=True))._pipelined
