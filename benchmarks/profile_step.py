@@ -17,7 +17,8 @@ inputs to the lazy sampled tokens (nothing evaluated), ``step ms`` adds the ``mx
 the tokens and the cache; ``graph ops`` is the number of nodes of the step's graph, counted
 in the DOT text ``mx.export_to_dot`` writes. The build time is what the pipelined engine
 hides behind the previous step's device work; the op count is what each step costs the
-device's scheduler.
+device's scheduler. A last table shows how long ``mx.async_eval`` itself blocks on this
+backend (chains of matmuls), which bounds what pipelining can hide.
 """
 
 from __future__ import annotations
@@ -103,6 +104,26 @@ def profile_mlx_lm(lm, n: int, steps: int, prompts) -> list:
     return ["mlx-lm", n, f"{statistics.median(build) * 1e6:.0f}", f"{statistics.median(total) * 1e3:.2f}", ops]
 
 
+def async_eval_overlap(lengths=(5, 50)) -> list:
+    """How long ``mx.async_eval`` blocks: for chains of ``n`` 256x256 matmul+tanh ops, the
+    time until ``async_eval`` returns and until the result is ready (ms). Where it returns
+    only near the end, the host cannot build the next step while this one runs."""
+    x = mx.random.normal((256, 256))
+    mx.eval(x)
+    rows = []
+    for n in lengths:
+        y = x
+        for _ in range(n):
+            y = mx.tanh((y @ x) * 0.01)
+        t0 = time.perf_counter()
+        mx.async_eval(y)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        t2 = time.perf_counter()
+        rows.append([n, f"{(t1 - t0) * 1e3:.1f}", f"{(t2 - t0) * 1e3:.1f}"])
+    return rows
+
+
 def main(argv=None) -> int:
     """Print the profile table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -125,6 +146,8 @@ def main(argv=None) -> int:
         for layout in ("paged", "contiguous"):
             rows.append(profile_ferrum(model, layout, n, args.prompt_tokens, args.steps, prompts))
     print_table(["side", "sequences", "build us", "step ms", "graph ops"], rows)
+    print()
+    print_table(["chain ops", "async_eval returned after ms", "result ready after ms"], async_eval_overlap())
     return 0
 
 
