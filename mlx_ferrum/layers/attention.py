@@ -159,7 +159,8 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float) -> mx.arr
     vt = v[0].transpose(1, 0, 2)
     pool = meta.pool
     if meta.slot_index is None:
-        meta.slot_index = pool.slot_indices(meta.slot_mapping)
+        # broadcast once per pass, so no layer's K or V write broadcasts them again
+        meta.slot_index = tuple(mx.broadcast_arrays(*pool.slot_indices(meta.slot_mapping)))
     pool.write(layer, meta.slot_mapping, kt, vt, indices=meta.slot_index)
     kp, vp = pool.k[layer], pool.v[layer]
     nd = meta.num_decode_seqs
