@@ -3,7 +3,8 @@
     python examples/chat.py --model mlx-community/Qwen2.5-0.5B-Instruct-4bit
     FERRUM_METAL_PAGED_KV=1 python examples/chat.py --model ../shared/models/stories260K
 
-Type /exit to quit, /reset to start over; Ctrl-C stops the current reply.
+Type /exit (or Ctrl-C at the prompt) to quit, /reset to start over; Ctrl-C stops the current reply.
+(``mlx-ferrum chat`` also trims the history to fit the context.)
 """
 
 import argparse
@@ -20,7 +21,8 @@ messages = []
 while True:
     try:
         user = input(">> ")
-    except EOFError:
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave quietly
+        print()
         break
     if user.strip() == "/exit":
         break
@@ -37,5 +39,9 @@ while True:
             print(chunk.text, end="", flush=True)
     except KeyboardInterrupt:
         print(" [stopped]", end="")
+    except mf.errors.FerrumError as e:  # e.g. the conversation outgrew the context
+        print(f"error: {e}")
+        messages = messages[:-1]
+        continue
     print()
     messages.append({"role": "assistant", "content": reply})

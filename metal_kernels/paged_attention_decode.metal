@@ -1,4 +1,5 @@
-// paged_attention_decode: one query token per sequence over its paged K/V.
+// paged_attention_decode: one query token per sequence over its paged K/V, all the
+// query heads of one KV head together (GQA packing).
 //
 // File layout (all kernels in metal_kernels/): text before "// --- header ---" is
 // documentation and is not compiled; the lines between "// --- header ---" and
@@ -8,164 +9,278 @@
 // comments avoid naming attributes the body does not use.
 //
 // Algorithm: vLLM's paged attention v1/v2 (Kwon et al., SOSP 2023) with the
-// online softmax of Milakov & Gimelshein (2018) / FlashAttention: float32 running
-// max, sum and output per simdgroup, merged across simdgroups in threadgroup memory.
+// online softmax of Milakov & Gimelshein (2018) / FlashAttention, computed in base 2
+// (q pre-scaled by scale * log2(e), exp2), with the GQA packing of MLX's
+// sdpa_vector_2pass_1_gqa: one threadgroup per (sequence, KV head[, partition]) serves
+// GQA query heads of that KV head from the same K/V loads (all of them when the group
+// has at most 8; else the group is split over threadgroups of GQA heads each).
 //
 // Launch (built by mlx_ferrum/kernels/metal.py):
-//   grid        = (num_heads * NUM_SIMD * 32, num_seqs, num_partitions) threads
-//   threadgroup = (NUM_SIMD * 32, 1, 1): one group per (head, sequence, partition)
+//   grid        = (num_heads / GQA * NUM_SIMD * 32, num_seqs, num_partitions) threads
+//   threadgroup = (NUM_SIMD * 32, 1, 1)
 // Inputs:
-//   q            [num_seqs, num_heads, HEAD_DIM]                  T
+//   q            [num_seqs, num_kv_heads * GQA, HEAD_DIM]         T
 //   k_pool       [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] T
 //   v_pool       same as k_pool
 //   block_tables [num_seqs * max_blocks_per_seq] int32, padded to >= 8 elements
 //   context_lens [num_seqs] int32, padded to >= 8 elements
 //   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq, num_partitions
-//   scale        0-d float32 (softmax scale)
+//   scale        0-d float32: softmax scale times log2(e)
 // Outputs:
 //   out          PARTITION_SIZE == 0: [num_seqs, num_heads, HEAD_DIM] OutT (= T), final.
 //                PARTITION_SIZE  > 0: [num_seqs, num_heads, num_partitions, HEAD_DIM]
 //                float, each partition's normalised partial output.
-//   max_logits   [num_seqs, num_heads, num_partitions] float (unused when PARTITION_SIZE == 0)
-//   exp_sums     same shape: sum of exp(logit - max_logit) over the partition
-// Template: T, OutT, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE, NUM_SIMD,
-//   PARTITION_SIZE (tokens per partition, a multiple of BLOCK_SIZE; 0 = one pass).
+//   max_logits   [num_seqs, num_heads, num_partitions] float, in log2 units
+//                (unused when PARTITION_SIZE == 0)
+//   exp_sums     same shape: sum of exp2(logit - max_logit) over the partition
+// Template: T, OutT, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE (power of two >= 8),
+//   NUM_SIMD, GQA (query heads per threadgroup: num_heads / num_kv_heads, or a divisor of
+//   it when that is above 8), PARTITION_SIZE (tokens per partition, a
+//   multiple of BLOCK_SIZE; 0 = one pass).
 //
-// Within a simdgroup, LPT lanes share one token (each owns HEAD_DIM / LPT dims,
-// strided by LPT so neighbouring lanes read neighbouring elements), so 32 / LPT
-// tokens are scored per step. Simdgroup w walks blocks w, w + NUM_SIMD, ...
+// Work split: a K or V row is read as 16-byte vectors (VEC elements). LPT lanes share a
+// token (at most 8, so the score needs log2(LPT) <= 3 shuffles for 32 / LPT tokens);
+// lane r owns the vectors r, r + LPT, ... of the row, so neighbouring lanes read
+// neighbouring 16 bytes. Each group of LPT lanes keeps its own running max, sum and
+// output per query head for the tokens it scores (no cross-lane max or sum per token);
+// the groups are merged once at the end in threadgroup memory.
+// The GQA query rows and the block ids (per chunk of 32 blocks) are read from device
+// memory once per threadgroup, into threadgroup memory.
+// No +-infinity anywhere (safe under fast math): the running max starts at -FLT_MAX,
+// the number of rounds is computed up front, tokens past the context score nothing.
 // --- header ---
-// Lanes that share one token's dot product: the largest power of two <= 32 that
-// divides head_dim, so the dims split evenly and the lane groups align with
-// simd_shuffle_xor butterflies.
-constexpr int pa_lanes_per_token(int head_dim) {
-  int lanes = 32;
-  while (lanes > 1 && head_dim % lanes != 0) {
+// Elements of T in one 16-byte load.
+template <typename T>
+constexpr int pa_vec_elements() {
+  return int(16 / sizeof(T));
+}
+// Lanes that share one token: the largest power of two <= 8 dividing the vectors of a
+// row, so the lane groups align with simd_shuffle_xor butterflies.
+constexpr int pa_lanes_per_token(int vectors) {
+  int lanes = 8;
+  while (lanes > 1 && vectors % lanes != 0) {
     lanes /= 2;
   }
   return lanes;
 }
+// Token groups per simdgroup kept apart until the threadgroup merge: as many as fit
+// 16 KiB of threadgroup memory (the rest are merged by shuffles first).
+constexpr int pa_groups_kept(int groups_per_simd, int num_simd, int head_dim) {
+  int keep = groups_per_simd;
+  while (keep > 1 && num_simd * keep * head_dim * 4 > 16384) {
+    keep /= 2;
+  }
+  return keep;
+}
+// 16 bytes of T widened to float.
+METAL_FUNC void pa_unpack(uint4 raw, thread float* out, float) {
+  for (int i = 0; i < 4; ++i) {
+    out[i] = as_type<float>(raw[i]);
+  }
+}
+METAL_FUNC void pa_unpack(uint4 raw, thread float* out, half) {
+  for (int i = 0; i < 4; ++i) {
+    const half2 h = as_type<half2>(raw[i]);
+    out[2 * i] = float(h.x);
+    out[2 * i + 1] = float(h.y);
+  }
+}
+METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
+  for (int i = 0; i < 4; ++i) {
+    const bfloat2 h = as_type<bfloat2>(raw[i]);
+    out[2 * i] = float(h.x);
+    out[2 * i + 1] = float(h.y);
+  }
+}
 // --- body ---
-  constexpr int LPT = pa_lanes_per_token(HEAD_DIM);
+  constexpr int VEC = pa_vec_elements<T>();
+  constexpr int NV = HEAD_DIM / VEC;
+  constexpr int LPT = pa_lanes_per_token(NV);
+  constexpr int VPL = NV / LPT;
+  constexpr int EPL = VPL * VEC;
   constexpr int TPS = 32 / LPT;
-  constexpr int EPL = HEAD_DIM / LPT;
   constexpr int TG = NUM_SIMD * 32;
+  constexpr int ROUND = NUM_SIMD * TPS;
+  constexpr int CHUNK = 32;
+  constexpr int KEEP = pa_groups_kept(TPS, NUM_SIMD, HEAD_DIM);
+  constexpr int GROUPS = NUM_SIMD * KEEP;
 
-  threadgroup float sg_max[NUM_SIMD];
-  threadgroup float sg_sum[NUM_SIMD];
-  threadgroup float sg_acc[NUM_SIMD * HEAD_DIM];
+  threadgroup float q_shared[GQA * HEAD_DIM];
+  threadgroup int block_ids[CHUNK];
+  threadgroup float group_max[GROUPS];
+  threadgroup float group_sum[GROUPS];
+  threadgroup float group_acc[GROUPS * HEAD_DIM];
 
   const int num_heads = params[0];
   const int num_kv_heads = params[1];
   const int max_blocks = params[2];
   const int num_partitions = params[3];
-  const int head = threadgroup_position_in_grid.x;
+  const int head_group = threadgroup_position_in_grid.x;  // query heads head_group * GQA + [0, GQA)
+  const int kv_head = head_group / ((num_heads / num_kv_heads) / GQA);
   const int seq = threadgroup_position_in_grid.y;
   const int part = threadgroup_position_in_grid.z;
-  const int kv_head = head / (num_heads / num_kv_heads);
   const int lane = thread_index_in_simdgroup;
   const int sg = simdgroup_index_in_threadgroup;
   const int tid = thread_index_in_threadgroup;
   const int tok_group = lane / LPT;
   const int r = lane % LPT;
 
+  if (PARTITION_SIZE == 0 && head_group == 0 && seq == 0 && tid == 0) {
+    // The one-pass launch's statistics outputs are 1-element placeholders: write
+    // them once, so every output element is written exactly once.
+    max_logits[0] = 0.0f;
+    exp_sums[0] = 0.0f;
+  }
   const int ctx = context_lens[seq];
   int tok_begin = 0;
   int tok_end = ctx;
   if (PARTITION_SIZE > 0) {
-    tok_begin = part * PARTITION_SIZE;
+    tok_begin = min(ctx, part * PARTITION_SIZE);
     tok_end = min(ctx, tok_begin + PARTITION_SIZE);
   }
+  const int first_block = tok_begin / BLOCK_SIZE;
+  const int num_blocks = (tok_end - first_block * BLOCK_SIZE + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  const int num_chunks = (num_blocks + CHUNK - 1) / CHUNK;
 
-  const int64_t row = int64_t(seq) * num_heads + head;
-  float qv[EPL];
-  float acc[EPL];
-  for (int i = 0; i < EPL; ++i) {
-    qv[i] = float(q[row * HEAD_DIM + r + i * LPT]) * scale;
-    acc[i] = 0.0f;
+  const int64_t q_row = int64_t(seq) * num_heads + int64_t(head_group) * GQA;
+  // The GQA query rows are read from device memory once, then shared.
+  for (int i = tid; i < GQA * HEAD_DIM; i += TG) {
+    q_shared[i] = float(q[q_row * HEAD_DIM + i]) * scale;
   }
-  float m = -INFINITY;
-  float l = 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float qv[GQA * EPL];
+  float acc[GQA * EPL];
+  float m[GQA];
+  float l[GQA];
+  for (int h = 0; h < GQA; ++h) {
+    for (int j = 0; j < VPL; ++j) {
+      for (int e = 0; e < VEC; ++e) {
+        const int d = (r + j * LPT) * VEC + e;
+        qv[h * EPL + j * VEC + e] = q_shared[h * HEAD_DIM + d];
+        acc[h * EPL + j * VEC + e] = 0.0f;
+      }
+    }
+    m[h] = -FLT_MAX;
+    l[h] = 0.0f;
+  }
 
   const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
   const int64_t block_stride = head_stride * num_kv_heads;
-  const int first_block = tok_begin / BLOCK_SIZE;
-  const int end_block = tok_end > tok_begin ? (tok_end + BLOCK_SIZE - 1) / BLOCK_SIZE : first_block;
-  for (int b = first_block + sg; b < end_block; b += NUM_SIMD) {
-    const int physical_block = block_tables[int64_t(seq) * max_blocks + b];
-    const int64_t base = physical_block * block_stride + kv_head * head_stride;
-    for (int t0 = 0; t0 < BLOCK_SIZE; t0 += TPS) {
-      const int t = t0 + tok_group;
-      const int tok = b * BLOCK_SIZE + t;
-      const bool valid = t < BLOCK_SIZE && tok >= tok_begin && tok < tok_end;
-      float s = 0.0f;
-      if (valid) {
-        for (int i = 0; i < EPL; ++i) {
-          s += qv[i] * float(k_pool[base + t * HEAD_DIM + r + i * LPT]);
+  const int64_t kv_offset = int64_t(kv_head) * head_stride;
+  for (int c = 0; c < num_chunks; ++c) {
+    const int chunk_block = first_block + c * CHUNK;
+    for (int i = tid; i < CHUNK; i += TG) {
+      block_ids[i] = chunk_block + i < first_block + num_blocks
+          ? block_tables[int64_t(seq) * max_blocks + chunk_block + i] : 0;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const int chunk_tok = chunk_block * BLOCK_SIZE;
+    const int rounds = (min(CHUNK * BLOCK_SIZE, tok_end - chunk_tok) + ROUND - 1) / ROUND;
+    for (int k = 0; k < rounds; ++k) {
+      const int local = k * ROUND + sg * TPS + tok_group;
+      const bool valid = chunk_tok + local < tok_end;
+      const int64_t row = int64_t(block_ids[local / BLOCK_SIZE]) * block_stride + kv_offset
+          + int64_t(local % BLOCK_SIZE) * HEAD_DIM;
+      float kf[EPL];
+      for (int j = 0; j < VPL; ++j) {
+        uint4 raw = uint4(0);
+        if (valid) {
+          raw = *(const device uint4*)(k_pool + row + (r + j * LPT) * VEC);
         }
+        pa_unpack(raw, kf + j * VEC, T(0));
+      }
+      float s[GQA];
+      for (int h = 0; h < GQA; ++h) {
+        float dot = 0.0f;
+        for (int i = 0; i < EPL; ++i) {
+          dot += qv[h * EPL + i] * kf[i];
+        }
+        s[h] = dot;
       }
       for (int o = LPT / 2; o > 0; o /= 2) {
-        s += simd_shuffle_xor(s, ushort(o));
+        for (int h = 0; h < GQA; ++h) {
+          s[h] += simd_shuffle_xor(s[h], ushort(o));
+        }
       }
-      s = valid ? s : -INFINITY;
-      // Tokens are visited in order, so a step with no valid token ends the block.
-      const float step_max = simd_max(s);
-      if (step_max == -INFINITY) {
-        break;
+      float vf[EPL];
+      for (int j = 0; j < VPL; ++j) {
+        uint4 raw = uint4(0);
+        if (valid) {
+          raw = *(const device uint4*)(v_pool + row + (r + j * LPT) * VEC);
+        }
+        pa_unpack(raw, vf + j * VEC, T(0));
       }
-      const float m_new = max(m, step_max);
-      const float correction = exp(m - m_new);
-      const float p = valid ? exp(s - m_new) : 0.0f;
-      l = l * correction + simd_sum(r == 0 ? p : 0.0f);
+      for (int h = 0; h < GQA; ++h) {
+        // Tokens past the context leave the state as it is (their V is never read).
+        const float m_new = valid ? max(m[h], s[h]) : m[h];
+        const float correction = fast::exp2(m[h] - m_new);
+        const float p = valid ? fast::exp2(s[h] - m_new) : 0.0f;
+        l[h] = l[h] * correction + p;
+        for (int i = 0; i < EPL; ++i) {
+          acc[h * EPL + i] = acc[h * EPL + i] * correction + p * vf[i];
+        }
+        m[h] = m_new;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // Merge token groups lying KEEP or more groups apart in the simdgroup by shuffles
+  // (only when threadgroup memory cannot hold every group), then all groups here.
+  for (int o = LPT * KEEP; o < 32; o *= 2) {
+    for (int h = 0; h < GQA; ++h) {
+      const float m_other = simd_shuffle_xor(m[h], ushort(o));
+      const float l_other = simd_shuffle_xor(l[h], ushort(o));
+      const float m_new = max(m[h], m_other);
+      const float w_self = fast::exp2(m[h] - m_new);
+      const float w_other = fast::exp2(m_other - m_new);
+      l[h] = l[h] * w_self + l_other * w_other;
       for (int i = 0; i < EPL; ++i) {
-        // Slots past the context may hold garbage (even NaN): never multiply them.
-        const float v = valid ? float(v_pool[base + t * HEAD_DIM + r + i * LPT]) : 0.0f;
-        acc[i] = acc[i] * correction + p * v;
+        const float a_other = simd_shuffle_xor(acc[h * EPL + i], ushort(o));
+        acc[h * EPL + i] = acc[h * EPL + i] * w_self + a_other * w_other;
       }
-      m = m_new;
+      m[h] = m_new;
     }
   }
-
-  // Lanes with the same r hold partial sums for the same dims: add across token groups.
-  for (int o = LPT; o < 32; o *= 2) {
-    for (int i = 0; i < EPL; ++i) {
-      acc[i] += simd_shuffle_xor(acc[i], ushort(o));
+  const int group = sg * KEEP + tok_group;
+  for (int h = 0; h < GQA; ++h) {
+    if (tok_group < KEEP) {
+      if (r == 0) {
+        group_max[group] = m[h];
+        group_sum[group] = l[h];
+      }
+      for (int j = 0; j < VPL; ++j) {
+        for (int e = 0; e < VEC; ++e) {
+          group_acc[group * HEAD_DIM + (r + j * LPT) * VEC + e] = acc[h * EPL + j * VEC + e];
+        }
+      }
     }
-  }
-  if (lane == 0) {
-    sg_max[sg] = m;
-    sg_sum[sg] = l;
-  }
-  if (tok_group == 0) {
-    for (int i = 0; i < EPL; ++i) {
-      sg_acc[sg * HEAD_DIM + r + i * LPT] = acc[i];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float m_all = -FLT_MAX;
+    for (int g = 0; g < GROUPS; ++g) {
+      m_all = max(m_all, group_max[g]);
     }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  float m_all = -INFINITY;
-  for (int w = 0; w < NUM_SIMD; ++w) {
-    m_all = max(m_all, float(sg_max[w]));
-  }
-  float weight[NUM_SIMD];
-  float l_all = 0.0f;
-  for (int w = 0; w < NUM_SIMD; ++w) {
-    weight[w] = sg_max[w] == -INFINITY ? 0.0f : exp(sg_max[w] - m_all);
-    l_all += sg_sum[w] * weight[w];
-  }
-  const float inv_l = l_all > 0.0f ? 1.0f / l_all : 0.0f;
-  for (int d = tid; d < HEAD_DIM; d += TG) {
-    float o = 0.0f;
-    for (int w = 0; w < NUM_SIMD; ++w) {
-      o += weight[w] * sg_acc[w * HEAD_DIM + d];
+    float l_all = 0.0f;
+    for (int g = 0; g < GROUPS; ++g) {
+      l_all += group_sum[g] * fast::exp2(group_max[g] - m_all);
     }
-    if (PARTITION_SIZE == 0) {
-      out[row * HEAD_DIM + d] = static_cast<OutT>(o * inv_l);
-    } else {
-      out[(row * num_partitions + part) * HEAD_DIM + d] = static_cast<OutT>(o * inv_l);
+    // An empty context (or a partition past it) gives 0, not 0/0.
+    const float inv_l = l_all > 0.0f ? 1.0f / l_all : 0.0f;
+    const int64_t out_row = q_row + h;
+    for (int d = tid; d < HEAD_DIM; d += TG) {
+      float o = 0.0f;
+      for (int g = 0; g < GROUPS; ++g) {
+        o += fast::exp2(group_max[g] - m_all) * group_acc[g * HEAD_DIM + d];
+      }
+      if (PARTITION_SIZE == 0) {
+        out[out_row * HEAD_DIM + d] = static_cast<OutT>(o * inv_l);
+      } else {
+        out[(out_row * num_partitions + part) * HEAD_DIM + d] = static_cast<OutT>(o * inv_l);
+      }
     }
-  }
-  if (PARTITION_SIZE > 0 && tid == 0) {
-    max_logits[row * num_partitions + part] = m_all;
-    exp_sums[row * num_partitions + part] = l_all;
+    if (PARTITION_SIZE > 0 && tid == 0) {
+      max_logits[out_row * num_partitions + part] = m_all;
+      exp_sums[out_row * num_partitions + part] = l_all;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }

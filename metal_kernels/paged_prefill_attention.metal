@@ -77,7 +77,9 @@ constexpr int pa_lanes_per_token(int head_dim) {
     qv[i] = active ? float(q[out_row * HEAD_DIM + r + i * LPT]) * scale : 0.0f;
     acc[i] = 0.0f;
   }
-  float m = -INFINITY;
+  // A finite sentinel and a loop bound computed up front: no infinity, no
+  // data-dependent exit, so fast math cannot change the result.
+  float m = -FLT_MAX;
   float l = 0.0f;
 
   const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
@@ -94,7 +96,9 @@ constexpr int pa_lanes_per_token(int head_dim) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     if (active) {
-      for (int t0 = 0; t0 < KV_TILE; t0 += TPS) {
+      // Keys k0 .. pos of this tile: every step below has at least one valid key.
+      const int keys_here = min(KV_TILE, pos - k0 + 1);
+      for (int t0 = 0; t0 < keys_here; t0 += TPS) {
         const int t = t0 + tok_group;
         const bool valid = t < KV_TILE && k0 + t <= pos;
         float s = 0.0f;
@@ -106,12 +110,8 @@ constexpr int pa_lanes_per_token(int head_dim) {
         for (int o = LPT / 2; o > 0; o /= 2) {
           s += simd_shuffle_xor(s, ushort(o));
         }
-        s = valid ? s : -INFINITY;
-        // Keys are visited in order, so a step with no valid key ends the tile.
+        s = valid ? s : -FLT_MAX;
         const float step_max = simd_max(s);
-        if (step_max == -INFINITY) {
-          break;
-        }
         const float m_new = max(m, step_max);
         const float correction = exp(m - m_new);
         const float p = valid ? exp(s - m_new) : 0.0f;

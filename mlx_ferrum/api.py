@@ -16,13 +16,14 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 
 from .config import RuntimeConfig
-from .engine.engine import Engine
+from .engine.engine import Engine, context_full_message
 from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplingParams
-from .errors import FerrumError, PromptTooLongError
+from .errors import FerrumError, NonFiniteLogitsError, PromptTooLongError
 from .executor import LlmExecutor
 from .models.loader import load_model
 from .tokenizer import Tokenizer
+
 
 def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
@@ -125,17 +126,18 @@ def stream_generate(
     Raises:
         PromptTooLongError: the prompt fills the whole context.
         SamplingParamsError: a sampling field is out of range.
+        RequestError: a prompt of the wrong type, or a token id outside the vocabulary.
+        NonFiniteLogitsError: the model produced NaN or Inf logits (the cache is released).
     """
     params = sampling_params if sampling_params is not None else SamplingParams(**sampling)
     ex = executor_for(model, config)
-    ids = encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt, vocab_size=model.args.vocab_size)
     if len(ids) >= ex.kv_capacity():
-        raise PromptTooLongError(
-            f"the prompt has {len(ids)} tokens and the context holds {ex.kv_capacity()}: shorten the prompt "
-            "(or raise FERRUM_KV_CAPACITY up to the model's max_position_embeddings)"
-        )
+        raise PromptTooLongError(context_full_message(len(ids), ex.kv_capacity(), model.args.max_position_embeddings))
     # One request through the engine's own loop (scheduler, pipelined step, sampler,
     # stops), so single-stream and batched generation share every line of request logic.
+    # The engine's stream aborts the request in its finally, so its cache is freed even
+    # when Ctrl-C lands inside the prefill.
     engine = Engine(model, tokenizer, ex.config, executor=ex)
     want_logprobs = params.logprobs is not None
     t0 = time.perf_counter()
@@ -163,7 +165,11 @@ def stream_generate(
                 logprob=lp,
             )
         if out.finished and out.finish_reason in ("error", "abort"):
-            raise FerrumError(f"generation failed: {out.error or out.finish_reason}")
+            error = out.error or out.finish_reason
+            prefix = f"{NonFiniteLogitsError.__name__}: "
+            if error.startswith(prefix):
+                raise NonFiniteLogitsError(error[len(prefix):])
+            raise FerrumError(f"generation failed: {error}")
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **kwargs: Any) -> str:

@@ -1,7 +1,10 @@
 """The ``mlx-ferrum`` command line: ``generate``, ``chat``, ``bench``.
 
 ``generate`` writes only the generated text to stdout; statistics (prompt and decode
-tokens per second, peak memory) go to stderr, so the output can be piped.
+tokens per second, peak memory) go to stderr, so the output can be piped; ``-p -``
+reads the prompt from stdin. ``chat`` keeps the conversation within the context by
+dropping its oldest turns (never the system message). No traceback reaches the user:
+errors print one ``error: ...`` line (``chat`` then goes on).
 ``python -m mlx_ferrum`` runs the same entry point.
 """
 
@@ -12,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from .config import RuntimeConfig
-from .errors import ChatTemplateError, FerrumError
+from .errors import FerrumError, PromptTooLongError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -47,8 +50,63 @@ def _sampling(args) -> dict:
     )
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="ngram|PATH",
+                   help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint sharing the "
+                        "tokenizer (same as FERRUM_SPECULATIVE)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per step (same as FERRUM_NUM_SPECULATIVE_TOKENS; default 4)")
+
+
 def _config(args) -> RuntimeConfig:
-    return RuntimeConfig(kv_layout="paged") if args.paged else RuntimeConfig()
+    overrides = {}
+    if args.paged:
+        overrides["kv_layout"] = "paged"
+    if getattr(args, "speculative", None):
+        overrides["speculative"] = args.speculative
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        overrides["num_speculative_tokens"] = args.num_speculative_tokens
+    return RuntimeConfig(**overrides)
+
+
+class _Streamer:
+    """``stream_generate`` for one prompt at a time; through the engine when speculation
+    is on (the engine is where speculative decoding runs), else the plain api loop."""
+
+    def __init__(self, model, tokenizer, config: RuntimeConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.engine = None
+        if config.speculative is not None:
+            from .engine import Engine
+
+            self.engine = Engine(model, tokenizer, config)
+
+    def __call__(self, prompt, sampling: dict):
+        from .api import stream_generate
+
+        if self.engine is None:
+            return stream_generate(self.model, self.tokenizer, prompt, config=self.config, **sampling)
+        return self._engine_stream(prompt, sampling)
+
+    def _engine_stream(self, prompt, sampling: dict):
+        from .api import GenerationChunk, _peak_memory
+        from .engine.sampling import SamplingParams
+
+        for out in self.engine.stream(prompt, SamplingParams(**sampling)):
+            m = out.metrics
+            prefill_s = (m.first_token_time or 0.0) - (m.first_scheduled_time or 0.0)
+            decode_s = (m.token_times[-1] - m.first_token_time) if m.token_times else 0.0
+            n = len(out.token_ids)
+            yield GenerationChunk(
+                out.delta,
+                out.new_token_ids[-1] if out.new_token_ids else None,
+                out.finish_reason if out.finished else None,
+                prompt_tokens=len(out.prompt_token_ids),
+                generation_tokens=n,
+                prompt_tps=len(out.prompt_token_ids) / prefill_s if prefill_s > 0 else 0.0,
+                generation_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                peak_memory=_peak_memory(),
+            )
 
 
 def _load(args):
@@ -57,25 +115,55 @@ def _load(args):
     return load(args.model, dtype=args.dtype)
 
 
+def _encode_chat(tokenizer, messages: list, use_template: bool) -> list:
+    if use_template:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return tokenizer.encode("\n".join(m["content"] for m in messages))
+
+
+def fit_history(tokenizer, messages: list, capacity: int, reserve: int, use_template: bool) -> tuple[list, int]:
+    """Drop the oldest turns until the prompt leaves ``reserve`` tokens of ``capacity`` free.
+
+    The system message (if first) and the newest user message are always kept.
+
+    Returns:
+        ``(messages, dropped)``: the kept messages and how many were dropped. The prompt
+        may still not fit when the newest message alone is too long; the caller says so.
+    """
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    turns = messages[len(system):]
+    dropped = 0
+    while len(turns) > 1 and len(_encode_chat(tokenizer, system + turns, use_template)) + reserve > capacity:
+        # drop a whole exchange (user + assistant) when possible, so roles keep alternating
+        n = 2 if len(turns) > 2 and turns[0]["role"] == "user" and turns[1]["role"] == "assistant" else 1
+        turns = turns[n:]
+        dropped += n
+    return system + turns, dropped
+
+
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; stats to stderr."""
-    from .api import stream_generate
-
     model, tokenizer = _load(args)
-    prompt = args.prompt
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
         prompt = msgs
     last = None
-    for chunk in stream_generate(model, tokenizer, prompt, config=_config(args), **_sampling(args)):
+    text_end = ""
+    for chunk in _Streamer(model, tokenizer, _config(args))(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
+        text_end = (text_end + chunk.text)[-1:]
         last = chunk
     if last is not None:
         if args.newline:
             sys.stdout.write("\n")
+            sys.stdout.flush()
+        elif text_end != "\n":
+            # end the text's line before the stats (stdout itself stays exactly the text)
+            sys.stderr.write("\n")
         print(
             f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
             f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
@@ -86,16 +174,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """A multi-turn REPL with streaming replies; /reset, /exit; Ctrl-C stops a reply."""
-    from .api import stream_generate
+    """A multi-turn REPL with streaming replies; /reset, /exit; Ctrl-C stops a reply.
+
+    History is trimmed to the context (oldest turns first, the system message kept);
+    ``--seed S`` seeds turn ``i`` with ``S + i``, so turns differ yet a session replays.
+    """
+    from .config import resolve_kv_capacity
 
     model, tokenizer = _load(args)
+    config = _config(args)
+    streamer = _Streamer(model, tokenizer, config)
+    capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
+    reserve = min(args.max_tokens, capacity // 2)  # room left for the reply
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     use_template = tokenizer.chat_template is not None
     if not use_template:
         print("[this model has no chat template: each turn continues the plain text]", file=sys.stderr)
     print("Type a message; /reset clears the conversation, /exit quits.", file=sys.stderr)
+    turn = 0
     while True:
         try:
             line = input(">> ")
@@ -104,6 +201,9 @@ def cmd_chat(args) -> int:
             return 0
         except KeyboardInterrupt:
             print(file=sys.stderr)
+            continue
+        except UnicodeDecodeError as e:
+            print(f"error: the input is not valid UTF-8 ({e.reason}): type it again", file=sys.stderr)
             continue
         cmd = line.strip()
         if cmd in ("/exit", "/quit"):
@@ -115,19 +215,35 @@ def cmd_chat(args) -> int:
         if not cmd:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = messages if use_template else "\n".join(m["content"] for m in messages)
         reply = []
-        gen = stream_generate(model, tokenizer, prompt, config=_config(args), **_sampling(args))
+        sampling = _sampling(args)
+        if args.seed is not None:
+            sampling["seed"] = (args.seed + turn) % 2**64
+        turn += 1
+        gen = None
         try:
+            messages, dropped = fit_history(tokenizer, messages, capacity, reserve, use_template)
+            if dropped:
+                print(f"[dropped the {dropped} oldest message(s) to fit the context of {capacity} tokens]",
+                      file=sys.stderr)
+            prompt = messages if use_template else "\n".join(m["content"] for m in messages)
+            gen = streamer(prompt, sampling)
             for chunk in gen:
                 reply.append(chunk.text)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         except KeyboardInterrupt:
-            gen.close()  # releases the reply's KV cache
+            if gen is not None:
+                gen.close()  # releases the reply's KV cache
             print("\n[stopped]", file=sys.stderr)
-        except ChatTemplateError as e:
-            print(f"\nerror: {e}", file=sys.stderr)
+        except PromptTooLongError as e:
+            print(f"\nerror: {e}. This message alone is too long for the context; it was not sent.",
+                  file=sys.stderr)
+            messages.pop()
+            continue
+        except Exception as e:  # noqa: BLE001 - one failed turn never ends the session
+            print(f"\nerror: {type(e).__name__}: {e}" if not isinstance(e, FerrumError) else f"\nerror: {e}",
+                  file=sys.stderr)
             messages.pop()
             continue
         print()
@@ -143,22 +259,27 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mlx-ferrum``."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="mlx-ferrum", description="LLM inference on MLX")
+    parser.add_argument("--version", action="version", version=f"mlx-ferrum {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(g)
-    g.add_argument("--prompt", "-p", required=True)
+    g.add_argument("--prompt", "-p", required=True, help="the prompt; '-' reads it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--newline", action="store_true", help="end the output with a newline")
     _add_sampling_args(g, temp=0.0)
+    _add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_model_args(c)
     c.add_argument("--system", default=None, help="system message")
     _add_sampling_args(c, temp=0.7)
+    _add_speculative_args(c)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="throughput at several concurrency levels")
@@ -180,7 +301,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - no traceback reaches the user
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -54,6 +54,13 @@ def _parse_layout(var: str, raw: str) -> str:
     raise ConfigurationError(f"{var}={raw!r} is not valid: use 1 (paged) or 0 (contiguous)")
 
 
+def _parse_speculative(var: str, raw: str) -> Optional[str]:
+    v = raw.strip()
+    if v.lower() in ("", "0", "off", "none", "false", "no"):
+        return None
+    return "ngram" if v.lower() == "ngram" else v
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -68,11 +75,71 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
     "async_scheduling": ("FERRUM_ASYNC_SCHEDULING", _parse_bool, True),
+    "speculative": ("FERRUM_SPECULATIVE", _parse_speculative, None),
+    "num_speculative_tokens": ("FERRUM_NUM_SPECULATIVE_TOKENS", _parse_int, 4),
+    "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
+    "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
 }
 
-#: Pool size in bytes used to size the paged pool where no Metal device reports a
-#: working-set size (Linux CPU, CUDA): 1 GiB of K+V over all layers.
+#: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
+#: a working-set size (Linux CPU, CUDA); the pool is normally far smaller, being sized
+#: from ``max_num_seqs`` and the capacity (see ``kv_cache.default_num_blocks``).
 DEFAULT_KV_POOL_BYTES = 1 << 30
+
+
+def available_memory_bytes() -> int:
+    """Bytes this process may still allocate for KV: the Metal recommended working set
+    on a Mac, else the OS's available memory (``MemAvailable`` of ``/proc/meminfo``, or
+    free pages); a very large number when neither can be read."""
+    try:
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def check_memory(nbytes: int, what: str, fix: str) -> None:
+    """Refuse an allocation of ``nbytes`` that the machine cannot hold, before it is tried.
+
+    Raises:
+        ConfigurationError: names ``what``, both sizes and ``fix``.
+    """
+    avail = available_memory_bytes()
+    if nbytes > avail:
+        raise ConfigurationError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available: {fix}"
+        )
+
+
+def resolve_kv_capacity(config: "RuntimeConfig", max_position_embeddings: int) -> int:
+    """Most tokens per sequence: ``config.kv_capacity``, or the model's ``max_position_embeddings``.
+
+    Raises:
+        ConfigurationError: ``kv_capacity`` exceeds ``max_position_embeddings`` (positions
+            past it are untrained, and the caches would be sized for nothing).
+    """
+    cap = config.kv_capacity
+    if cap is None:
+        return max_position_embeddings
+    if cap > max_position_embeddings:
+        raise ConfigurationError(
+            f"FERRUM_KV_CAPACITY (RuntimeConfig.kv_capacity) = {cap} exceeds the model's max_position_embeddings = "
+            f"{max_position_embeddings}: set it to at most {max_position_embeddings}, or leave it unset"
+        )
+    return cap
 
 
 @dataclass
@@ -97,6 +164,12 @@ class RuntimeConfig:
     - ``kv_cache_step`` (``FERRUM_KV_CACHE_STEP``, 256): growth step, in tokens, of the contiguous cache.
     - ``async_scheduling`` (``FERRUM_ASYNC_SCHEDULING``, 1): the engine queues step t+1 before it
       reads step t's tokens (vLLM's name); 0 runs every step synchronously.
+    - ``speculative`` (``FERRUM_SPECULATIVE``, None = off): ``"ngram"`` for prompt-lookup
+      speculative decoding, or a draft checkpoint (folder or hub id) sharing the tokenizer.
+    - ``num_speculative_tokens`` (``FERRUM_NUM_SPECULATIVE_TOKENS``, 4): tokens proposed per
+      decode step and request (k).
+    - ``prompt_lookup_min`` / ``prompt_lookup_max`` (``FERRUM_PROMPT_LOOKUP_MIN`` / ``_MAX``,
+      2 / 4): shortest and longest n-gram the prompt-lookup proposer matches.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -114,6 +187,10 @@ class RuntimeConfig:
     kv_memory_fraction: Optional[float] = None
     kv_cache_step: Optional[int] = None
     async_scheduling: Optional[bool] = None
+    speculative: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -161,6 +238,20 @@ class RuntimeConfig:
         f = self.kv_memory_fraction
         if not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ConfigurationError(f"{n('kv_memory_fraction')}={f!r} is not valid: use a number in (0, 1]")
+        if self.speculative is not None and (not isinstance(self.speculative, str) or not self.speculative.strip()):
+            raise ConfigurationError(
+                f"{n('speculative')}={self.speculative!r} is not valid: use 'ngram', a draft checkpoint path or "
+                "hub id, or leave it unset"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigurationError(
+                f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "
+                f"{n('prompt_lookup_max')}={self.prompt_lookup_max}: make min <= max"
+            )
 
     @property
     def paged(self) -> bool:

@@ -96,3 +96,14 @@ class KernelError(FerrumError):
 
 class RequestError(FerrumError):
     """An engine request cannot be served (unknown request id, or it alone cannot fit the pool)."""
+
+
+class InvalidWeightError(ModelLoadError, ValueError):
+    """A stored tensor cannot be used: an integer or bool dtype where floats belong, or
+    NaN/Inf values (the message names the tensor and the fix)."""
+
+
+class NonFiniteLogitsError(FerrumError, FloatingPointError):
+    """The model produced NaN or Inf logits for a request at run time; the request ends
+    with ``finish_reason="error"`` and this error's message (check the checkpoint's
+    weights and ``rope_theta``, or use float32)."""

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -39,11 +41,18 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import ChatTemplateError, TokenizerError
+from .errors import ChatTemplateError, PromptTooLongError, TokenizerError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+#: Longest text (characters) :meth:`Tokenizer.encode` accepts; checked before tokenizing,
+#: so a huge prompt costs nothing. About 4x the longest context of current models.
+MAX_INPUT_CHARS = 2_000_000
+#: Limits of one chat-template rendering: wall time (seconds) and output characters.
+TEMPLATE_TIMEOUT_S = 2.0
+TEMPLATE_MAX_OUTPUT_CHARS = MAX_INPUT_CHARS
 
 
 # ---------------------------------------------------------------------------
@@ -149,16 +158,68 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_render = threading.local()  # deadline and output limit of the rendering on this thread
+
+
+def _check_render(size: int = 0) -> None:
+    """Raise when the rendering on this thread ran past its deadline or its output limit."""
+    deadline = getattr(_render, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise ChatTemplateError(
+            f"the chat template ran longer than {_render.timeout:g} s: it loops too much; fix the template"
+        )
+    if size > getattr(_render, "max_chars", TEMPLATE_MAX_OUTPUT_CHARS):
+        raise ChatTemplateError(
+            f"the chat template built a value of {size} characters, more than the limit of {_render.max_chars}: "
+            "fix the template or shorten the messages"
+        )
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, plus a time limit checked at every call and loop step over ``range``,
+    and a size limit on strings and lists built by ``*`` or by calls (``'x' * 10**8``)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        _check_render()
+        if operator == "**":
+            if isinstance(right, int) and abs(right) > 4096:
+                raise ChatTemplateError(f"the chat template raises a number to the power {right}: fix the template")
+            return left**right
+        if isinstance(left, int) and isinstance(right, (str, list, tuple)):
+            left, right = right, left
+        if isinstance(left, (str, list, tuple)) and isinstance(right, int):
+            _check_render(len(left) * max(right, 0))
+        return left * right
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        _check_render()
+        result = super().call(__context, __obj, *args, **kwargs)
+        if isinstance(result, (str, list, tuple)):
+            _check_render(len(result))
+        return result
+
+
+def _bounded_range(*args):
+    """``range`` for templates: jinja's sandbox limit, and the render deadline checked as it runs."""
+    for i, value in enumerate(jinja2.sandbox.safe_range(*args)):
+        if i % 1024 == 0:
+            _check_render()
+        yield value
+
+
 @functools.lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox (cached by its source text).
+    """Compile a chat template in the bounded sandbox (cached by its source text).
 
     Raises:
         ChatTemplateError: the template has a jinja syntax error.
     """
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
     )
+    env.globals["range"] = _bounded_range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -330,10 +391,24 @@ class Tokenizer:
             ``list[int]`` token ids.
 
         Raises:
-            TokenizerError: ``text`` is not a string.
+            TokenizerError: ``text`` is not a string, or is not valid Unicode (a lone
+                surrogate, e.g. from bytes decoded with ``surrogateescape``).
+            PromptTooLongError: ``text`` has more than ``MAX_INPUT_CHARS`` characters
+                (checked before tokenizing).
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, got {type(text).__name__}")
+        if len(text) > MAX_INPUT_CHARS:
+            raise PromptTooLongError(
+                f"the text has {len(text)} characters, more than the limit of {MAX_INPUT_CHARS}: shorten it"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(
+                f"the text is not valid Unicode: {exc.reason} at character {exc.start}; "
+                "decode input bytes as UTF-8 (errors='replace') before passing them"
+            ) from None
         ids = list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         if not add_special_tokens:
             return ids
@@ -417,8 +492,9 @@ class Tokenizer:
             The rendered ``str``, or ``list[int]`` when ``tokenize``.
 
         Raises:
-            ChatTemplateError: no template, a syntax error, a rendering error, or the
-                template called ``raise_exception``.
+            ChatTemplateError: no template, a syntax error, a rendering error, the
+                template called ``raise_exception``, or it ran past ``TEMPLATE_TIMEOUT_S``
+                seconds or built more than ``TEMPLATE_MAX_OUTPUT_CHARS`` characters.
         """
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise ChatTemplateError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
@@ -435,12 +511,21 @@ class Tokenizer:
             if getattr(self, key) is not None:
                 variables[key] = getattr(self, key)
         variables.update(template_kwargs)
+        _render.timeout, _render.max_chars = TEMPLATE_TIMEOUT_S, TEMPLATE_MAX_OUTPUT_CHARS
+        _render.deadline = time.monotonic() + TEMPLATE_TIMEOUT_S
         try:
-            text = template.render(**variables)
+            parts, size = [], 0
+            for part in template.generate(**variables):
+                size += len(part)
+                _check_render(size)
+                parts.append(part)
+            text = "".join(parts)
         except ChatTemplateError:
             raise
         except Exception as exc:  # any failure inside user-supplied template code
             raise ChatTemplateError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _render.deadline = None
         if tokenize:
             return self.encode(text, add_special_tokens=False)
         return text

@@ -312,3 +312,53 @@ def test_small_inputs_are_constant_pointers():
     assert float(_run(body, [mx.full((8,), 2.0)], (64,), header=header)[0]) == 2.0
     with pytest.raises(KernelError, match="could not compile"):
         _run(body, [mx.full((4,), 2.0)], (64,), header=header)
+
+
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_simdgroup_matrix_functions_match_numpy(dtype):
+    # Two simdgroups: out[g] = A_g @ B_g^T + 1 (B loaded transposed from threadgroup memory).
+    body = """
+  const uint g = simdgroup_index_in_threadgroup;
+  threadgroup T b_shared[2 * 64];
+  for (int i = thread_index_in_simdgroup; i < 64; i += 32) {
+    b_shared[g * 64 + i] = in1[g * 64 + i];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_matrix<T, 8, 8> a;
+  simdgroup_matrix<T, 8, 8> b;
+  simdgroup_float8x8 c = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  const ulong2 no_offset = {0, 0};
+  const ulong2 row_offset = {0, g * 8};
+  simdgroup_load(a, in0 + g * 64, 8);
+  simdgroup_load(b, b_shared + g * 64, 8, no_offset, true);
+  simdgroup_multiply_accumulate(c, a, b, c);
+  simdgroup_store(c, out, 8, row_offset);
+"""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 8, 8)).astype(np.float32)
+    b = rng.standard_normal((2, 8, 8)).astype(np.float32)
+    k = mh.metal_kernel("mma", ["in0", "in1"], ["out"], body)
+    with mh.options(variant="counting"):  # the write-set check: each element stored once
+        got = k(inputs=[mx.array(a).astype(dtype), mx.array(b).astype(dtype)], grid=(64, 1, 1),
+                threadgroup=(64, 1, 1), output_shapes=[(16, 8)], output_dtypes=[mx.float32],
+                template=[("T", dtype)])[0]
+    a_r = np.array(mx.array(a).astype(dtype).astype(mx.float32))
+    b_r = np.array(mx.array(b).astype(dtype).astype(mx.float32))
+    want = (a_r @ b_r.transpose(0, 2, 1) + 1).reshape(16, 8)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.harness
+@needs_clang
+def test_simdgroup_matrix_load_in_divergent_code_deadlocks():
+    body = """
+  simdgroup_float8x8 a;
+  if (thread_index_in_simdgroup < 16) {
+    simdgroup_load(a, in0, 8);
+  }
+  out[thread_position_in_grid.x] = 0.0f;
+"""
+    with pytest.raises(KernelError, match="deadlock|all 32 lanes"):
+        _run(body, [mx.ones((64,))], (32,), grid=(32, 1, 1), tg=(32, 1, 1), schedules=("serial",))

@@ -104,6 +104,8 @@ DECODE_CASES = [
     (4, 1, 256, 8, [60], F32),             # head_dim 256
     (2, 2, 24, 16, [15, 16], BF16),        # 3 dims per lane
     (2, 1, 40, 8, [3, 10, 19, 26], F32),   # four sequences
+    (24, 1, 64, 16, [77, 5], F16),         # GQA 24: three threadgroups of 8 heads per KV head
+    (20, 2, 32, 8, [40], BF16),            # GQA 10: two threadgroups of 5 heads per KV head
 ]
 
 
@@ -152,10 +154,58 @@ def test_decode_partitions(monkeypatch, h, kvh, d, bs, ctxs, dtype, psize):
 @pytest.mark.harness
 @needs_clang
 def test_decode_long_context_default_partitions():
-    # 1100 tokens at the default 512-token partition: three partitions, one group each.
+    # One sequence on one KV head is one threadgroup: far too few to fill a GPU, so the
+    # default policy splits its 1100 tokens (split-K) and the reduce kernel merges them.
     case = decode_case(11, [1100, 513], 4, 1, 16, 32, F16)
-    assert -(-case.block_tables.shape[1] * 32 // metal.DECODE_PARTITION_SIZE) >= 3
+    parts, psize = metal.decode_partitions(2, 1, case.block_tables.shape[1] * 32, 32)
+    assert parts >= 3 and psize % 32 == 0 and psize >= metal.DECODE_MIN_PARTITION_TOKENS
+    before = mh.LAUNCHES["paged_attention_reduce"]
     _check_decode(case, F16)
+    assert mh.LAUNCHES["paged_attention_reduce"] == before + 1
+
+
+def test_split_k_only_when_threadgroups_are_few(monkeypatch):
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", None)
+    target = metal.gpu_cores() * metal.DECODE_THREADGROUPS_PER_CORE
+    assert metal.decode_partitions(target, 1, 8192, 16) == (1, 0)        # enough groups: one pass
+    assert metal.decode_partitions(1, 8, 256, 16) == (1, 0)              # short context: one pass
+    parts, psize = metal.decode_partitions(1, 1, 8192, 16)
+    assert parts * psize >= 8192 and (parts - 1) * psize < 8192 and psize % 16 == 0
+    assert 1 < parts <= target
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", 512)            # the forced test hook
+    assert metal.decode_partitions(64, 8, 1024, 16) == (2, 512)
+
+
+@pytest.mark.harness
+@needs_clang
+def test_decode_empty_context_gives_zero(monkeypatch):
+    # context_len 0 (a padded batch row): 0, not 0/0, on the one-pass and split paths.
+    case = decode_case(5, [1, 40], 4, 2, 16, 8, F32)
+    case = replace(case, context_lens=mx.array([0, 40], dtype=mx.int32))
+    for psize in (None, 16):
+        monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+        got = np.array(_run_decode(case))
+        assert np.all(got[0] == 0.0), got[0]
+        assert np.all(np.isfinite(got[1]))
+
+
+def test_prebuilt_metadata_is_used(monkeypatch):
+    launches = []
+
+    def factory(**fkw):
+        def call(**ckw):
+            launches.append(ckw)
+            return [mx.zeros(s, d) for s, d in zip(ckw["output_shapes"], ckw["output_dtypes"])]
+        return call
+
+    dec = decode_case(1, [30, 3], 8, 2, 64, 16, F16)
+    meta = metal.decode_metadata(dec.block_tables, dec.context_lens, 2, 16)
+    with metal.use_launcher(factory):
+        for _ in range(2):  # two layers of one step
+            metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens,
+                                         0.1, metadata=meta)
+    assert len(launches) == 2
+    assert all(c["inputs"][3] is meta.block_tables and c["inputs"][4] is meta.context_lens for c in launches)
 
 
 # (num_heads, num_kv_heads, head_dim, block_size, [(context_len, q_len), ...], dtype)
@@ -175,6 +225,47 @@ PREFILL_CASES = [
 @needs_clang
 def test_prefill_matches_oracles(h, kvh, d, bs, cq, dtype):
     _check_prefill(prefill_case(d + len(cq), cq, h, kvh, d, bs, dtype), dtype)
+
+
+MMA_CASES = PREFILL_CASES + [
+    (12, 4, 64, 16, [(45, 45)], F16),                 # GQA 3: three simdgroups
+    (16, 1, 32, 8, [(19, 11), (30, 30)], BF16),      # GQA 16: four heads per simdgroup
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,cq,dtype", MMA_CASES)
+@pytest.mark.harness
+@needs_clang
+def test_prefill_matrix_kernel_matches_oracles(monkeypatch, h, kvh, d, bs, cq, dtype):
+    monkeypatch.setattr(metal, "paged_prefill_attention", metal.paged_prefill_attention_mma)
+    _check_prefill(prefill_case(d + len(cq), cq, h, kvh, d, bs, dtype), dtype)
+
+
+@pytest.mark.harness
+@needs_clang
+def test_prefill_matrix_kernel_writes_each_element_once_and_dispatches(monkeypatch):
+    monkeypatch.setattr(metal, "PREFILL_MATRIX_KERNEL", True)
+    case = without_garbage(prefill_case(5, [(60, 40), (9, 9)], 8, 2, 32, 16, F16))
+    before = mh.LAUNCHES["paged_prefill_attention_mma"]
+    with metal.use_launcher(mh.metal_kernel), mh.options(variant="counting"):
+        got = kernels.paged_prefill_attention(case.q, case.k_pool, case.v_pool, case.block_tables,
+                                              case.context_lens, case.query_start_loc, case.scale)
+    assert mh.LAUNCHES["paged_prefill_attention_mma"] == before + 1
+    assert max_violation(got, numpy_prefill(case), F16) <= 0
+
+
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("old,new", [
+    ("d_mine[lane * 8 + j] = j == lane ? correction : 0.0f;", "d_mine[lane * 8 + j] = j == lane ? 1.0f : 0.0f;"),
+    ("simdgroup_load(kt, k_tile, HEAD_DIM, at, true);", "simdgroup_load(kt, k_tile, HEAD_DIM, at, false);"),
+    ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    for (int hh", "\n    for (int hh"),
+    ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n  }\n\n  for (int hh", "\n  }\n\n  for (int hh"),
+])
+def test_planted_matrix_kernel_bugs_are_caught(monkeypatch, old, new):
+    monkeypatch.setattr(metal, "paged_prefill_attention", metal.paged_prefill_attention_mma)
+    _mutated(monkeypatch, "paged_prefill_attention_mma", old, new)
+    _assert_caught(lambda: _check_prefill(prefill_case(7, [(40, 30)], 8, 2, 16, 8, F32), F32))
 
 
 # ------------------------------------------------------------ planted bugs
@@ -209,17 +300,48 @@ def _assert_caught(check) -> str:
 @needs_clang
 def test_planted_off_by_one_block_index_is_caught(monkeypatch):
     _mutated(monkeypatch, "paged_attention_decode",
-             "block_tables[int64_t(seq) * max_blocks + b]", "block_tables[int64_t(seq) * max_blocks + b + 1]")
+             "block_tables[int64_t(seq) * max_blocks + chunk_block + i]",
+             "block_tables[int64_t(seq) * max_blocks + chunk_block + i + 1]")
     _assert_caught(lambda: _check_decode(decode_case(3, [40, 17], 4, 2, 16, 16, F32), F32))
 
 
 @pytest.mark.harness
 @needs_clang
-def test_planted_missing_decode_barrier_is_caught(monkeypatch):
-    _mutated(monkeypatch, "paged_attention_decode", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n", "\n")
-    # A race is the harness's to find (schedules disagree, or NaN-filled memory leaks out).
-    with pytest.raises(KernelError, match="differs between schedules"):
-        _run_decode(decode_case(4, [70], 4, 2, 32, 8, F32))
+def test_planted_wrong_kv_head_for_the_query_group_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_attention_decode",
+             "const int64_t kv_offset = int64_t(kv_head) * head_stride;",
+             "const int64_t kv_offset = int64_t((kv_head + 1) % num_kv_heads) * head_stride;")
+    assert _assert_caught(lambda: _check_decode(decode_case(8, [37, 5], 8, 2, 32, 8, F16), F16)) == "oracle"
+
+
+@pytest.mark.harness
+@needs_clang
+def test_planted_lane_reading_the_wrong_vector_slice_is_caught(monkeypatch):
+    _mutated(monkeypatch, "paged_attention_decode",
+             "raw = *(const device uint4*)(k_pool + row + (r + j * LPT) * VEC);",
+             "raw = *(const device uint4*)(k_pool + row + ((r + 1) % LPT + j * LPT) * VEC);")
+    assert _assert_caught(lambda: _check_decode(decode_case(9, [29], 4, 2, 64, 16, F16), F16)) == "oracle"
+
+
+_BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+
+
+@pytest.mark.harness
+@needs_clang
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4])
+def test_planted_missing_decode_barrier_is_caught(monkeypatch, which):
+    src = metal.load_kernel_source("paged_attention_decode").body
+    lines = src.splitlines(keepends=True)
+    at = [i for i, ln in enumerate(lines) if ln.strip() == _BARRIER]
+    assert len(at) == 5
+    i = at[which]
+    context = 1
+    while src.count("".join(lines[i - context : i + 1])) > 1:  # enough lines before it to be unique
+        context += 1
+    anchor = "".join(lines[i - context : i + 1])
+    _mutated(monkeypatch, "paged_attention_decode", anchor, "".join(lines[i - context : i]) + "\n")
+    # 300 tokens in blocks of 8: two chunks of block ids; GQA 2: two merges.
+    _assert_caught(lambda: _check_decode(decode_case(4, [300, 70], 4, 2, 32, 8, F32), F32))
 
 
 @pytest.mark.harness
@@ -247,10 +369,10 @@ def test_planted_off_by_one_causal_mask_is_caught(monkeypatch):
 @pytest.mark.harness
 @needs_clang
 def test_compile_error_points_into_the_metal_file(monkeypatch):
-    anchor = "const float correction = exp(m - m_new);"
+    anchor = "const float correction = fast::exp2(m[h] - m_new);"
     src = metal.load_kernel_source("paged_attention_decode")
     line = src.body_line + src.body[: src.body.index(anchor)].count("\n")
-    _mutated(monkeypatch, "paged_attention_decode", anchor, "const float correction = exp(m - m_newer);")
+    _mutated(monkeypatch, "paged_attention_decode", anchor, "const float correction = fast::exp2(m[h] - m_newer);")
     with pytest.raises(KernelError) as e:
         _run_decode(decode_case(1, [5], 4, 2, 16, 8, F32))
     assert f"paged_attention_decode.metal:{line}:" in str(e.value)
@@ -330,7 +452,8 @@ def test_prefill_tiles_never_span_sequences():
 def test_kernel_files_parse_and_are_found():
     d = metal.kernels_dir()
     names = sorted(p.stem for p in d.glob("*.metal"))
-    assert names == ["paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+    assert names == ["paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
+                     "paged_prefill_attention_mma"]
     for n in names:
         src = metal.load_kernel_source(n)
         lines = src.path.read_text().splitlines()
@@ -366,11 +489,13 @@ def _record_launches():
     old = metal.DECODE_PARTITION_SIZE
     try:
         with metal.use_launcher(factory):
-            for psize in (512, 16):
+            for psize in (None, 16):
                 metal.DECODE_PARTITION_SIZE = psize
                 metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens, 0.1)
             metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
                                           pre.query_start_loc, 0.1)
+            metal.paged_prefill_attention_mma(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                                              pre.query_start_loc, 0.1)
     finally:
         metal.DECODE_PARTITION_SIZE = old
     return launches
@@ -379,7 +504,8 @@ def _record_launches():
 def test_generated_source_of_every_kernel_matches_mlx():
     launches = _record_launches()
     assert sorted({f["name"] for f, _ in launches}) == [
-        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
+        "paged_prefill_attention_mma"]
     for fkw, ckw in launches:
         args = dict(
             name=fkw["name"], input_names=fkw["input_names"], output_names=fkw["output_names"],
@@ -420,3 +546,38 @@ def test_exhaustive_sweep(dtype):
         ctxs = [1, bs, bs + 1, 3 * bs - 1]
         _check_decode(decode_case(seed, ctxs, 2 * ratio, 2, d, bs, dtype), dtype)
         _check_prefill(prefill_case(seed, [(1, 1), (2 * bs + 3, bs + 1)], 2 * ratio, 2, d, bs, dtype), dtype)
+
+
+def test_long_prefill_chunks_go_to_the_reference(caplog):
+    # Up to PREFILL_KERNEL_MAX_QUERY_LEN rows the kernel runs; above it MLX's SDPA does,
+    # and that is a dispatch rule, not a fallback (nothing logged at INFO).
+    limit = metal.PREFILL_KERNEL_MAX_QUERY_LEN
+    calls = []
+
+    def factory(**fkw):
+        def call(**ckw):
+            calls.append(fkw["name"])
+            return [mx.zeros(s, d) for s, d in zip(ckw["output_shapes"], ckw["output_dtypes"])]
+        return call
+
+    caplog.set_level(logging.INFO, logger="mlx_ferrum.kernels")
+    for q_len, expect_kernel in ((limit, True), (limit + 1, False)):
+        case = without_garbage(prefill_case(2, [(q_len + 3, q_len), (4, 2)], 4, 2, 16, 8, F32))
+        calls.clear()
+        with metal.use_launcher(factory):
+            out = kernels.paged_prefill_attention(case.q, case.k_pool, case.v_pool, case.block_tables,
+                                                  case.context_lens, case.query_start_loc, case.scale)
+        assert calls == (["paged_prefill_attention"] if expect_kernel else [])
+        if not expect_kernel:
+            assert max_violation(out, numpy_prefill(case), F32) <= 0
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+
+
+def test_kernels_are_built_with_an_explicit_math_mode():
+    launches = _record_launches()
+    modes = {f["name"]: f["compile_options"] for f, _ in launches}
+    assert modes["paged_attention_decode"] == {"math_mode": "fast"}
+    assert modes["paged_attention_reduce"] == {"math_mode": "fast"}
+    assert modes["paged_prefill_attention"] == {"math_mode": "fast"}
+    assert modes["paged_prefill_attention_mma"] == {"math_mode": "fast"}
+    assert metal._accepts_compile_options(mx.fast.metal_kernel)

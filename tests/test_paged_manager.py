@@ -183,7 +183,7 @@ def test_pool_sizing_default_and_env(monkeypatch):
     per = bytes_per_block(2, 2, 16, 8, mx.float16)
     assert per == 2 * 2 * 2 * 16 * 8 * 2
     if not mx.metal.is_available():
-        assert default_num_blocks(2, 2, 16, 8, mx.float16, 0, 0.5) == DEFAULT_KV_POOL_BYTES // per
+        assert default_num_blocks(2, 2, 16, 8, mx.float16, 0, 0.5) <= DEFAULT_KV_POOL_BYTES // per
     assert default_num_blocks(2, 2, 16, 8, mx.float16, 0, 0.5) >= 16
     model = tiny_model("llama")
     monkeypatch.setenv("FERRUM_METAL_PAGED_KV", "1")

@@ -8,12 +8,19 @@ request's outputs reach its ``async for`` through an ``asyncio.Queue`` fed with
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import AsyncIterator, Optional
 
 from .engine import Engine, RequestOutput
-from .prompt import Prompt
+from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
 
 
 class AsyncEngine:
@@ -33,17 +40,44 @@ class AsyncEngine:
         self._thread.start()
 
     def _loop(self) -> None:
+        # The loop never dies: Engine.step() fails a broken step's requests itself; an
+        # exception that still escapes is logged, every request then in the engine is
+        # failed (its client gets a final "error" output), and serving goes on.
         while not self._stop:
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            for out in self.engine.step():
-                with self._lock:
-                    target = self._queues.get(out.request_id)
-                if target is not None:
-                    loop, q = target
-                    loop.call_soon_threadsafe(q.put_nowait, out)
+            try:
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outs = self.engine.step()
+            except Exception as e:  # noqa: BLE001
+                logger.exception("engine step failed; failing the requests in flight and serving on")
+                outs = self._fail_all(e)
+            for out in outs:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            target = self._queues.get(out.request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the client's event loop is closed: nobody is listening
+                pass
+
+    def _fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Fail every request the engine holds (after a step raised past the engine)."""
+        eng = self.engine
+        outs = []
+        with eng._lock:
+            for seq in list(eng._seqs.values()):
+                if not seq.finished:
+                    eng._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                    outs.append(eng._output(seq, "", []))
+            outs.extend(eng._pending)
+            eng._pending = []
+        return outs
 
     async def astream(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
@@ -52,6 +86,11 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request_id
+        if isinstance(prompt, (str, list, tuple)) and not _is_token_ids(prompt):
+            # tokenize (and render the chat template) on a worker thread, holding no lock,
+            # so a long prompt blocks neither the event loop nor the engine
+            vocab = getattr(getattr(self.engine.executor, "info", None), "vocab_size", None)
+            prompt = await asyncio.to_thread(encode_prompt, self.engine.tokenizer, prompt, vocab)
         with self._lock:
             rid = self.engine.add_request(prompt, params, rid)
             self._queues[rid] = (loop, q)

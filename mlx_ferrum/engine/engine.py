@@ -22,12 +22,15 @@ from typing import Iterator, Optional, Sequence as Seq, Union
 import mlx.core as mx
 
 from ..config import RuntimeConfig
-from ..errors import FerrumError, PromptTooLongError, RequestError
+from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
+from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
 from .sampling import SampleResult, SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
+from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
+from ..executor import KvCacheHandle
 from .stop import emit_token
 
 _req_ids = itertools.count()
@@ -38,17 +41,39 @@ _IN_FLIGHT = -1
 
 @dataclass
 class _InFlight:
-    """A launched step: its lazy :class:`SampleResult` and, per sampled request, its row
-    and the index in ``output_ids`` the token goes to."""
+    """A launched step, not read back yet.
 
-    result: SampleResult
-    rows: list = field(default_factory=list)  # (sequence, row, output index)
-    row_of: dict = field(default_factory=dict)  # request id -> row
+    Attributes:
+        tokens: ``[B]`` int32 sampled ids, on the device (the next step's ``prev_tokens``).
+        finite: ``[B]`` bool, whether row ``b``'s logits were all finite.
+        results: per row ``b``, ``(SampleResult, row in it)`` (one shared result when the
+            batched sample succeeded; one per row after the row-by-row fallback; ``None``
+            for a row whose sampling failed).
+        rows: ``(sequence, row, output index)`` per sampled request still running.
+        row_of: request id -> row.
+    """
 
-    @property
-    def tokens(self) -> mx.array:
-        """``[B]`` int32 sampled ids, on the device."""
-        return self.result.tokens
+    tokens: mx.array
+    finite: mx.array
+    results: list
+    rows: list = field(default_factory=list)
+    row_of: dict = field(default_factory=dict)
+
+
+def _non_finite_error() -> str:
+    """The ``error`` text of a request whose logits held NaN or Inf."""
+    return f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
+        "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
+        "and rope_theta, or load it in float32"))
+
+
+def context_full_message(num_tokens: int, capacity: int, max_position_embeddings: int) -> str:
+    """Why a prompt of ``num_tokens`` does not fit a context of ``capacity``, and the fix that
+    exists: FERRUM_KV_CAPACITY can only be raised up to ``max_position_embeddings``."""
+    msg = f"the prompt has {num_tokens} tokens and the context holds {capacity}: shorten it"
+    if capacity < max_position_embeddings:
+        return msg + f", or raise FERRUM_KV_CAPACITY (up to the model's max_position_embeddings={max_position_embeddings})"
+    return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
 
 
 @dataclass
@@ -93,6 +118,9 @@ class Engine:
             reads the environment. The paged layout is what makes continuous batching
             efficient; the contiguous layout works with padded batches and no preemption.
         executor: an existing executor to use instead of building one.
+        proposer: a speculative-decoding proposer (``NgramProposer`` /
+            ``DraftModelProposer`` from :mod:`mlx_ferrum.engine.speculative`) to use
+            instead of the one ``config.speculative`` names.
 
     Raises (from its calls):
         RequestError: unknown request id, or a request that alone cannot fit the pool.
@@ -100,7 +128,8 @@ class Engine:
         SamplingParamsError: invalid sampling parameters.
     """
 
-    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None, executor: Optional[LlmExecutor] = None):
+    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None, executor: Optional[LlmExecutor] = None,
+                 proposer=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config if config is not None else RuntimeConfig()
@@ -111,8 +140,13 @@ class Engine:
         self._step_lock = threading.Lock()  # one step at a time
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
-        self._finished_ttft: list[float] = []
-        self._finished_itl: list[float] = []
+        # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
+        self._ttft = LatencyReservoir()
+        self._itl = LatencyReservoir(seed=1)
+        # request ids of the step now in the executor; an abort of one of them frees its
+        # cache only after the executor call, so forward() never re-creates a released cache
+        self._in_flight: set[str] = set()
+        self._deferred_release: list[str] = []
         self._pipelined = bool(self.config.async_scheduling) and not (
             self.executor.manager is not None and self.executor.manager.prefix_cache
         )
@@ -121,6 +155,10 @@ class Engine:
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
         self._start = time.time()
+        self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
+        self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -133,15 +171,15 @@ class Engine:
 
         Raises:
             PromptTooLongError: the prompt fills the context.
-            RequestError: the id is in use, or the prompt is empty.
+            RequestError: the id is in use, the prompt is empty or not a prompt type, or a
+                token id is outside ``[0, vocab_size)``.
+            TokenizerError: the text cannot be tokenized (lone surrogates, too long ...).
         """
         params = params if params is not None else SamplingParams()
-        ids = encode_prompt(self.tokenizer, prompt)
+        ids = encode_prompt(self.tokenizer, prompt, vocab_size=getattr(getattr(self.executor, "info", None), "vocab_size", None))
         cap = self.executor.kv_capacity()
         if len(ids) >= cap:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and the context holds {cap}: shorten it or raise FERRUM_KV_CAPACITY"
-            )
+            raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
         with self._lock:
@@ -179,12 +217,40 @@ class Engine:
         seq.error = error
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
-        self.executor.release_cache(seq.request_id)
+        if seq.request_id in self._in_flight:
+            self._deferred_release.append(seq.request_id)
+        else:
+            self.executor.release_cache(seq.request_id)
         self._seqs.pop(seq.request_id, None)
+        if self._proposer is not None:
+            self._proposer.release(seq.request_id)
         m = seq.metrics
         if m.ttft is not None:
-            self._finished_ttft.append(m.ttft)
-        self._finished_itl.extend(m.inter_token_latencies)
+            self._ttft.add(m.ttft)
+        self._itl.extend(m.inter_token_latencies)
+
+    def _end_flight(self) -> None:
+        """The step left the executor: free the caches of requests aborted meanwhile."""
+        with self._lock:
+            self._in_flight = set()
+            for rid in self._deferred_release:
+                self.executor.release_cache(rid)
+            self._deferred_release = []
+
+    def _fail_step(self, items, exc: BaseException) -> list[RequestOutput]:
+        """End every request of a failed step with ``"error"`` (the executor already
+        restored their caches; finishing releases them). Other requests are untouched."""
+        return self._fail_seqs([it.seq for it in items], exc)
+
+    def _fail_seqs(self, seqs, exc: BaseException) -> list[RequestOutput]:
+        """:meth:`_fail_step` for a list of sequences (finished ones are skipped)."""
+        outs = []
+        with self._lock:
+            for s in seqs:
+                if not s.finished:
+                    self._finish(s, "error", f"{type(exc).__name__}: {exc}")
+                    outs.append(self._output(s, "", []))
+        return outs
 
     def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
@@ -215,37 +281,49 @@ class Engine:
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
         """
+        if self._proposer is not None:
+            return self._speculative_step()
         with self._step_lock:
-            with self._lock:
-                outputs, self._pending = self._pending, []
-                if self._inflight is not None and not self._can_overlap():
-                    outputs.extend(self._resolve(self._inflight))
-                    self._inflight = None
-                plan = self.scheduler.schedule()
-                for seq in plan.rejected:
-                    self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
-                                 "raise FERRUM_KV_MAX_BLOCKS or shorten it")
-                    outputs.append(self._output(seq, "", []))
-                items = plan.items
-                work = self._build_work(items)
-            launched = None
-            if items:
-                try:
-                    launched = self._launch(items, work)
-                except FerrumError as e:
-                    with self._lock:
-                        for it in items:
-                            if not it.seq.finished:
-                                self._finish(it.seq, "error", str(e))
-                                outputs.append(self._output(it.seq, "", []))
-            with self._lock:
-                if self._inflight is not None:
-                    outputs.extend(self._resolve(self._inflight))
-                self._inflight = launched
-                if launched is not None and not self._pipelined:
-                    outputs.extend(self._resolve(launched))
-                    self._inflight = None
+            outputs: list[RequestOutput] = []
+            try:
+                self._step_body(outputs)
+            except BaseException:
+                # Ctrl-C (or a failure past the isolation below): what this step already
+                # produced is returned by the next call instead of being lost
+                with self._lock:
+                    self._pending[:0] = outputs
+                raise
             return outputs
+
+    def _step_body(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            outputs.extend(self._pending)
+            self._pending = []
+            if self._inflight is not None and not self._can_overlap():
+                flight, self._inflight = self._inflight, None
+                outputs.extend(self._resolve(flight))
+            plan = self.scheduler.schedule()
+            for seq in plan.rejected:
+                self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
+                             "raise FERRUM_KV_MAX_BLOCKS or shorten it")
+                outputs.append(self._output(seq, "", []))
+            items = plan.items
+            work = self._build_work(items)
+            # aborts from here until the executor call returns are released after it
+            self._in_flight = {it.seq.request_id for it in items}
+        launched = None
+        if items:
+            try:
+                launched = self._launch(items, work)
+            except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+                outputs.extend(self._fail_step(items, e))
+        with self._lock:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                outputs.extend(self._resolve(previous))
+            if launched is not None and not self._pipelined:
+                self._inflight = None
+                outputs.extend(self._resolve(launched))
 
     def _can_overlap(self) -> bool:
         """True when the next step may be queued before the in-flight tokens are known.
@@ -277,17 +355,27 @@ class Engine:
         return work
 
     def _launch(self, items: list, work: list[SeqWork]) -> Optional["_InFlight"]:
-        """Queue the forward pass and the sampling of ``items``; nothing is read back."""
+        """Queue the forward pass and the sampling of ``items``; nothing is read back.
+
+        Isolation (issue 13) as in a synchronous step: an ``Exception`` from the executor
+        fails this step's requests (the caller does that; the executor restored every
+        cache first), a ``BaseException`` propagates after the executor's rollback; a
+        sampler failure ends only its row's request (:meth:`_sample_flight`), and a
+        ``BaseException`` while sampling ends this step's sampled requests, then propagates.
+        """
         prev = self._inflight.tokens if self._inflight is not None else None
-        logits, state = self.executor.forward(work, prev)
+        try:
+            # a BaseException (Ctrl-C) propagates after the executor restored every cache
+            logits, state = self.executor.forward(work, prev)
+        finally:
+            self._end_flight()
         with self._lock:
             self.num_steps += 1
             sampled = []
             samples = [it.samples for it in items]  # read before num_computed moves
             for it in items:
                 s = it.seq
-                if s.finished:  # aborted while the step was built: its blocks may have been re-created
-                    self.executor.release_cache(s.request_id)
+                if s.finished:  # aborted while the step was built: released by _end_flight
                     continue
                 if s.num_computed < len(s.prompt_ids):
                     self.num_prefilled_tokens += it.num_tokens
@@ -305,15 +393,53 @@ class Engine:
                 mx.async_eval(state)
                 return None
             take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
-            res = sample(take, [s.sampler for s in sampled], record=False)
-            flight = _InFlight(res, [])
-            for b, s in enumerate(sampled):
-                s.output_ids.append(_IN_FLIGHT)
-                flight.rows.append((s, b, len(s.output_ids) - 1))
-                flight.row_of[s.request_id] = b
-            extra = [a for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
-            mx.async_eval(res.tokens, *extra, *state)
-            return flight
+            try:
+                flight = self._sample_flight(take, sampled)
+            except BaseException as e:
+                # the KV already holds this step, so its sampled requests end now rather
+                # than stall; then it propagates
+                self._pending.extend(self._fail_seqs(sampled, e))
+                raise
+            extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
+                     for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+            mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+            return flight if flight.rows else None
+
+    def _sample_flight(self, take: mx.array, seqs: list[Sequence]) -> "_InFlight":
+        """Sample every row of ``take`` at once (lazily); when that raises, row by row with
+        the random keys restored, so a failure (a bad parameter, a fault) ends only the
+        request it belongs to (finished here with ``"error"``; its output is pending)."""
+        states = [s.sampler for s in seqs]
+        saved = [st.key for st in states]
+        finite = mx.all(mx.isfinite(take), axis=-1)
+        errors: dict[int, str] = {}
+        try:
+            res = sample(take, states, record=False)
+            results = [(res, b) for b in range(len(seqs))]
+            tokens = res.tokens
+        except Exception:  # noqa: BLE001 - find the row(s) at fault
+            results, pieces = [], []
+            for b, st in enumerate(states):
+                st.key = saved[b]  # the failed batched call may have split it
+                try:
+                    r = sample(take[b : b + 1], [st], record=False)
+                    results.append((r, 0))
+                    pieces.append(r.tokens.astype(mx.int32))
+                except Exception as e:  # noqa: BLE001
+                    errors[b] = f"{type(e).__name__}: sampling failed: {e}"
+                    results.append((None, 0))
+                    pieces.append(mx.zeros((1,), dtype=mx.int32))
+            tokens = mx.concatenate(pieces)
+        flight = _InFlight(tokens, finite, results)
+        for b, s in enumerate(seqs):
+            if b in errors:
+                self._finish(s, "error", errors[b])
+                self._pending.append(self._output(s, "", []))
+                continue
+            s.output_ids.append(_IN_FLIGHT)
+            flight.rows.append((s, b, len(s.output_ids) - 1))
+            flight.row_of[s.request_id] = b
+        return flight
 
     def _resolve(self, flight: "_InFlight") -> list[RequestOutput]:
         """Read a launched step's tokens, then detokenize, check stops and emit.
@@ -322,38 +448,141 @@ class Engine:
         queued (a placeholder at the end of ``output_ids``); it is dropped with the rest
         of the request when :meth:`_finish` frees its blocks, and a later resolve skips
         finished requests. Aborted or finished requests are skipped the same way.
+
+        Isolation: NaN/Inf logits end their request with :class:`NonFiniteLogitsError`;
+        a failure emitting one token (e.g. the detokenizer) ends only that request; a
+        failure reading the step back ends only this step's requests; a ``BaseException``
+        ends this step's requests, then propagates.
         """
-        res = flight.result
-        tokens = res.tokens.tolist()
-        lps = res.logprobs.tolist() if res.logprobs is not None else None
-        tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+        outs: list[RequestOutput] = []
+        try:
+            try:
+                tokens = flight.tokens.tolist()
+                finite = flight.finite.tolist()
+            except Exception as e:  # noqa: BLE001 - the step's evaluation failed: its requests only
+                return self._fail_seqs([s for s, _, _ in flight.rows], e)
+            host: dict[int, tuple] = {}
+            now = time.time()
+            cap = self.executor.kv_capacity()
+            for s, b, index in flight.rows:
+                if s.finished:
+                    continue
+                error = None if finite[b] else _non_finite_error()
+                if error is None:
+                    try:
+                        tok = tokens[b]
+                        lp, top = self._host_logprobs(flight.results[b], host)
+                        s.sampler.append(tok)
+                        outs.append(self._emit(s, tok, lp, top, now, cap, index=index))
+                        continue
+                    except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
+                        error = f"{type(e).__name__}: {e}"
+                if not s.finished:
+                    self._finish(s, "error", error)
+                outs.append(self._output(s, "", []))
+        except BaseException as e:
+            self._pending.extend(outs + self._fail_seqs([s for s, _, _ in flight.rows], e))
+            raise
+        return outs
+
+    @staticmethod
+    def _host_logprobs(result: tuple, host: dict) -> tuple:
+        """Row ``r`` of a :class:`SampleResult`'s logprobs and top alternatives as Python
+        values (each result read back once per step)."""
+        res, r = result
+        if res is None or res.logprobs is None:
+            return None, None
+        got = host.get(id(res))
+        if got is None:
+            got = (res.logprobs.tolist(),
+                   (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None)
+            host[id(res)] = got
+        lps, tops = got
+        return lps[r], ((tops[0][r], tops[1][r]) if tops is not None else None)
+
+    def _sample_rows(self, rows: mx.array, seqs: list[Sequence]):
+        """Sample every row at once; when that raises, sample row by row so a failure
+        (a bad parameter, a fault) ends only the request it belongs to.
+
+        Returns ``(tokens, logprobs, tops, errors)``: per row a token (None on error),
+        logprobs and top alternatives as :func:`sample` gives them (or None), and an
+        error message or None. A row of NaN/Inf logits gets a :class:`NonFiniteLogitsError`.
+        """
+        n = len(seqs)
+        saved = [(s.sampler.key, len(s.sampler.history)) for s in seqs]
+        finite = mx.all(mx.isfinite(rows), axis=-1)
+        errors: list = [None] * n
+        try:
+            res = sample(rows, [s.sampler for s in seqs], record=False)
+            mx.eval(res.tokens, finite)
+            tokens = res.tokens.tolist()
+            for s, tok in zip(seqs, tokens):
+                s.sampler.append(tok)
+            lps = res.logprobs.tolist() if res.logprobs is not None else [None] * n
+            tops = list(zip(res.top_ids.tolist(), res.top_logprobs.tolist())) if res.top_ids is not None else [None] * n
+        except Exception:  # noqa: BLE001 - find the row(s) at fault
+            tokens, lps, tops = [None] * n, [None] * n, [None] * n
+            for b, (s, (key, hist)) in enumerate(zip(seqs, saved)):
+                s.sampler.key = key  # the failed batched call may have split it
+                del s.sampler.history[hist:]
+                try:
+                    r = sample(rows[b : b + 1], [s.sampler])
+                    tokens[b] = r.tokens.tolist()[0]
+                    lps[b] = r.logprobs.tolist()[0] if r.logprobs is not None else None
+                    tops[b] = (r.top_ids.tolist()[0], r.top_logprobs.tolist()[0]) if r.top_ids is not None else None
+                except Exception as e:  # noqa: BLE001
+                    errors[b] = f"{type(e).__name__}: sampling failed: {e}"
+        for b, ok in enumerate(finite.tolist()):
+            if not ok:
+                errors[b] = _non_finite_error()
+        return tokens, lps, tops, errors
+
+    def _sample_and_emit(self, sampled: list) -> list[RequestOutput]:
+        seqs = [s for s, _ in sampled]
+        rows = mx.concatenate([r for _, r in sampled], axis=0)
+        tokens, lps, tops, errors = self._sample_rows(rows, seqs)
         now = time.time()
         outs = []
         cap = self.executor.kv_capacity()
-        for s, b, index in flight.rows:
-            if s.finished:
-                continue
-            tok = tokens[b]
-            s.output_ids[index] = tok
-            s.sampler.append(tok)
-            m = s.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.token_times.append(now)
-            self.num_generated_tokens += 1
-            if lps is not None and s.params.logprobs is not None:
-                s.logprobs.append(lps[b])
-                if tops is not None and s.params.logprobs:
-                    k = s.params.logprobs
-                    s.top_logprobs.append(dict(zip(tops[0][b][:k], tops[1][b][:k])))
-            out_of_room = index + 1 >= s.params.max_tokens or len(s.prompt_ids) + index + 1 >= cap
-            delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
-            s.text += delta
-            if reason is not None:
-                del s.output_ids[index + 1 :]  # a token queued in the lag is dropped
-                self._finish(s, reason)
-            outs.append(self._output(s, delta, [tok]))
+        for b, (s, tok) in enumerate(zip(seqs, tokens)):
+            if errors[b] is None:
+                try:
+                    outs.append(self._emit(s, tok, lps[b], tops[b], now, cap))
+                    continue
+                except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
+                    errors[b] = f"{type(e).__name__}: {e}"
+            if not s.finished:
+                self._finish(s, "error", errors[b])
+            outs.append(self._output(s, "", []))
         return outs
+
+    def _emit(self, s: Sequence, tok: int, lp, top, now: float, cap: int, index: Optional[int] = None) -> RequestOutput:
+        """Record one sampled token of ``s``: metrics, logprobs, text, stop checks.
+
+        ``index``: the placeholder in ``output_ids`` the token replaces (pipelined step);
+        None appends it."""
+        m = s.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        self.num_generated_tokens += 1
+        if lp is not None and s.params.logprobs is not None:
+            s.logprobs.append(lp)
+            if top is not None and s.params.logprobs:
+                k = s.params.logprobs
+                s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
+        if index is None:
+            s.output_ids.append(tok)
+            index = len(s.output_ids) - 1
+        else:
+            s.output_ids[index] = tok
+        out_of_room = index + 1 >= s.params.max_tokens or len(s.prompt_ids) + index + 1 >= cap
+        delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+        s.text += delta
+        if reason is not None:
+            del s.output_ids[index + 1 :]  # a token queued in the pipeline's lag is dropped
+            self._finish(s, reason)
+        return self._output(s, delta, [tok])
 
     # -------------------------------------------------------- conveniences
     def generate(
@@ -371,13 +600,24 @@ class Engine:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one or one each")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = []
         final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+            wanted = set(ids)
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+        finally:
+            # a bad prompt or Ctrl-C: this call's other requests do not stay behind
+            for rid in ids:
+                if rid not in final:
+                    try:
+                        self.abort(rid)
+                    except RequestError:
+                        pass
         return [final[i] for i in ids]
 
     def stream(
@@ -407,15 +647,9 @@ class Engine:
     def stats(self) -> dict:
         """Engine metrics: queue and running counts, token counters, TTFT and inter-token
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
-        def pct(xs, q):
-            if not xs:
-                return 0.0
-            ys = sorted(xs)
-            return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
-
         with self._lock:
             kv = self.executor.cache_metrics_snapshot()
-            ttft, itl = self._finished_ttft, self._finished_itl
+            ttft, itl = self._ttft, self._itl
             return {
                 "num_waiting": len(self.scheduler.waiting),
                 "num_running": len(self.scheduler.running),
@@ -423,16 +657,189 @@ class Engine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
                 "generated_tokens": self.num_generated_tokens,
-                "ttft_mean": sum(ttft) / len(ttft) if ttft else 0.0,
-                "ttft_p50": pct(ttft, 0.5),
-                "ttft_p90": pct(ttft, 0.9),
-                "itl_mean": sum(itl) / len(itl) if itl else 0.0,
-                "itl_p50": pct(itl, 0.5),
-                "itl_p90": pct(itl, 0.9),
-                "itl_p99": pct(itl, 0.99),
+                "ttft_mean": ttft.mean,
+                "ttft_p50": ttft.percentile(0.5),
+                "ttft_p90": ttft.percentile(0.9),
+                "itl_mean": itl.mean,
+                "itl_p50": itl.percentile(0.5),
+                "itl_p90": itl.percentile(0.9),
+                "itl_p99": itl.percentile(0.99),
                 "kv_blocks_used": kv.get("used_blocks"),
                 "kv_blocks_free": kv.get("free_blocks"),
                 "kv_blocks_total": kv.get("total_blocks"),
                 "prefix_cache_hit_rate": kv.get("prefix_hit_rate", 0.0),
+                # speculative decoding (vLLM's spec_decode counters; all 0 when it is off):
+                # spec_num_drafts = verified rows that carried proposals; acceptance rate =
+                # accepted / proposed; mean accepted length = tokens emitted per verified row,
+                # the bonus token included (1 + accepted / drafts, vLLM's mean acceptance length)
+                "spec_num_drafts": self.spec_num_drafts,
+                "spec_proposed_tokens": self.spec_proposed_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens,
+                "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
+                                         if self.spec_proposed_tokens else 0.0),
+                "spec_mean_accepted_length": (1.0 + self.spec_accepted_tokens / self.spec_num_drafts
+                                              if self.spec_num_drafts else 0.0),
                 "kv": kv,
             }
+
+    # --------------------------------------------------- speculative decoding
+    # Speculation runs on this synchronous step: proposals must be known before the
+    # verification pass is built, and the accepted length decides the next step's input.
+    def _speculative_step(self) -> list[RequestOutput]:
+        """:meth:`step` with speculative decoding (``config.speculative`` set).
+
+        The same schedule and the same single forward pass, except that a decoding
+        request with ``k`` proposals brings ``k + 1`` tokens (a multi-token row in either
+        KV layout) and is finished by :meth:`_verify_and_emit`. Requests without a
+        proposal (prefill chunks, opted out, nothing found) run exactly as in ``step``.
+        """
+        with self._step_lock:
+            with self._lock:
+                outputs, self._pending = self._pending, []
+                plan = self.scheduler.schedule()
+                for seq in plan.rejected:
+                    self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
+                                 "raise FERRUM_KV_MAX_BLOCKS or shorten it")
+                    outputs.append(self._output(seq, "", []))
+                items = plan.items
+                now = time.time()
+                for it in items:
+                    if it.seq.metrics.first_scheduled_time is None:
+                        it.seq.metrics.first_scheduled_time = now
+                candidates = self._speculation_requests(items)
+                # aborts from here until the pass ends are released after it (as in step)
+                self._in_flight = {it.seq.request_id for it in items}
+            if not items:
+                return outputs
+            try:
+                proposals = {}
+                if candidates:
+                    found = self._proposer.propose([r for _, r in candidates])
+                    proposals = {i: p for (i, _), p in zip(candidates, found) if p.token_ids}
+                with self._lock:
+                    work = []
+                    for i, it in enumerate(items):
+                        s = it.seq
+                        tokens = s.token_at(s.num_computed, s.num_computed + it.num_tokens)
+                        if i in proposals:
+                            work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True))
+                        else:
+                            work.append(SeqWork(s.request_id, tokens))
+                logits = self.executor.run(work)
+            except Exception as e:  # noqa: BLE001 - a failed proposal or pass fails this step only
+                return outputs + self._fail_step(items, e)
+            finally:
+                self._end_flight()
+            with self._lock:
+                self.num_steps += 1
+                sampled, verified = [], []
+                for i, (it, row) in enumerate(zip(items, logits)):
+                    s = it.seq
+                    if s.finished:  # aborted while the step ran
+                        continue
+                    if i in proposals:
+                        s.num_computed += 1  # the proposals' K/V are settled by _verify_and_emit
+                        verified.append((s, row, proposals[i]))
+                        continue
+                    samples = it.samples
+                    if s.num_computed < len(s.prompt_ids):
+                        self.num_prefilled_tokens += it.num_tokens
+                        s.metrics.num_prefilled_tokens += it.num_tokens
+                    s.num_computed += it.num_tokens
+                    if samples:
+                        sampled.append((s, row))
+                for i, r in candidates:
+                    if items[i].seq.finished:  # aborted while it proposed: drop a draft cache made meanwhile
+                        self._proposer.release(r.request_id)
+                    elif i not in proposals:
+                        self._proposer.committed(r.request_id, items[i].seq.num_computed)
+                try:
+                    if sampled:
+                        outputs.extend(self._sample_and_emit(sampled))
+                    if verified:
+                        outputs.extend(self._verify_and_emit(verified))
+                except BaseException as e:
+                    # as in step: the KV holds this step, so its requests end now, then it propagates
+                    self._pending.extend(outputs + self._fail_step(
+                        [it for i, it in enumerate(items) if it.samples or i in proposals], e))
+                    raise
+            return outputs
+
+    def _speculation_requests(self, items) -> list[tuple[int, SpeculativeRequest]]:
+        """Scheduled decode rows that may speculate, each with its ``k``: bounded by
+        ``num_speculative_tokens``, the tokens left before ``max_tokens``, the context,
+        the step's token budget and (paged) the free blocks beside this step's own."""
+        k_max = self.config.num_speculative_tokens
+        cap = self.executor.kv_capacity()
+        budget = self.config.max_num_batched_tokens - sum(it.num_tokens for it in items)
+        mgr = self.executor.manager
+        free = None
+        if mgr is not None:
+            needed = sum(
+                mgr.blocks_needed(it.seq.request_id if mgr.has(it.seq.request_id) else None, it.num_tokens)
+                for it in items
+            )
+            free = mgr.allocator.num_free - needed
+        out = []
+        for i, it in enumerate(items):
+            s = it.seq
+            if it.num_tokens != 1 or not it.samples or not s.output_ids or not s.params.speculative:
+                continue
+            k = min(k_max, s.params.max_tokens - len(s.output_ids) - 1, cap - s.num_tokens, budget)
+            if mgr is not None and k > 0:
+                cid = s.request_id if mgr.has(s.request_id) else None
+                while k > 0 and mgr.blocks_needed(cid, 1 + k) - mgr.blocks_needed(cid, 1) > free:
+                    k -= 1
+                free -= mgr.blocks_needed(cid, 1 + k) - mgr.blocks_needed(cid, 1)
+            if k < 1:
+                continue
+            budget -= k
+            out.append((i, SpeculativeRequest(s.request_id, s.token_at(0, s.num_tokens), k, s.sampler)))
+        return out
+
+    def _verify_and_emit(self, verified: list) -> list[RequestOutput]:
+        """Accept proposals (:func:`~mlx_ferrum.engine.speculative.verify`), roll the
+        target and draft caches back to the accepted length (``truncate_kv`` frees the
+        whole blocks past it), and emit the tokens one by one so that EOS, a stop string
+        or ``max_tokens`` ends the run where it would end without speculation."""
+        seqs = [s for s, _, _ in verified]
+        results = verify([r for _, r, _ in verified], [p for _, _, p in verified], [s.sampler for s in seqs])
+        cap = self.executor.kv_capacity()
+        outs = []
+        for (s, row, prop), res in zip(verified, results):
+            self.spec_num_drafts += 1
+            self.spec_proposed_tokens += len(prop.token_ids)
+            self.spec_accepted_tokens += res.num_accepted
+            kept = s.num_computed + res.num_accepted  # prompt + output + accepted proposals
+            self.executor.truncate_kv(KvCacheHandle(s.request_id, kept + len(prop.token_ids) - res.num_accepted,
+                                                    self.executor.layout), kept)
+            self._proposer.committed(s.request_id, kept)
+            s.num_computed = kept
+            want_lp = s.params.logprobs is not None
+            if want_lp:
+                n = len(res.token_ids)
+                lps, top_ids, top_lps = token_logprobs(row[:n], res.token_ids, s.params.logprobs or 0)
+            now = time.time()
+            delta, new_ids = "", []
+            for j, tok in enumerate(res.token_ids):
+                m = s.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.token_times.append(now)
+                self.num_generated_tokens += 1
+                if want_lp:
+                    s.logprobs.append(lps[j])
+                    if top_ids is not None:
+                        s.top_logprobs.append(dict(zip(top_ids[j], top_lps[j])))
+                s.output_ids.append(tok)
+                s.sampler.append(tok)
+                new_ids.append(tok)
+                out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
+                text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+                s.text += text
+                delta += text
+                if reason is not None:
+                    self._finish(s, reason)
+                    break
+            outs.append(self._output(s, delta, new_ids))
+        return outs

@@ -67,7 +67,8 @@ class SamplingParams:
 
     - ``temperature`` (float >= 0): divides the logits; ``0`` means greedy (argmax).
     - ``top_p`` (float in (0, 1]): nucleus sampling; ``1`` is off.
-    - ``top_k`` (int >= 1, or ``0`` / ``-1`` for off): keep the ``k`` largest logits.
+    - ``top_k`` (int >= 1, or ``0`` / ``-1`` for off): keep the ``k`` largest logits. A
+      ``top_k`` at or above the vocabulary size is clamped to it, i.e. keeps every token.
     - ``min_p`` (float in [0, 1]): drop tokens whose probability is below
       ``min_p * max probability``; ``0`` is off.
     - ``repetition_penalty`` (float > 0): CTRL penalty on every token already seen
@@ -81,6 +82,8 @@ class SamplingParams:
     - ``logprobs`` (int >= 0 or ``None``): also return the chosen token's log-probability
       and that many top alternatives.
     - ``ignore_eos`` (bool): keep generating past EOS.
+    - ``speculative`` (bool, default True): ``False`` opts this request out of
+      speculative decoding when the engine runs it (``RuntimeConfig.speculative``).
 
     Raises:
         SamplingParamsError: a field is out of range (the message names the field and
@@ -98,6 +101,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[int] = None
     ignore_eos: bool = False
+    speculative: bool = True
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -133,6 +137,8 @@ class SamplingParams:
             bad("logprobs", "use None or an int >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "use True or False")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "use True or False")
 
     @property
     def greedy(self) -> bool:
@@ -235,6 +241,8 @@ def apply_top_k(logits: mx.array, top_k: Union[int, Sequence[int], mx.array]) ->
         # One shared k: a partial selection is enough.
         kth = mx.min(mx.topk(x, top_k, axis=-1), axis=-1, keepdims=True)
         return mx.where(x < kth, _NEG_INF, x)
+    if not isinstance(top_k, mx.array):  # clamp before int32 conversion: huge k means "keep all"
+        top_k = [min(int(t), vocab) for t in top_k]
     k = _rows(top_k, batch, mx.int32)
     k = mx.where(k <= 0, vocab, mx.minimum(k, vocab))
     ascending = mx.sort(x, axis=-1)
@@ -419,7 +427,7 @@ def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True
         tokens = argmax
     else:
         y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
-        ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]  # top_k > vocab keeps all
         if any(ks):
             y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
         if any(p.top_p < 1.0 for p in params):

@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..config import RuntimeConfig
+from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
 from ..kv_cache import ContiguousKvCache, PagedKvCacheManager, PagedKvPool, default_num_blocks
 from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
@@ -138,7 +138,7 @@ class LlmExecutor:
         self.args = args
         self.dtype = model_dtype(model)
         self.layout = self.config.kv_layout
-        self.max_seq_len = self.config.kv_capacity or args.max_position_embeddings
+        self.max_seq_len = resolve_kv_capacity(self.config, args.max_position_embeddings)
         self._lock = threading.RLock()
         self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -171,6 +171,8 @@ class LlmExecutor:
                     self.dtype,
                     self._weight_bytes,
                     self.config.kv_memory_fraction,
+                    max_num_seqs=self.config.max_num_seqs,
+                    max_seq_len=self.max_seq_len,
                 )
                 manager = PagedKvCacheManager(
                     num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs), prefix_cache=self.config.prefix_cache
@@ -246,8 +248,16 @@ class LlmExecutor:
         Raises:
             PromptTooLongError, KvCacheExhaustedError, ExecutorError.
         """
-        logits, state = self.forward(work, prev_tokens)
-        mx.eval(logits, state)
+        self._check_open()
+        if not work:
+            return []
+        logits, state, undo = self._build(work, prev_tokens)
+        try:
+            mx.eval(logits, state)
+        except BaseException:  # Ctrl-C too: the caches go back to their previous lengths
+            with self._lock:
+                undo()
+            raise
         out = []
         r = 0
         for w in work:
@@ -283,6 +293,12 @@ class LlmExecutor:
         self._check_open()
         if not work:
             return mx.zeros((0, self.args.vocab_size), self.dtype), []
+        logits, state, _ = self._build(work, prev_tokens)
+        return logits, state
+
+    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
+        """:meth:`forward` plus the store's ``undo`` (for :meth:`run` to call when the
+        evaluation fails)."""
         self._validate(work, prev_tokens)
         with self._lock:
             self._state = ExecutorState.BUSY
@@ -333,14 +349,14 @@ class LlmExecutor:
         try:
             for kv_pass in passes:
                 pieces.append(self._run_pass(work, kv_pass, prev, owner))
-        except Exception:
+        except BaseException:  # Ctrl-C too: never leave slots appended twice
             undo()
             raise
         logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
         order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
         if order != list(range(len(order))):
             logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
-        return logits, self.store.state([w.cache_id for w in work])
+        return logits, self.store.state([w.cache_id for w in work]), undo
 
     def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
         """Build one pass's metadata and input ids and call the model (lazily); returns the

@@ -35,6 +35,13 @@ def _fallback(kernel: str, reason: str) -> None:
         logger.info(msg)
 
 
+def _routed_to_reference(longest: int) -> None:
+    logger.debug(
+        "paged_prefill_attention: %d query rows > %d: reference (matrix-unit SDPA)",
+        longest, metal.PREFILL_KERNEL_MAX_QUERY_LEN,
+    )
+
+
 def metal_path_enabled(metal_kernels: Optional[bool] = None) -> bool:
     """True when attention runs on the Metal kernels: Metal (or a test launcher) is
     present and the kernels are not switched off.
@@ -71,6 +78,7 @@ def paged_attention_decode(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     metal_kernels: Optional[bool] = None,
+    metadata: Optional[metal.DecodeMetadata] = None,
 ) -> mx.array:
     """Decode attention over paged K/V; see :func:`mlx_ferrum.kernels.reference.paged_attention_decode`.
 
@@ -79,13 +87,17 @@ def paged_attention_decode(
     context_lens ``[num_seqs]`` int32; returns ``[num_seqs, num_heads, head_dim]`` in q's dtype.
     ``host_context_lens`` (the same lengths as Python ints) lets the reference skip masking.
     ``metal_kernels``: the caller's ``RuntimeConfig.metal_kernels`` (None: the environment).
-    Runs the Metal kernel (vLLM paged attention v1/v2) when enabled and the shape
-    is supported, else the reference.
+    ``metadata`` (:func:`mlx_ferrum.kernels.metal.decode_metadata`, built once per step)
+    spares the kernel path rebuilding its launch arrays per layer; the reference ignores it.
+    Runs the Metal kernel (vLLM paged attention v1/v2, GQA-packed) when enabled and the
+    shape is supported, else the reference.
     """
     if metal_path_enabled(metal_kernels):
         reason = metal.decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
         if reason is None:
-            return metal.paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
+            return metal.paged_attention_decode(
+                q, k_pool, v_pool, block_tables, context_lens, scale, metadata=metadata
+            )
         _fallback("paged_attention_decode", reason)
     return reference.paged_attention_decode(
         q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens
@@ -112,18 +124,33 @@ def paged_prefill_attention(
     int32, the rest as for decode; returns ``[num_tokens, num_heads, head_dim]``.
     ``metal_kernels``: the caller's ``RuntimeConfig.metal_kernels`` (None: the environment).
     Runs the Metal kernel (FlashAttention-style tiles over the paged layout) when
-    enabled and the shape is supported, else the reference.
+    enabled, the shape is supported and no sequence has more than
+    :data:`mlx_ferrum.kernels.metal.PREFILL_KERNEL_MAX_QUERY_LEN` new rows (speculative
+    verify, short extends); longer chunks are compute bound and go to the reference,
+    whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units (or,
+    with ``metal.PREFILL_MATRIX_KERNEL`` set, to the ``simdgroup_matrix`` kernel).
     """
     if metal_path_enabled(metal_kernels):
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
         qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
         reason = metal.prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
-        if reason is None:
+        longest = max((b - a for a, b in zip(qsl, qsl[1:])), default=0)
+        if reason is None and longest <= metal.PREFILL_KERNEL_MAX_QUERY_LEN:
             return metal.paged_prefill_attention(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
                 host_context_lens=ctx, host_query_start_loc=qsl,
             )
-        _fallback("paged_prefill_attention", reason)
+        if reason is None and metal.PREFILL_MATRIX_KERNEL:
+            return metal.paged_prefill_attention_mma(
+                q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
+                host_context_lens=ctx, host_query_start_loc=qsl,
+            )
+        if reason is None:
+            # A dispatch rule, not a fallback: long chunks are compute bound and MLX's
+            # matrix-unit SDPA beats the scalar kernel there.
+            _routed_to_reference(longest)
+        else:
+            _fallback("paged_prefill_attention", reason)
         host_context_lens, host_query_start_loc = ctx, qsl
     return reference.paged_prefill_attention(
         q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,

@@ -18,9 +18,15 @@ Test hook: :func:`use_launcher` substitutes the kernel factory (e.g. the CPU
 harness, :func:`mlx_ferrum.testing.metal_harness.metal_kernel`) and makes the
 Metal path available where MLX has no Metal back-end.
 
+Decode packs the query heads of a KV head into one threadgroup (as MLX's
+``sdpa_vector_2pass_1_gqa``) and splits long contexts only when there are too few
+threadgroups to fill the GPU (:func:`decode_partitions`); :func:`decode_metadata`
+builds its launch arrays once per step. :func:`paged_prefill_attention_mma` is the
+``simdgroup_matrix`` prefill kernel (opt-in, :data:`PREFILL_MATRIX_KERNEL`).
+
 Algorithms: vLLM paged attention v1/v2 (Kwon et al., SOSP 2023) with online
-softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022); see
-``docs/kernels.md``.
+softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022;
+FlashAttention-2, Dao 2023); see ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -43,9 +49,25 @@ BODY_MARK = "// --- body ---"
 DECODE_NUM_SIMD = 4
 #: Query rows (one per simdgroup) per prefill threadgroup (256 threads).
 PREFILL_NUM_SIMD = 8
-#: Tokens per decode partition; contexts that can be longer (``max_blocks_per_seq *
-#: block_size`` > this) are split over partitions and merged by the reduce kernel.
-DECODE_PARTITION_SIZE = 512
+#: Forced decode partition size in tokens (a test hook): when set, any context that
+#: can be longer (``max_blocks_per_seq * block_size`` > this) is split over partitions
+#: of this size. ``None`` (the default) lets :func:`decode_partitions` decide from
+#: occupancy.
+DECODE_PARTITION_SIZE: Optional[int] = None
+#: Most query heads one decode threadgroup serves (their q and output stay in
+#: registers); a larger GQA group is split over threadgroups of a divisor of it.
+DECODE_MAX_HEADS_PER_THREADGROUP = 8
+#: Split-K never cuts a context into partitions shorter than this many tokens.
+DECODE_MIN_PARTITION_TOKENS = 256
+#: GPU cores assumed where ``mx.metal.device_info()`` is unavailable (off a Mac, or an
+#: unknown architecture): a base M-series chip.
+DEFAULT_GPU_CORES = 10
+#: Threadgroups in flight per GPU core that decode aims for before splitting contexts.
+DECODE_THREADGROUPS_PER_CORE = 4
+#: Prefill calls whose longest query chunk exceeds this many rows go to the pure-MLX
+#: reference (MLX's matrix-unit SDPA over the gathered blocks): the kernel here uses
+#: scalar FMAs and only wins for short chunks (speculative verify, small extends).
+PREFILL_KERNEL_MAX_QUERY_LEN = 16
 #: Float elements of K (and as many of V) staged per prefill step: 16 KiB of the
 #: 32 KiB of threadgroup memory.
 PREFILL_TILE_ELEMENTS = 2048
@@ -53,6 +75,24 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 #: Small arrays are padded to this many elements so they stay ``device`` pointers.
 MIN_DEVICE_ELEMENTS = 8
+#: log2(e): the decode kernel works in base 2 (exp2), so q is scaled by scale * LOG2E.
+LOG2E = 1.4426950408889634
+#: Math mode (``compile_options={"math_mode": ...}`` of ``mx.fast.metal_kernel``) per
+#: kernel, stated rather than left to MLX's default. The kernels use no infinity or
+#: NaN (a finite -FLT_MAX sentinel, loop bounds computed up front), so they build in
+#: fast mode; the harness builds "fast" kernels with -ffinite-math-only to check
+#: exactly that.
+KERNEL_MATH_MODE = {
+    "paged_attention_decode": "fast",
+    "paged_attention_reduce": "fast",
+    "paged_prefill_attention": "fast",
+    "paged_prefill_attention_mma": "fast",
+}
+#: Where prefill chunks longer than PREFILL_KERNEL_MAX_QUERY_LEN rows go: False, the
+#: pure-MLX reference (MLX's tuned SDPA); True, the matrix-unit kernel
+#: (:func:`paged_prefill_attention_mma`), which avoids gathering the context but has
+#: not been timed on a Mac against MLX's SDPA yet.
+PREFILL_MATRIX_KERNEL = False
 
 
 # ------------------------------------------------------------------ sources
@@ -188,18 +228,34 @@ def launcher_forced() -> bool:
     return _launcher is not None
 
 
+def _accepts_compile_options(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` takes ``compile_options`` (MLX's metal_kernel does from 0.32;
+    test launchers may not)."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: MLX's nanobind function
+        return factory is getattr(mx.fast, "metal_kernel", None)
+    return "compile_options" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
 def _kernel(name: str, input_names: Sequence[str], output_names: Sequence[str]) -> Any:
     factory = _launcher or mx.fast.metal_kernel
     key = (factory, name)
     k = _kernels.get(key)
     if k is None:
         src = load_kernel_source(name)
+        kwargs: dict[str, Any] = {}
+        if _accepts_compile_options(factory):
+            kwargs["compile_options"] = {"math_mode": KERNEL_MATH_MODE.get(name, "safe")}
         k = factory(
             name=name,
             input_names=list(input_names),
             output_names=list(output_names),
             source=src.body,
             header=src.header,
+            **kwargs,
         )
         _kernels[key] = k
     return k
@@ -290,6 +346,88 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(x, 1).bit_length() - 1)
 
 
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Launch metadata of the decode kernel that every layer of a step shares.
+
+    Build it once per decode step with :func:`decode_metadata` and pass it as
+    ``metadata=`` to :func:`paged_attention_decode` for each layer, so the padded
+    block tables, context lengths and partition plan are not rebuilt per layer.
+
+    Fields: ``block_tables`` ``[max(8, num_seqs * max_blocks_per_seq)]`` int32 and
+    ``context_lens`` ``[max(8, num_seqs)]`` int32 (padded, flattened),
+    ``num_seqs``, ``max_blocks_per_seq``, ``num_partitions`` and ``partition_size``
+    (tokens; 0 when the context is not split).
+    """
+
+    block_tables: mx.array
+    context_lens: mx.array
+    num_seqs: int
+    max_blocks_per_seq: int
+    num_partitions: int
+    partition_size: int
+
+
+@lru_cache(maxsize=1)
+def gpu_cores() -> int:
+    """GPU cores of this machine, for the split-K decision.
+
+    On a Mac, read from the architecture name ``mx.metal.device_info()`` reports (the
+    last letter is the chip class MLX itself keys its SDPA tuning on: ``p`` phone,
+    ``g`` base, ``s`` Pro, ``c`` Max, ``d`` Ultra); elsewhere, or for an unknown name,
+    :data:`DEFAULT_GPU_CORES`.
+    """
+    try:
+        if not mx.metal.is_available():
+            return DEFAULT_GPU_CORES
+        arch = str(mx.metal.device_info().get("architecture", ""))
+    except Exception:  # noqa: BLE001 - no device information: use the documented default
+        return DEFAULT_GPU_CORES
+    return {"p": 5, "g": 10, "s": 18, "c": 40, "d": 76}.get(arch[-1:], DEFAULT_GPU_CORES)
+
+
+def decode_partitions(num_seqs: int, num_kv_heads: int, max_tokens: int, block_size: int) -> tuple[int, int]:
+    """``(num_partitions, partition_size)`` for a decode launch (split-K).
+
+    One threadgroup serves one (sequence, KV head); contexts are split only when
+    there are fewer of those than ``gpu_cores() * DECODE_THREADGROUPS_PER_CORE``, into
+    just enough partitions (each at least :data:`DECODE_MIN_PARTITION_TOKENS` tokens,
+    a multiple of ``block_size``) to fill the GPU. Decided from shapes alone, with no
+    device read-back. ``max_tokens`` is ``max_blocks_per_seq * block_size``.
+    :data:`DECODE_PARTITION_SIZE`, when set, forces fixed-size partitions instead.
+    Returns ``(1, 0)`` for a single pass.
+    """
+    if DECODE_PARTITION_SIZE is not None:
+        psize = max(block_size, -(-DECODE_PARTITION_SIZE // block_size) * block_size)
+        parts = -(-max_tokens // psize)
+        return (parts, psize) if parts > 1 else (1, 0)
+    groups = num_seqs * num_kv_heads
+    target = gpu_cores() * DECODE_THREADGROUPS_PER_CORE
+    if groups >= target or max_tokens < 2 * DECODE_MIN_PARTITION_TOKENS:
+        return 1, 0
+    parts = min(-(-target // groups), max_tokens // DECODE_MIN_PARTITION_TOKENS)
+    psize = -(-max_tokens // parts)
+    psize = -(-psize // block_size) * block_size
+    parts = -(-max_tokens // psize)
+    return (parts, psize) if parts > 1 else (1, 0)
+
+
+def decode_metadata(block_tables: mx.array, context_lens: mx.array, num_kv_heads: int, block_size: int) -> DecodeMetadata:
+    """The :class:`DecodeMetadata` of one decode step (shared by all its layers).
+
+    Args:
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids.
+        context_lens: ``[num_seqs]`` int32.
+        num_kv_heads, block_size: of the KV pools (they decide the partition plan).
+    """
+    num_seqs, max_blocks = block_tables.shape
+    parts, psize = decode_partitions(num_seqs, num_kv_heads, max_blocks * block_size, block_size)
+    return DecodeMetadata(
+        _pad(block_tables.astype(mx.int32)), _pad(context_lens.astype(mx.int32)),
+        num_seqs, max_blocks, parts, psize,
+    )
+
+
 def paged_attention_decode(
     q: mx.array,
     k_pool: mx.array,
@@ -299,6 +437,7 @@ def paged_attention_decode(
     scale: float,
     *,
     host_context_lens=None,
+    metadata: Optional[DecodeMetadata] = None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V, on the Metal kernels.
 
@@ -310,15 +449,20 @@ def paged_attention_decode(
         k_pool, v_pool: ``[num_blocks, num_kv_heads, block_size, head_dim]``, q's dtype;
             block_size a power of two from 8 to 256; ``num_heads % num_kv_heads == 0``.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids.
-        context_lens: ``[num_seqs]`` int32, each in ``[1, max_blocks_per_seq * block_size]``.
+        context_lens: ``[num_seqs]`` int32, each in ``[0, max_blocks_per_seq * block_size]``
+            (a row with context 0 gives 0).
         scale: softmax scale.
         host_context_lens: accepted for the reference's signature; the kernel reads
             ``context_lens`` on the device.
+        metadata: the step's :class:`DecodeMetadata` from :func:`decode_metadata`
+            (built here when None); its arrays replace ``block_tables`` and
+            ``context_lens``.
 
     Returns:
-        ``[num_seqs, num_heads, head_dim]`` in q's dtype. When ``max_blocks_per_seq *
-        block_size`` exceeds :data:`DECODE_PARTITION_SIZE`, the context is split over
-        partitions (one threadgroup each) and merged by ``paged_attention_reduce``.
+        ``[num_seqs, num_heads, head_dim]`` in q's dtype. One threadgroup per
+        (sequence, KV head) serves the KV head's ``num_heads / num_kv_heads`` query
+        heads (groups above :data:`DECODE_MAX_HEADS_PER_THREADGROUP` are split); long contexts with too few threadgroups to fill the GPU are split
+        (see :func:`decode_partitions`) and merged by ``paged_attention_reduce``.
 
     Raises:
         KernelError: the shapes or dtypes are outside what the kernel takes (see
@@ -329,15 +473,15 @@ def paged_attention_decode(
         raise KernelError(f"paged_attention_decode kernel: {reason}")
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_pool.shape
-    max_blocks = block_tables.shape[1]
-    psize = max(block_size, -(-DECODE_PARTITION_SIZE // block_size) * block_size)
-    num_partitions = -(-(max_blocks * block_size) // psize)
+    if metadata is None:
+        metadata = decode_metadata(block_tables, context_lens, num_kv_heads, block_size)
+    num_partitions, psize = metadata.num_partitions, metadata.partition_size
     partitioned = num_partitions > 1
     tg = DECODE_NUM_SIMD * 32
-    tables = _pad(block_tables.astype(mx.int32))
-    lens = _pad(context_lens.astype(mx.int32))
-    scale_arr = mx.array(scale, dtype=mx.float32)
-    params = _params(num_heads, num_kv_heads, max_blocks, num_partitions)
+    group = num_heads // num_kv_heads
+    heads_per_tg = max(d for d in range(1, DECODE_MAX_HEADS_PER_THREADGROUP + 1) if group % d == 0)
+    scale_arr = mx.array(scale * LOG2E, dtype=mx.float32)
+    params = _params(num_heads, num_kv_heads, metadata.max_blocks_per_seq, num_partitions)
     kernel = _kernel(
         "paged_attention_decode",
         ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale"],
@@ -346,16 +490,17 @@ def paged_attention_decode(
     out_dtype = mx.float32 if partitioned else q.dtype
     stats_shape = (num_seqs, num_heads, num_partitions) if partitioned else (1,)
     outs = kernel(
-        inputs=[q, k_pool, v_pool, tables, lens, params, scale_arr],
+        inputs=[q, k_pool, v_pool, metadata.block_tables, metadata.context_lens, params, scale_arr],
         template=[
             ("T", q.dtype),
             ("OutT", out_dtype),
             ("HEAD_DIM", head_dim),
             ("BLOCK_SIZE", block_size),
             ("NUM_SIMD", DECODE_NUM_SIMD),
+            ("GQA", heads_per_tg),
             ("PARTITION_SIZE", psize if partitioned else 0),
         ],
-        grid=(num_heads * tg, num_seqs, num_partitions),
+        grid=(num_heads // heads_per_tg * tg, num_seqs, num_partitions),
         threadgroup=(tg, 1, 1),
         output_shapes=[
             (num_seqs, num_heads, num_partitions, head_dim) if partitioned else q.shape,
@@ -372,8 +517,8 @@ def paged_attention_decode(
         ["out"],
     )
     return reduce(
-        inputs=[outs[0], outs[1], outs[2], lens, _params(num_heads, num_partitions, psize)],
-        template=[("T", q.dtype), ("HEAD_DIM", head_dim)],
+        inputs=[outs[0], outs[1], outs[2], metadata.context_lens, _params(num_heads, num_partitions, psize)],
+        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("NUM_PARTITIONS", num_partitions)],
         grid=(head_dim, num_heads, num_seqs),
         threadgroup=(head_dim, 1, 1),
         output_shapes=[q.shape],
@@ -466,6 +611,70 @@ def paged_prefill_attention(
         ],
         grid=(len(tiles) // 4 * tg, num_heads, 1),
         threadgroup=(tg, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def paged_prefill_attention_mma(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+) -> mx.array:
+    """:func:`paged_prefill_attention` on the matrix units: ``simdgroup_matrix`` 8x8 tiles
+    (FlashAttention-2, Dao 2023, tiled as in MLX's steel attention), the GQA query heads
+    of a KV head in one threadgroup sharing each staged K/V tile.
+
+    Same arguments, shapes, dtypes, result and errors as :func:`paged_prefill_attention`
+    (``[num_tokens, num_heads, head_dim]`` in q's dtype; float32 accumulation).
+
+    Raises:
+        KernelError: shapes outside what the kernels take (see :func:`prefill_unsupported_reason`).
+    """
+    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
+    if reason:
+        raise KernelError(f"paged_prefill_attention_mma kernel: {reason}")
+    tiles = prefill_tiles(ctx, qsl, rows=8)
+    if not tiles:
+        return mx.zeros_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, num_kv_heads, block_size, _ = k_pool.shape
+    gqa = num_heads // num_kv_heads
+    num_simd = min(4, gqa)
+    kernel = _kernel(
+        "paged_prefill_attention_mma",
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["out"],
+    )
+    return kernel(
+        inputs=[
+            q,
+            k_pool,
+            v_pool,
+            _pad(block_tables.astype(mx.int32)),
+            _pad(mx.array(tiles, dtype=mx.int32)),
+            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            mx.array(scale * LOG2E, dtype=mx.float32),
+        ],
+        template=[
+            ("T", q.dtype),
+            ("HEAD_DIM", head_dim),
+            ("BLOCK_SIZE", block_size),
+            ("GQA", gqa),
+            ("NUM_SIMD", num_simd),
+            ("HEADS_PER_SIMD", -(-gqa // num_simd)),
+        ],
+        grid=(len(tiles) // 4 * num_simd * 32, num_kv_heads, 1),
+        threadgroup=(num_simd * 32, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]

@@ -6,20 +6,38 @@ build ``slot_mapping`` and ``block_tables``. The pool arrays belong to the execu
 when an append must copy a shared block first (copy-on-write), the manager returns
 the ``(src, dst)`` block pairs and the executor copies them before writing.
 
-Prefix caching (``FERRUM_PREFIX_CACHE``): each full block is keyed by a hash chain,
-``hash(parent_hash, its token ids)``, so a key names the whole prefix up to that
-block. A new sequence whose prompt starts with cached blocks shares them by
-reference count (``match_prefix``) and prefills only the rest. Freed hashed blocks
-stay reusable until evicted, least recently freed first.
+Prefix caching (``FERRUM_PREFIX_CACHE``): each full block is keyed by a chained
+SHA-256 digest, ``sha256(parent_digest || its token ids as little-endian int64)``, so a
+key names the whole prefix up to that block (vLLM moved from Python's ``hash()`` to
+SHA-256 after GHSA-rm76-4mrf-v9r8 / CVE-2025-25183: ``hash()`` collisions can be forced,
+and would let one request read another's KV). A hit also compares the block's stored
+token ids with the prompt's before reuse (as nano-vllm does), so even a digest collision
+cannot hand out wrong KV. A new sequence whose prompt starts with cached blocks shares
+them by reference count (``match_prefix``) and prefills only the rest. Freed hashed
+blocks stay reusable until evicted, least recently freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 from ..errors import KvCacheError, KvCacheExhaustedError, UnknownCacheError
 from .block_allocator import BlockAllocator
+
+
+#: digest of the empty prefix, the parent of a sequence's first block
+ROOT_DIGEST = b"\x00" * 32
+
+
+def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Prefix-cache key of a full block: SHA-256 over the parent block's digest followed by
+    the block's token ids as little-endian signed 64-bit integers (32 bytes)."""
+    h = hashlib.sha256(parent)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
 
 
 @dataclass
@@ -30,13 +48,13 @@ class SequenceBlocks:
         block_ids: physical block ids, logical order (the host mirror of ``block_table``).
         num_tokens: tokens stored (the sequence's ``context_len``).
         token_ids: the stored tokens' ids, kept only with prefix caching.
-        block_hashes: hash-chain keys of the leading full blocks registered so far.
+        block_hashes: SHA-256 chain digests of the leading full blocks registered so far.
     """
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[Hashable] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -73,8 +91,9 @@ class PagedKvCacheManager:
         self.prefix_cache = prefix_cache
         self.allocator = BlockAllocator(num_blocks, on_evict=self._on_evict)
         self.seqs: dict[Hashable, SequenceBlocks] = {}
-        self._hash_to_block: dict[Hashable, int] = {}
-        self._block_to_hash: dict[int, Hashable] = {}
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_to_hash: dict[int, bytes] = {}
+        self._block_tokens: dict[int, tuple[int, ...]] = {}  # token ids a cached block holds
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -235,6 +254,7 @@ class PagedKvCacheManager:
 
     # ---------------------------------------------------------- prefix cache
     def _on_evict(self, block: int) -> None:
+        self._block_tokens.pop(block, None)
         h = self._block_to_hash.pop(block, None)
         if h is not None and self._hash_to_block.get(h) == block:
             del self._hash_to_block[h]
@@ -244,13 +264,15 @@ class PagedKvCacheManager:
         full = seq.num_tokens // bs
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_DIGEST
+            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_digest(parent, chunk)
             seq.block_hashes.append(h)
             b = seq.block_ids[i]
             if h not in self._hash_to_block and b not in self._block_to_hash:
                 self._hash_to_block[h] = b
                 self._block_to_hash[b] = h
+                self._block_tokens[b] = chunk
                 self.allocator.mark_cached(b)
 
     def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int]) -> int:
@@ -273,13 +295,13 @@ class PagedKvCacheManager:
         bs = self.block_size
         self.prefix_queries += 1
         self.prefix_query_tokens += len(token_ids)
-        parent = None
+        parent = ROOT_DIGEST
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(int(t) for t in token_ids[i * bs : (i + 1) * bs])
-            h = hash((parent, chunk))
+            h = block_digest(parent, chunk)
             b = self._hash_to_block.get(h)
-            if b is None:
-                break
+            if b is None or self._block_tokens.get(b) != chunk:
+                break  # a miss, or a digest collision: never reuse a block whose tokens differ
             self.allocator.acquire(b)
             seq.block_ids.append(b)
             seq.block_hashes.append(h)

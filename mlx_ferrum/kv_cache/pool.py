@@ -11,9 +11,11 @@ outputs are always fresh arrays).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
-from ..config import DEFAULT_KV_POOL_BYTES
+from ..config import DEFAULT_KV_POOL_BYTES, available_memory_bytes, check_memory
 from ..kernels.reference import slot_indices, write_kv_slots
 
 
@@ -30,6 +32,11 @@ class PagedKvPool:
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype):
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        check_memory(
+            num_blocks * bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype),
+            f"a paged KV pool of {num_blocks} blocks",
+            "lower FERRUM_KV_MAX_BLOCKS (or leave it unset to size the pool from FERRUM_PAGED_MAX_SEQS)",
+        )
         self.shape = shape
         self.dtype = dtype
         self.k = [mx.zeros(shape, dtype) for _ in range(num_layers)]
@@ -93,11 +100,16 @@ def default_num_blocks(
     dtype,
     weight_bytes: int,
     memory_fraction: float,
+    max_num_seqs: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
 ) -> int:
     """Blocks to give the pool when ``FERRUM_KV_MAX_BLOCKS`` is unset.
 
-    On a Mac: ``memory_fraction * (max_recommended_working_set_size - weight_bytes)``.
-    Elsewhere (no Metal): ``DEFAULT_KV_POOL_BYTES`` (1 GiB) of K+V. At least 16 blocks.
+    What the engine can use: ``max_num_seqs`` sequences of ``max_seq_len`` tokens each
+    (when both are given), capped by a memory budget: on a Mac
+    ``memory_fraction * (max_recommended_working_set_size - weight_bytes)``; elsewhere
+    ``memory_fraction * (available memory - weight_bytes)``, at most
+    ``DEFAULT_KV_POOL_BYTES`` (1 GiB). At least 16 blocks.
     """
     per = bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype)
     budget = DEFAULT_KV_POOL_BYTES
@@ -105,6 +117,11 @@ def default_num_blocks(
         if mx.metal.is_available():
             ws = int(mx.metal.device_info()["max_recommended_working_set_size"])
             budget = int(memory_fraction * max(0, ws - weight_bytes))
+        else:
+            budget = min(budget, int(memory_fraction * max(0, available_memory_bytes() - weight_bytes)))
     except Exception:  # noqa: BLE001 - device_info is best effort; fall back to the default
         pass
-    return max(16, budget // per)
+    blocks = budget // per
+    if max_num_seqs is not None and max_seq_len is not None:
+        blocks = min(blocks, max_num_seqs * -(-max_seq_len // block_size))
+    return max(16, blocks)

@@ -136,10 +136,10 @@ class PagedKvStore:
                 slots.extend(res.slots)
                 copies.extend(res.copies)
                 starts.append(start)
-        except Exception:
+            self.pool.copy_blocks(copies)
+        except BaseException:  # Ctrl-C too: never leave slots appended twice
             undo()
             raise
-        self.pool.copy_blocks(copies)
         lens = np.fromiter((len(items[i][1]) for i in order), dtype=np.int64, count=len(order))
         qsl = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
@@ -246,19 +246,23 @@ class ContiguousKvStore:
                 self.caches.pop(cid, None)
 
         passes = []
-        for n, idxs in groups.items():
-            caches = []
-            for i in idxs:
-                cid = items[i][0]
-                if cid not in self.caches:
-                    self.caches[cid] = self.make_caches()
-                    created.append(cid)
-                caches.append(self.caches[cid])
-            prev = [c[0].len for c in caches]
-            touched.extend(zip(caches, prev))
-            fields = dict(layout="contiguous", offsets=np.asarray(prev, dtype=np.int32), caches=caches,
-                          cache_lens_after=[p + n for p in prev])
-            passes.append(KvPass(idxs, len(idxs), n, [j * n for j in range(len(idxs))], fields))
+        try:
+            for n, idxs in groups.items():
+                caches = []
+                for i in idxs:
+                    cid = items[i][0]
+                    if cid not in self.caches:
+                        self.caches[cid] = self.make_caches()
+                        created.append(cid)
+                    caches.append(self.caches[cid])
+                prev = [c[0].len for c in caches]
+                touched.extend(zip(caches, prev))
+                fields = dict(layout="contiguous", offsets=np.asarray(prev, dtype=np.int32), caches=caches,
+                              cache_lens_after=[p + n for p in prev])
+                passes.append(KvPass(idxs, len(idxs), n, [j * n for j in range(len(idxs))], fields))
+        except BaseException:  # Ctrl-C too: no half-created caches stay behind
+            undo()
+            raise
         return passes, undo
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:

@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, apply_rope, attention
+from .config_validation import validate_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -71,6 +72,7 @@ class ModelArgs:
                 f"model_type {mt!r} is not supported; supported model types: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        validate_config(config)  # types and ranges of every key read below
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])

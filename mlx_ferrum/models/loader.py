@@ -35,6 +35,7 @@ from ..errors import (
     UnsupportedArchitectureError,
     WeightShapeError,
 )
+from .config_validation import validate_weights
 from .llama import SUPPORTED_MODEL_TYPES, Model, ModelArgs
 
 CONFIG_FILE = "config.json"
@@ -350,6 +351,7 @@ def load_model(
     weights = load_weights(folder)
     model = Model(args)
     weights = model.sanitize(weights)
+    validate_weights(weights, quantized=quant is not None)  # int/bool dtypes and NaN/Inf refused
     if quant is not None:
         _quantize(model, quant, weights)
     check_weights(model, weights)

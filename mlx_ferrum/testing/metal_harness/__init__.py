@@ -23,10 +23,13 @@ from .kernel import (
     LAUNCHES,
     HarnessKernel,
     HarnessOptions,
+    LaunchCost,
+    SparseArray,
     clang_available,
     current_options,
     metal_kernel,
     options,
+    record_costs,
     register_origin,
 )
 from .source import capture_mlx_source, generate
@@ -35,11 +38,14 @@ __all__ = [
     "LAUNCHES",
     "HarnessKernel",
     "HarnessOptions",
+    "LaunchCost",
+    "SparseArray",
     "capture_mlx_source",
     "clang_available",
     "current_options",
     "generate",
     "metal_kernel",
     "options",
+    "record_costs",
     "register_origin",
 ]

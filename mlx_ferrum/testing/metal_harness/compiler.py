@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,29 @@ SUPPORT_FILES = ("msl_abi.h", "msl_compat.h", "msl_runtime.cpp")
 #: C++ may delete a side-effect-free infinite loop, but a hang on the GPU must stay
 #: a hang here.
 CXXFLAGS = ("-std=c++20", "-O1", "-fPIC", "-gline-tables-only", "-fno-strict-aliasing", "-fno-finite-loops", "-w")
+
+#: Extra flags of each build variant (see :data:`VARIANTS`).
+VARIANT_FLAGS = {
+    "default": (),
+    # Loads and stores call back into the runtime, which counts device bytes and
+    # checks that each output element is written exactly once (no ASan runtime).
+    "counting": (
+        "-DMSL_FLAT_ADDRESS_SPACES", "-fsanitize=address", "-fsanitize-address-use-after-return=never",
+        "-mllvm", "-asan-instrumentation-with-call-threshold=0",
+        "-mllvm", "-asan-stack=0", "-mllvm", "-asan-globals=0",
+    ),
+    # Undefined behaviour Metal would not report: each check calls a handler of the
+    # runtime, which names the check and the .metal line (no ubsan runtime linked).
+    # -O0: the optimiser merges the handler calls and loses their lines.
+    "ubsan": ("-DMSL_FLAT_ADDRESS_SPACES", "-fsanitize=signed-integer-overflow,alignment,bounds",
+              "-fsanitize-minimal-runtime", "-fno-sanitize-recover=all", "-O0"),
+    # MSL before 3.2 is C++14: the kernel text must compile as C++14, warning-free.
+    "cxx14": ("-std=c++14", "-Wall", "-Wextra", "-Wno-unused-parameter"),
+}
+VARIANTS = tuple(VARIANT_FLAGS)
+#: Added when a kernel is built in Metal's fast or relaxed math mode, where the
+#: compiler may assume no infinity and no NaN occurs.
+FINITE_MATH_FLAGS = ("-ffinite-math-only",)
 
 #: Where the compiler is looked for, first hit wins.
 CLANG_CANDIDATES = ("clang++-19", "/usr/lib/llvm-19/bin/clang++")
@@ -60,12 +84,18 @@ def _support_hash(clang: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _run(cmd: list[str], what: str) -> None:
+def _run(cmd: list[str], what: str, fail_on_kernel_warnings: bool = False) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
         msg = "\n".join(lines[:60]) + ("\n..." if len(lines) > 60 else "")
         raise KernelError(f"clang could not compile {what}:\n{msg}")
+    if fail_on_kernel_warnings:
+        # Warnings inside the .metal text are errors; the compatibility header's own
+        # C++17/20 constructs are the harness's business, not the kernel's.
+        bad = [ln for ln in lines if re.search(r"\.metal:\d+:\d+: warning", ln)]
+        if bad:
+            raise KernelError(f"warnings in {what} (C++14 build):\n" + "\n".join(bad[:30]))
 
 
 def _atomic_build(target: Path, build) -> Path:
@@ -93,26 +123,37 @@ def runtime_object(clang: str) -> Path:
     )
 
 
-def compile_kernel(cpp_source: str, what: str) -> Path:
+def compile_kernel(cpp_source: str, what: str, variant: str = "default", finite_math: bool = False) -> Path:
     """Compile a translated kernel (see :mod:`translate`) into a shared object.
 
     Args:
         cpp_source: the C++ translation unit.
         what: a description for error messages (the kernel's name).
+        variant: a key of :data:`VARIANT_FLAGS` (``default``, ``counting``, ``ubsan``,
+            ``cxx14``).
+        finite_math: add :data:`FINITE_MATH_FLAGS` (Metal fast/relaxed math).
 
     Returns:
         Path of the cached ``.so``.
 
     Raises:
-        KernelError: clang is absent, or the source does not compile; the message
+        KernelError: clang is absent, the variant is unknown, or the source does not
+            compile (or, for ``cxx14``, warns inside the ``.metal`` text); the message
             carries clang's diagnostics, which name the ``.metal`` file and line.
     """
     clang = find_clang()
     if clang is None:
         raise KernelError("clang++-19 not found: install it (apt-get install -y clang-19) to run the Metal harness")
+    if variant not in VARIANT_FLAGS:
+        raise KernelError(f"unknown harness build variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    flags = [f for f in CXXFLAGS if not (variant == "cxx14" and (f == "-w" or f.startswith("-std=")))]
+    flags += VARIANT_FLAGS[variant]
+    if finite_math:
+        flags += FINITE_MATH_FLAGS
     rt = runtime_object(clang)
     h = hashlib.sha256(cpp_source.encode())
     h.update(_support_hash(clang).encode())
+    h.update(" ".join(flags).encode())
     key = h.hexdigest()[:24]
     d = cache_dir()
     so = d / f"kernel_{key}.so"
@@ -126,7 +167,8 @@ def compile_kernel(cpp_source: str, what: str) -> Path:
     return _atomic_build(
         so,
         lambda out: _run(
-            [clang, *CXXFLAGS, "-shared", f"-I{HERE}", str(cpp), str(rt), "-o", str(out), "-lm", "-ldl"],
+            [clang, *flags, "-shared", f"-I{HERE}", str(cpp), str(rt), "-o", str(out), "-lm", "-ldl"],
             f"kernel {what} ({cpp})",
+            fail_on_kernel_warnings=variant == "cxx14",
         ),
     )

@@ -55,16 +55,99 @@ class HarnessOptions:
       once per schedule and fails when the outputs differ bitwise between them.
     - ``seed``: seed of the random schedule (each launch adds its launch count).
     - ``timeout_s``: seconds a launch may take before it counts as a hang.
+
+    - ``variant``: the build, one of :data:`compiler.VARIANTS`: ``default``;
+      ``counting`` (every load and store is counted, and each output element must be
+      written exactly once; fills :func:`record_costs`); ``ubsan`` (signed overflow,
+      misaligned access and out-of-bounds array indexing trap); ``cxx14`` (the kernel
+      text compiled as C++14 with warnings, a warning in a ``.metal`` file fails).
+    - ``check_writes``: in the ``counting`` variant, fail a launch that writes an
+      output element other than exactly once (on by default).
+    - ``finite_math``: build every kernel with ``-ffinite-math-only`` (kernels built
+      with ``compile_options={"math_mode": "fast" | "relaxed"}`` always are).
     """
 
     schedules: tuple[str, ...] = ("serial", "reversed", "random")
     seed: int = 0
     timeout_s: float = 120.0
+    variant: str = "default"
+    finite_math: bool = False
+    check_writes: bool = True
 
 
 _options = HarnessOptions()
 #: Launches per kernel ``name`` (as given to ``metal_kernel``) since import.
 LAUNCHES: Counter = Counter()
+_COST_RECORDS: list[list["LaunchCost"]] = []
+
+
+@dataclass(frozen=True)
+class LaunchCost:
+    """What one launch cost in the harness's machine-independent model.
+
+    - ``simd_ops``: simdgroup functions (``simd_sum``, ``simd_shuffle_xor``, ...),
+      counted once per simdgroup per call (a call all 32 lanes make is one operation);
+    - ``simdgroup_barriers``, ``threadgroup_barriers``: once per simdgroup / group;
+    - ``device_bytes_read`` / ``device_bytes_written``: bytes the kernel's loads and
+      stores move to and from its buffers, each thread's access counted (caches are
+      not modelled: a K row read by two threadgroups counts twice).
+    Byte counts are 0 unless the launch ran in the ``counting`` variant.
+    """
+
+    name: str
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    template: tuple
+    simd_ops: int
+    simdgroup_barriers: int
+    threadgroup_barriers: int
+    device_bytes_read: int
+    device_bytes_written: int
+
+
+@contextmanager
+def record_costs(variant: str = "counting") -> Iterator[list[LaunchCost]]:
+    """Collect a :class:`LaunchCost` per launch inside the block (counting build by default)::
+
+        with mh.record_costs() as costs:
+            metal.paged_attention_decode(...)
+        costs[0].simd_ops
+    """
+    records: list[LaunchCost] = []
+    _COST_RECORDS.append(records)
+    try:
+        with options(variant=variant):
+            yield records
+    finally:
+        _COST_RECORDS.remove(records)
+
+
+@dataclass(frozen=True)
+class SparseArray:
+    """An input too large to hold in memory: a row-major array of ``shape`` and
+    ``dtype`` that is zero except for ``chunks``, ``{element offset: numpy array}``.
+
+    The worker maps it with ``MAP_NORESERVE`` and writes only the chunks, so e.g. a KV
+    pool of more than 2^31 elements whose block tables point at its top blocks costs
+    only those blocks. It has ``shape``, ``dtype``, ``ndim``, ``size`` like an MLX
+    array, enough for the kernel wrappers' shape checks; only the harness can launch it.
+    """
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+    chunks: dict
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.size
 _ORIGINS: dict[str, Origin] = {}
 
 
@@ -85,6 +168,8 @@ def options(**changes: Any) -> Iterator[HarnessOptions]:
     bad = [s for s in new.schedules if s not in _SCHEDULE_IDS]
     if bad or not new.schedules:
         raise ValueError(f"unknown schedules {bad}: use serial, reversed or random")
+    if new.variant not in compiler.VARIANTS:
+        raise ValueError(f"unknown variant {new.variant!r}: use one of {', '.join(compiler.VARIANTS)}")
     old, _options = _options, new
     try:
         yield new
@@ -125,6 +210,12 @@ def _to_bytes(a: mx.array) -> bytes:
     if a.dtype not in _NP_DTYPES:
         raise KernelError(f"the harness cannot pass arrays of dtype {a.dtype}")
     return np.ascontiguousarray(np.array(a)).tobytes()
+
+
+def _chunk_bytes(values: Any, dtype: mx.Dtype) -> bytes:
+    if isinstance(values, mx.array):
+        return _to_bytes(values.astype(dtype))
+    return _to_bytes(mx.array(np.asarray(values)).astype(dtype))
 
 
 def _from_bytes(data: bytes, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
@@ -169,6 +260,8 @@ class HarnessKernel:
 
     def _build(self, arrays: list[mx.array], output_dtypes: list, template: list) -> tuple[GeneratedKernel, Any]:
         key = (
+            _options.variant,
+            _options.finite_math,
             tuple((a.dtype, a.ndim, a.size < 8) for a in arrays),
             tuple(output_dtypes),
             tuple((n, v) for n, v in template),
@@ -189,7 +282,10 @@ class HarnessKernel:
             self.atomic_outputs,
         )
         cpp = to_cpp(gen, _origin(self.header), _origin(self.source))
-        so = compiler.compile_kernel(cpp, gen.kernel_name)
+        opts = _options
+        math_mode = (self.compile_options or {}).get("math_mode", "safe")
+        finite = opts.finite_math or math_mode in ("fast", "relaxed")
+        so = compiler.compile_kernel(cpp, gen.kernel_name, variant=opts.variant, finite_math=finite)
         self._built[key] = (gen, so)
         return gen, so
 
@@ -213,7 +309,7 @@ class HarnessKernel:
             KernelError: compile error (naming the ``.metal`` line), deadlock,
                 out-of-bounds access, hang, or schedule-dependent results.
         """
-        arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
+        arrays = [a if isinstance(a, (mx.array, SparseArray)) else mx.array(a) for a in inputs]
         for got, want, what in (
             (len(arrays), len(self.input_names), "inputs"),
             (len(output_shapes), len(self.output_names), "output_shapes"),
@@ -227,7 +323,7 @@ class HarnessKernel:
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{gen.source}\n```")
 
-        mx.eval(*arrays)
+        mx.eval(*[a for a in arrays if isinstance(a, mx.array)])
         buffers = []
         for p in gen.params:
             if p.kind == "attribute":
@@ -242,6 +338,11 @@ class HarnessKernel:
                 )
                 continue
             a = arrays[p.input_index]
+            if p.kind == "input" and isinstance(a, SparseArray):
+                chunks = [(int(off) * a.dtype.size, _chunk_bytes(v, a.dtype)) for off, v in sorted(a.chunks.items())]
+                buffers.append(dict(name=p.name, data=None, nbytes=a.nbytes, fill=None, readonly=True,
+                                    output=False, itemsize=a.dtype.size, chunks=chunks))
+                continue
             if p.kind == "input":
                 data = _to_bytes(a)
             elif p.kind == "shape":
@@ -261,8 +362,14 @@ class HarnessKernel:
             grid=tuple(int(g) for g in grid),
             threadgroup=tuple(int(t) for t in threadgroup),
             schedules=[(_SCHEDULE_IDS[s], seed) for s in opts.schedules],
+            counting=opts.variant == "counting",
+            check_writes=opts.variant == "counting" and opts.check_writes,
         )
-        outs = runner.launch(so, req, opts.timeout_s, f"kernel {gen.kernel_name}")
+        outs, counts = runner.launch(so, req, opts.timeout_s, f"kernel {gen.kernel_name}")
+        if _COST_RECORDS:
+            cost = LaunchCost(self.name, req["grid"], req["threadgroup"], tuple(template), **counts)
+            for records in _COST_RECORDS:
+                records.append(cost)
         return [_from_bytes(b, s, d) for b, s, d in zip(outs, output_shapes, output_dtypes)]
 
 

@@ -63,6 +63,10 @@ enum {
   msl_op_simd_all,
   msl_op_simd_any,
   msl_op_simd_is_first,
+  msl_op_simdgroup_load,
+  msl_op_simdgroup_store,
+  msl_op_simdgroup_multiply_accumulate,
+  msl_op_simdgroup_multiply,
 };
 
 // One lane's deposit at a simdgroup function: up to 16 bytes (a float4 or a long).
@@ -77,6 +81,8 @@ extern "C" {
 // *active gets the mask of live lanes and *lane this lane's index.
 const unsigned char* msl_rt_simd_sync(const void* value, int size, struct msl_site site,
                                       uint32_t* active, int* lane);
+// This thread's index in its simdgroup (no synchronisation).
+int msl_rt_lane(void);
 // Block until every live thread of the threadgroup reaches a barrier at `site`.
 void msl_rt_barrier(struct msl_site site);
 // Called where a `threadgroup` variable is declared: the first thread of each

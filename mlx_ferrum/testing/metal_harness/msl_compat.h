@@ -18,15 +18,28 @@
 
 #include "msl_abi.h"
 
+#ifdef MSL_FLAT_ADDRESS_SPACES
+// Counting and ubsan builds need plain pointers: clang's address sanitizer (used for
+// the load/store callbacks, see msl_runtime.cpp) and its alignment check skip
+// accesses through other address spaces. The address-space checks run in the
+// default and cxx14 builds.
+#define device
+#define constant
+#define threadgroup
+#else
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))
+#endif
 #define thread
 #define METAL_FUNC inline __attribute__((always_inline))
 #define MLX_MTL_PRAGMA_UNROLL _Pragma("clang loop unroll(full)")
 #define INFINITY __builtin_inff()
 #define NAN __builtin_nanf("")
 #define MAXFLOAT __FLT_MAX__
+#define FLT_MAX __FLT_MAX__
+#define FLT_MIN __FLT_MIN__
+#define FLT_EPSILON __FLT_EPSILON__
 #define M_PI_F 3.14159265358979323846f
 
 typedef unsigned int uint;
@@ -404,6 +417,117 @@ METAL_FUNC bool simd_is_first(MSL_SITE_PARAMS) {
   char z = 0;
   detail::sync(z, MSL_SITE(msl_op_simd_is_first), &active, &lane);
   return lane == __builtin_ctz(active);
+}
+
+// ---- simdgroup matrices (8x8). Every lane keeps the whole matrix; the operations
+// are simdgroup-collective as on the GPU (all live lanes must reach the same call,
+// else a deadlock is reported), and loads and stores move each element once: lane l
+// loads/stores the two elements the GPU gives it (row fm, columns fn and fn + 1 with
+// the mapping MLX's steel kernels use), and a load shares them through the runtime.
+template <typename T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "the harness models 8x8 simdgroup matrices");
+  T e[64];  // row-major
+  simdgroup_matrix() = default;
+  explicit simdgroup_matrix(T v) {  // make_filled_simdgroup_matrix: every element
+    for (int i = 0; i < 64; ++i) e[i] = v;
+  }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <typename T, int C, int R>
+METAL_FUNC simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T value) {
+  return simdgroup_matrix<T, C, R>(value);
+}
+
+namespace detail {
+// Row and first column of the two elements lane `lane` holds (MLX steel's BaseMMAFrag).
+METAL_FUNC void mma_coord(int lane, int* row, int* col) {
+  const int qid = lane / 4;
+  *row = (qid & 4) + ((lane / 2) % 4);
+  *col = (qid & 2) * 2 + (lane % 2) * 2;
+}
+METAL_FUNC int mma_index(int row, int col, unsigned long elements_per_row, ulong2 origin, bool transpose) {
+  const unsigned long r = transpose ? (unsigned long)col : (unsigned long)row;
+  const unsigned long c = transpose ? (unsigned long)row : (unsigned long)col;
+  return int((origin.y + r) * elements_per_row + origin.x + c);
+}
+}  // namespace detail
+
+template <typename T, int C, int R, typename P>
+METAL_FUNC void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, P src, unsigned long elements_per_row = 8,
+                               ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                               MSL_SITE_PARAMS) {
+  uint32_t active;
+  int lane;
+  // Find this lane's index first (a free sync would count as an operation): the
+  // runtime's lane is the thread's position in its simdgroup.
+  T mine[2];
+  int row, col;
+  detail::mma_coord(msl_rt_lane(), &row, &col);
+  for (int k = 0; k < 2; ++k)
+    mine[k] = T(src[detail::mma_index(row, col + k, elements_per_row, matrix_origin, transpose_matrix)]);
+  const unsigned char* s = msl_rt_simd_sync(mine, sizeof mine, MSL_SITE(msl_op_simdgroup_load), &active, &lane);
+  if (active != 0xffffffffu) msl_rt_fail("simdgroup_load needs all 32 lanes of the simdgroup", MSL_SITE(msl_op_simdgroup_load));
+  for (int l = 0; l < 32; ++l) {
+    int lr, lc;
+    detail::mma_coord(l, &lr, &lc);
+    T pair[2];
+    __builtin_memcpy(pair, s + l * MSL_SIMD_SLOT, sizeof pair);
+    d.e[lr * 8 + lc] = pair[0];
+    d.e[lr * 8 + lc + 1] = pair[1];
+  }
+}
+
+template <typename T, int C, int R, typename P>
+METAL_FUNC void simdgroup_store(simdgroup_matrix<T, C, R> a, P dst, unsigned long elements_per_row = 8,
+                                ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false,
+                                MSL_SITE_PARAMS) {
+  uint32_t active;
+  int lane;
+  char z = 0;
+  msl_rt_simd_sync(&z, 1, MSL_SITE(msl_op_simdgroup_store), &active, &lane);
+  if (active != 0xffffffffu) msl_rt_fail("simdgroup_store needs all 32 lanes of the simdgroup", MSL_SITE(msl_op_simdgroup_store));
+  int row, col;
+  detail::mma_coord(lane, &row, &col);
+  for (int k = 0; k < 2; ++k)
+    dst[detail::mma_index(row, col + k, elements_per_row, matrix_origin, transpose_matrix)] = a.e[row * 8 + col + k];
+}
+
+// d = a * b + c, accumulated in float (as the GPU does for half and bfloat inputs).
+template <typename T, typename U, typename V, typename W, int N>
+METAL_FUNC void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, N, N>& d, simdgroup_matrix<U, N, N> a,
+                                              simdgroup_matrix<V, N, N> b, simdgroup_matrix<W, N, N> c,
+                                              MSL_SITE_PARAMS) {
+  uint32_t active;
+  int lane;
+  char z = 0;
+  msl_rt_simd_sync(&z, 1, MSL_SITE(msl_op_simdgroup_multiply_accumulate), &active, &lane);
+  if (active != 0xffffffffu)
+    msl_rt_fail("simdgroup_multiply_accumulate needs all 32 lanes", MSL_SITE(msl_op_simdgroup_multiply_accumulate));
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) {
+      float acc = float(c.e[i * 8 + j]);
+      for (int k = 0; k < 8; ++k) acc += float(a.e[i * 8 + k]) * float(b.e[k * 8 + j]);
+      d.e[i * 8 + j] = T(acc);
+    }
+}
+template <typename T, typename U, typename V, int N>
+METAL_FUNC void simdgroup_multiply(thread simdgroup_matrix<T, N, N>& d, simdgroup_matrix<U, N, N> a,
+                                   simdgroup_matrix<V, N, N> b, MSL_SITE_PARAMS) {
+  uint32_t active;
+  int lane;
+  char z = 0;
+  msl_rt_simd_sync(&z, 1, MSL_SITE(msl_op_simdgroup_multiply), &active, &lane);
+  if (active != 0xffffffffu) msl_rt_fail("simdgroup_multiply needs all 32 lanes", MSL_SITE(msl_op_simdgroup_multiply));
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) {
+      float acc = 0.0f;
+      for (int k = 0; k < 8; ++k) acc += float(a.e[i * 8 + k]) * float(b.e[k * 8 + j]);
+      d.e[i * 8 + j] = T(acc);
+    }
 }
 
 // ---- atomics (for `atomic_outputs=True`). Fibers never run at the same time, so

@@ -124,6 +124,12 @@ struct Runtime {
   std::vector<TgVar> tg_vars;
   size_t tg_bytes_this_group = 0;
   int group_linear = 0;
+  // Cost counters of the current launch (see msl_last_counts).
+  uint64_t simd_ops = 0;             // simd_* calls, once per simdgroup per call
+  uint64_t simdgroup_barriers = 0;   // simdgroup_barrier calls, once per simdgroup
+  uint64_t threadgroup_barriers = 0; // threadgroup_barrier releases, once per group
+  uint64_t device_bytes_read = 0;    // loads from kernel buffers (counting builds)
+  uint64_t device_bytes_written = 0; // stores to kernel buffers (counting builds)
 };
 
 Runtime R;
@@ -145,8 +151,9 @@ std::string site_str(const msl_site& s) {
                                 "simd_prefix_exclusive_sum", "simd_broadcast",
                                 "simd_broadcast_first", "simd_shuffle", "simd_shuffle_xor",
                                 "simd_shuffle_up", "simd_shuffle_down", "simd_all", "simd_any",
-                                "simd_is_first"};
-  const char* n = (s.op > 0 && s.op <= msl_op_simd_is_first) ? names[s.op] : "?";
+                                "simd_is_first", "simdgroup_load", "simdgroup_store",
+                                "simdgroup_multiply_accumulate", "simdgroup_multiply"};
+  const char* n = (s.op > 0 && s.op <= msl_op_simdgroup_multiply) ? names[s.op] : "?";
   return fmt("%s at %s:%d:%d", n, s.file, s.line, s.column);
 }
 
@@ -265,8 +272,28 @@ bool run_group(int schedule, std::mt19937_64& rng) {
     for (auto& f : R.fibers) all_done &= f.state == DONE;
     if (all_done) return true;
 
-    bool released = false;
+    // Simdgroups whose live lanes all wait at a simdgroup call may proceed. Serial
+    // releases all of them (lockstep); reversed releases only the last one and random a
+    // random one, so one simdgroup runs ahead of the others as far as it can (a missing
+    // threadgroup_barrier between simdgroups then shows as a schedule difference).
+    std::vector<int> ready;
     for (int g = 0; g < nsg; ++g) {
+      int lo = g * MSL_SIMD_WIDTH, hi = std::min(n, lo + MSL_SIMD_WIDTH);
+      bool any_live = false, all_simd = true;
+      for (int i = lo; i < hi; ++i) {
+        if (R.fibers[i].state == DONE) continue;
+        any_live = true;
+        all_simd &= R.fibers[i].state == AT_SIMD;
+      }
+      if (any_live && all_simd) ready.push_back(g);
+    }
+    if (schedule == 1 && ready.size() > 1) ready.erase(ready.begin(), ready.end() - 1);
+    if (schedule == 2 && ready.size() > 1) {
+      int keep = ready[rng() % ready.size()];
+      ready.assign(1, keep);
+    }
+    bool released = false;
+    for (int g : ready) {
       int lo = g * MSL_SIMD_WIDTH, hi = std::min(n, lo + MSL_SIMD_WIDTH);
       bool any_live = false, all_simd = true;
       for (int i = lo; i < hi; ++i) {
@@ -299,6 +326,10 @@ bool run_group(int schedule, std::mt19937_64& rng) {
         f.state = RUNNABLE;
       }
       R.active_masks[g] = mask;
+      if (first->site.op == msl_op_simd_barrier)
+        R.simdgroup_barriers++;
+      else
+        R.simd_ops++;
       released = true;
     }
     if (released) continue;
@@ -333,6 +364,7 @@ bool run_group(int schedule, std::mt19937_64& rng) {
       }
       for (auto& f : R.fibers)
         if (f.state == AT_BARRIER) f.state = RUNNABLE;
+      R.threadgroup_barriers++;
       continue;
     }
     // ... or nothing can ever move again.
@@ -361,6 +393,7 @@ struct Buffer {
   char* data;
   size_t bytes;
   char name[64];
+  std::vector<unsigned char>* writes;  // per-byte store count (write-set check), or null
 };
 std::vector<Buffer> g_buffers;
 constexpr unsigned char kCanary = 0xA5;
@@ -413,8 +446,11 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
   char msg[1400];
   int len = snprintf(msg, sizeof msg,
                      "MSL_FAULT %s at address %p: %s; in %s%s\n",
-                     sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGFPE ? "SIGFPE"
-                                                                                          : "signal",
+                     sig == SIGSEGV  ? "SIGSEGV"
+                     : sig == SIGBUS ? "SIGBUS"
+                     : sig == SIGFPE ? "SIGFPE"
+                     : sig == SIGILL ? "SIGILL (a trap: undefined behaviour in a ubsan build?)"
+                                     : "signal",
                      info->si_addr, where, thr, pc_info);
   if (len > 0) {
     ssize_t w = write(2, msg, (size_t)std::min(len, (int)sizeof msg - 1));
@@ -456,6 +492,8 @@ const unsigned char* msl_rt_simd_sync(const void* value, int size, msl_site site
   *lane = f->linear % MSL_SIMD_WIDTH;
   return &R.snapshots[(size_t)sg * MSL_SIMD_WIDTH * MSL_SIMD_SLOT];
 }
+
+int msl_rt_lane(void) { return R.current ? R.current->linear % MSL_SIMD_WIDTH : 0; }
 
 void msl_rt_barrier(msl_site site) {
   Fiber* f = R.current;
@@ -530,7 +568,31 @@ void* msl_alloc(size_t bytes, const char* name) {
   char* end = m + (data_pages + 1) * page;
   char* data = end - padded;
   std::memset(m + page, kCanary, data_pages * page);
-  Buffer b{m, len, data, bytes, {0}};
+  Buffer b{m, len, data, bytes, {0}, nullptr};
+  snprintf(b.name, sizeof b.name, "%s", name);
+  g_buffers.push_back(b);
+  return data;
+}
+
+// A buffer of `bytes` bytes mapped with MAP_NORESERVE and never touched here: pages
+// cost memory only once written, so a pool of many GiB can hold a few live blocks.
+// Guard pages sit on both sides; only the slack before the data holds canaries.
+void* msl_alloc_sparse(size_t bytes, const char* name) {
+  size_t page = sysconf(_SC_PAGESIZE);
+  size_t padded = (bytes + 15) & ~(size_t)15;
+  size_t data_pages = (padded + page - 1) / page;
+  if (data_pages == 0) data_pages = 1;
+  size_t len = (data_pages + 2) * page;
+  char* m = (char*)mmap(nullptr, len, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  mprotect(m, page, PROT_NONE);
+  mprotect(m + (data_pages + 1) * page, page, PROT_NONE);
+  char* end = m + (data_pages + 1) * page;
+  char* data = end - padded;
+  std::memset(m + page, kCanary, (size_t)(data - (m + page)));
+  std::memset(data + bytes, kCanary, padded - bytes);
+  Buffer b{m, len, data, bytes, {0}, nullptr};
   snprintf(b.name, sizeof b.name, "%s", name);
   g_buffers.push_back(b);
   return data;
@@ -574,6 +636,7 @@ int msl_check_canary(void* p, char* err, int errlen) {
 void msl_free(void* p) {
   for (size_t i = 0; i < g_buffers.size(); ++i) {
     if (g_buffers[i].data != p) continue;
+    delete g_buffers[i].writes;
     munmap(g_buffers[i].map, g_buffers[i].map_len);
     g_buffers.erase(g_buffers.begin() + (long)i);
     return;
@@ -601,13 +664,24 @@ int msl_launch(void** buffers, const int* grid, const int* tg, int schedule, uin
     return 1;
   }
   R.buffers = buffers;
+  R.simd_ops = R.simdgroup_barriers = R.threadgroup_barriers = 0;
+  R.device_bytes_read = R.device_bytes_written = 0;
   R.failed = false;
   R.error.clear();
   std::mt19937_64 rng(seed);
   ensure_stacks((int)(ts[0] * ts[1] * ts[2]));
-  for (unsigned gz = 0; gz < ng[2]; ++gz)
-    for (unsigned gy = 0; gy < ng[1]; ++gy)
-      for (unsigned gx = 0; gx < ng[0]; ++gx) {
+  // Threadgroups run one at a time in grid order (serial), reversed, or shuffled
+  // (random): a kernel whose result depends on the order of threadgroups differs.
+  std::vector<unsigned> group_order((size_t)ng[0] * ng[1] * ng[2]);
+  for (size_t i = 0; i < group_order.size(); ++i) group_order[i] = (unsigned)i;
+  if (schedule == 1) std::reverse(group_order.begin(), group_order.end());
+  if (schedule == 2) std::shuffle(group_order.begin(), group_order.end(), rng);
+  for (unsigned linear_group : group_order) {
+    const unsigned gx = linear_group % ng[0];
+    const unsigned gy = (linear_group / ng[0]) % ng[1];
+    const unsigned gz = linear_group / (ng[0] * ng[1]);
+    {
+      {
         unsigned ax = std::min(ts[0], gs[0] - gx * ts[0]);
         unsigned ay = std::min(ts[1], gs[1] - gy * ts[1]);
         unsigned az = std::min(ts[2], gs[2] - gz * ts[2]);
@@ -651,7 +725,134 @@ int msl_launch(void** buffers, const int* grid, const int* tg, int schedule, uin
           return 1;
         }
       }
+    }
+  }
   return 0;
 }
+
+
+// Counters of the last launch: simd_ops, simdgroup_barriers, threadgroup_barriers,
+// device_bytes_read, device_bytes_written (the byte counts only in counting builds).
+void msl_last_counts(uint64_t* out) {
+  out[0] = R.simd_ops;
+  out[1] = R.simdgroup_barriers;
+  out[2] = R.threadgroup_barriers;
+  out[3] = R.device_bytes_read;
+  out[4] = R.device_bytes_written;
+}
+
+// Record how many times each byte of buffer p is stored to (counting builds).
+void msl_track_writes(void* p) {
+  Buffer* b = find_buffer(p);
+  if (b && !b->writes) b->writes = new std::vector<unsigned char>(b->bytes, 0);
+}
+
+// 0 when every element (itemsize bytes) of tracked buffer p was stored exactly once,
+// else 1 with a message naming the first element that was not.
+int msl_check_writes(void* p, int itemsize, char* err, int errlen) {
+  Buffer* b = find_buffer(p);
+  if (!b || !b->writes) return 0;
+  const std::vector<unsigned char>& w = *b->writes;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (w[i] == 1) continue;
+    snprintf(err, errlen, "element %zu of output '%s' was written %d time%s (every output element "
+             "must be written exactly once)", i / (size_t)itemsize, b->name, (int)w[i],
+             w[i] == 1 ? "" : "s");
+    return 1;
+  }
+  return 0;
+}
+
+// Memory-access callbacks of counting builds: the kernel is compiled with
+// -fsanitize=address and a call threshold of 0, so every load and store it makes
+// calls one of these (no ASan runtime is linked; these are the only definitions).
+static void msl_count_access(uintptr_t addr, size_t n, bool store) {
+  if (!R.current) return;
+  for (auto& b : g_buffers) {
+    uintptr_t lo = (uintptr_t)b.data;
+    if (addr < lo || addr >= lo + b.bytes) continue;
+    if (!store) {
+      R.device_bytes_read += n;
+      return;
+    }
+    R.device_bytes_written += n;
+    if (b.writes) {
+      size_t off = addr - lo;
+      for (size_t i = 0; i < n && off + i < b.bytes; ++i) {
+        unsigned char& c = (*b.writes)[off + i];
+        if (c < 255) ++c;
+      }
+    }
+    return;
+  }
+}
+void __asan_init(void) {}
+void __asan_version_mismatch_check_v8(void) {}
+void __asan_handle_no_return(void) {}
+#define MSL_ACCESS_HOOKS(n)                                                        \
+  void __asan_load##n(uintptr_t a) { msl_count_access(a, n, false); }              \
+  void __asan_store##n(uintptr_t a) { msl_count_access(a, n, true); }              \
+  void __asan_load##n##_noabort(uintptr_t a) { msl_count_access(a, n, false); }    \
+  void __asan_store##n##_noabort(uintptr_t a) { msl_count_access(a, n, true); }
+MSL_ACCESS_HOOKS(1)
+MSL_ACCESS_HOOKS(2)
+MSL_ACCESS_HOOKS(4)
+MSL_ACCESS_HOOKS(8)
+MSL_ACCESS_HOOKS(16)
+#undef MSL_ACCESS_HOOKS
+void __asan_loadN(uintptr_t a, size_t n) { msl_count_access(a, n, false); }
+void __asan_storeN(uintptr_t a, size_t n) { msl_count_access(a, n, true); }
+void __asan_loadN_noabort(uintptr_t a, size_t n) { msl_count_access(a, n, false); }
+void __asan_storeN_noabort(uintptr_t a, size_t n) { msl_count_access(a, n, true); }
+void* __asan_memcpy(void* d, const void* s, size_t n) {
+  msl_count_access((uintptr_t)s, n, false);
+  msl_count_access((uintptr_t)d, n, true);
+  return std::memcpy(d, s, n);
+}
+void* __asan_memmove(void* d, const void* s, size_t n) {
+  msl_count_access((uintptr_t)s, n, false);
+  msl_count_access((uintptr_t)d, n, true);
+  return std::memmove(d, s, n);
+}
+void* __asan_memset(void* d, int c, size_t n) {
+  msl_count_access((uintptr_t)d, n, true);
+  return std::memset(d, c, n);
+}
+
+
+// Handlers of ubsan builds (-fsanitize-minimal-runtime, no ubsan runtime linked):
+// report the check and the faulting call site (mapped to the .metal line by the
+// parent), then end the worker like a fault.
+static void msl_undefined_behaviour(const char* kind, void* ret) {
+  char thr[256] = "outside any Metal thread";
+  if (R.current) snprintf(thr, sizeof thr, "%s", thread_str(*R.current).c_str());
+  char pc_info[512] = "";
+  void* pc = (char*)ret - 1;
+  Dl_info dl;
+  if (dladdr(pc, &dl) && dl.dli_fname)
+    snprintf(pc_info, sizeof pc_info, "\nMSL_FAULT_PC %s 0x%lx", dl.dli_fname,
+             (unsigned long)((char*)pc - (char*)dl.dli_fbase));
+  std::fprintf(stderr, "MSL_FAULT undefined behaviour: %s; in %s%s\n", kind, thr, pc_info);
+  std::fflush(stderr);
+  _exit(79);
+}
+#define MSL_UB_HANDLER(name, what)                                                           \
+  void __ubsan_handle_##name##_minimal(void) {                                               \
+    msl_undefined_behaviour(what, __builtin_return_address(0));                              \
+  }                                                                                          \
+  void __ubsan_handle_##name##_minimal_abort(void) {                                         \
+    msl_undefined_behaviour(what, __builtin_return_address(0));                              \
+  }
+MSL_UB_HANDLER(add_overflow, "signed integer overflow in +")
+MSL_UB_HANDLER(sub_overflow, "signed integer overflow in -")
+MSL_UB_HANDLER(mul_overflow, "signed integer overflow in *")
+MSL_UB_HANDLER(negate_overflow, "signed integer overflow in unary -")
+MSL_UB_HANDLER(divrem_overflow, "signed integer overflow in / or %")
+MSL_UB_HANDLER(type_mismatch, "misaligned (or null) pointer access")
+MSL_UB_HANDLER(alignment_assumption, "misaligned pointer")
+MSL_UB_HANDLER(out_of_bounds, "array index out of bounds")
+MSL_UB_HANDLER(shift_out_of_bounds, "shift out of bounds")
+MSL_UB_HANDLER(pointer_overflow, "pointer overflow")
+#undef MSL_UB_HANDLER
 
 }  // extern "C"

@@ -143,8 +143,9 @@ def get_worker(so_path: Path) -> Worker:
     return w
 
 
-def launch(so_path: Path, req: dict, timeout: float, what: str) -> list[bytes]:
-    """Run one launch request (see ``worker.py``) and return the output buffers.
+def launch(so_path: Path, req: dict, timeout: float, what: str) -> tuple[list[bytes], dict]:
+    """Run one launch request (see ``worker.py``); return the output buffers and the
+    launch's cost counters (``worker.COUNT_NAMES``).
 
     Raises:
         KernelError: the launch failed (deadlock, crash, timeout, schedule-dependent results).
@@ -152,7 +153,7 @@ def launch(so_path: Path, req: dict, timeout: float, what: str) -> list[bytes]:
     reply = get_worker(so_path).request(req, timeout, what)
     if not reply["ok"]:
         raise KernelError(f"{what}: {reply['error']}")
-    return reply["outputs"]
+    return reply["outputs"], reply["counts"]
 
 
 def shutdown() -> None:

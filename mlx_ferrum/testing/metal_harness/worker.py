@@ -7,10 +7,13 @@ stderr. A crash (an out-of-bounds access hits a guard page) kills only this
 process; the parent turns its stderr into a test failure.
 
 Request: ``{"buffers": [{"name", "data" (bytes or None), "nbytes", "fill" (bytes
-or None), "readonly", "output", "itemsize"}], "grid", "threadgroup",
-"schedules": [(schedule, seed), ...]}`` where schedule is 0 serial, 1 reversed,
-2 random. Reply: ``{"ok": True, "outputs": [bytes, ...]}`` or ``{"ok": False,
-"error": str}``.
+or None), "readonly", "output", "itemsize", optional "chunks" ([(byte offset,
+bytes)] of a sparse buffer)}], "grid", "threadgroup", "schedules": [(schedule,
+seed), ...], "counting" (bool: a counting build), "check_writes" (bool: fail unless
+each output element is written exactly once; counting builds only)}`` where
+schedule is 0 serial, 1 reversed, 2 random. Reply: ``{"ok": True, "outputs":
+[bytes, ...], "counts": {name: int}}`` (counts of the first schedule, see
+``COUNT_NAMES``) or ``{"ok": False, "error": str}``.
 """
 
 from __future__ import annotations
@@ -51,8 +54,16 @@ def _load(path: str):
         ctypes.c_char_p,
         ctypes.c_int,
     ]
+    lib.msl_track_writes.argtypes = [ctypes.c_void_p]
+    lib.msl_check_writes.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.msl_last_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+    lib.msl_alloc_sparse.restype = ctypes.c_void_p
+    lib.msl_alloc_sparse.argtypes = [ctypes.c_size_t, ctypes.c_char_p]
     lib.msl_install_handlers()
     return lib
+
+
+COUNT_NAMES = ("simd_ops", "simdgroup_barriers", "threadgroup_barriers", "device_bytes_read", "device_bytes_written")
 
 
 def _schedule_name(sched: int, seed: int) -> str:
@@ -65,11 +76,18 @@ def _run_once(lib, req: dict, sched: int, seed: int):
     ptrs = []
     try:
         for d in descs:
-            p = lib.msl_alloc(max(d["nbytes"], 0), d["name"].encode())
+            sparse = d.get("chunks") is not None
+            alloc = lib.msl_alloc_sparse if sparse else lib.msl_alloc
+            p = alloc(max(d["nbytes"], 0), d["name"].encode())
             if not p:
                 return None, f"cannot allocate {d['nbytes']} bytes for buffer {d['name']}"
             ptrs.append(p)
-            if d["data"] is not None:
+            if sparse:
+                # Only the given byte ranges are touched; the rest of the mapping stays
+                # unbacked (reads as zeros), so a pool of many GiB costs what it holds.
+                for offset, chunk in d["chunks"]:
+                    ctypes.memmove(p + offset, chunk, len(chunk))
+            elif d["data"] is not None:
                 ctypes.memmove(p, d["data"], d["nbytes"])
             elif d["fill"] is not None and d["nbytes"]:
                 pat = d["fill"]
@@ -77,6 +95,8 @@ def _run_once(lib, req: dict, sched: int, seed: int):
                 ctypes.memmove(p, (pat * reps)[: d["nbytes"]], d["nbytes"])
             if d["readonly"]:
                 lib.msl_protect_readonly(p)
+            if d["output"] and req.get("check_writes"):
+                lib.msl_track_writes(p)
         arr = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
         grid = (ctypes.c_int * 3)(*req["grid"])
         tg = (ctypes.c_int * 3)(*req["threadgroup"])
@@ -86,8 +106,13 @@ def _run_once(lib, req: dict, sched: int, seed: int):
         for d, p in zip(descs, ptrs):
             if lib.msl_check_canary(p, err, len(err)):
                 return None, "out-of-bounds write detected by canary: " + err.value.decode(errors="replace")
+            if d["output"] and lib.msl_check_writes(p, d["itemsize"], err, len(err)):
+                return None, "write-set check: " + err.value.decode(errors="replace")
+        raw = (ctypes.c_uint64 * len(COUNT_NAMES))()
+        lib.msl_last_counts(raw)
+        counts = dict(zip(COUNT_NAMES, (int(v) for v in raw)))
         outs = [ctypes.string_at(p, d["nbytes"]) for d, p in zip(descs, ptrs) if d["output"]]
-        return outs, None
+        return (outs, counts), None
     finally:
         for p in ptrs:
             lib.msl_free(p)
@@ -104,14 +129,16 @@ def handle(lib, req: dict) -> dict:
     """Run the request under each schedule; fail when results differ between schedules."""
     first = None
     first_name = ""
+    counts: dict = {}
     out_descs = [d for d in req["buffers"] if d["output"]]
     for sched, seed in req["schedules"]:
         name = _schedule_name(sched, seed)
-        outs, error = _run_once(lib, req, sched, seed)
+        result, error = _run_once(lib, req, sched, seed)
         if error is not None:
             return {"ok": False, "error": f"[schedule {name}] {error}"}
+        outs, run_counts = result
         if first is None:
-            first, first_name = outs, name
+            first, first_name, counts = outs, name, run_counts
             continue
         for d, a, b in zip(out_descs, first, outs):
             if a != b:
@@ -123,7 +150,7 @@ def handle(lib, req: dict) -> dict:
                         f"(first at element {idx}): a data race, e.g. a missing threadgroup_barrier"
                     ),
                 }
-    return {"ok": True, "outputs": first}
+    return {"ok": True, "outputs": first, "counts": counts}
 
 
 def main() -> None:

@@ -1,0 +1,165 @@
+"""Speculative decoding (n-gram prompt lookup) vs plain decoding, same engine, same requests.
+
+Usage::
+
+    python benchmarks/bench_speculative.py                 # stories260K, 1 and 8 requests, both KV layouts
+    python benchmarks/bench_speculative.py --quick         # 1 repeat, 64 tokens, paged only
+    python benchmarks/bench_speculative.py --num-speculative-tokens 6 --layouts paged
+
+What is measured: for each workload, KV layout and request count N, N greedy requests
+(EOS ignored, ``--max-tokens`` each) go into a fresh :class:`~mlx_ferrum.engine.Engine`
+at once and run to completion, once with ``RuntimeConfig.speculative = "ngram"`` and
+once without. Reported per side: wall time of ``Engine.generate`` (median over
+``--repeats`` timed runs after one untimed warm-up; the sides alternate so that load
+from other processes hits both), generated tokens, target forward passes
+(``Engine.num_steps``), tokens per target forward pass, and with speculation the
+acceptance rate and mean accepted length from ``Engine.stats()``. The speedup is
+``time without / time with`` from the medians, with the range over the paired repeats.
+The same ratio of process CPU time (``time.process_time``) is printed beside it: on a
+machine shared with other processes it moves less than wall time, because time spent
+waiting for a core is not counted.
+"tokens per forward" is all generated tokens over all target forward passes (prefill
+steps included), so at N requests without speculation it is about N.
+Greedy outputs must agree token for token; the script checks it.
+
+Workloads (stories260K, ``../shared/models/stories260K`` or ``FERRUM_SHARED_MODELS``):
+
+- ``story``: N story openings ("Once upon a time", "One day", ...): ordinary generation.
+- ``quote``: repetition-heavy. Each prompt is a story the model wrote itself (its greedy
+  continuation of an opening), a BOS, and the opening again, so the model retells the
+  text already in its context, and prompt lookup can propose it.
+
+There is no rival side: mlx-lm's speculative decoding takes a draft model only (no
+prompt lookup) and runs a single stream, so it has no comparable configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import print_header, print_table  # noqa: E402
+
+import mlx_ferrum as mf  # noqa: E402
+from mlx_ferrum.config import RuntimeConfig  # noqa: E402
+from mlx_ferrum.engine import Engine, SamplingParams  # noqa: E402
+
+OPENINGS = ["Once upon a time", "One day", "Lily wanted", "Tom and Sue", "The sun was", "A little bird",
+            "Mom said", "There was a big"]
+
+
+def stories_path() -> Path:
+    base = Path(os.environ.get("FERRUM_SHARED_MODELS", REPO.parent / "shared" / "models"))
+    return base / "stories260K"
+
+
+def workloads(model, tokenizer, n: int, story_tokens: int) -> dict[str, list[list[int]]]:
+    """Token-id prompts for each workload."""
+    openings = [tokenizer.encode(t) for t in OPENINGS[:n]]
+    eng = Engine(model, tokenizer, RuntimeConfig(kv_layout="paged"))
+    stories = eng.generate(openings, SamplingParams(max_tokens=story_tokens, temperature=0.0, ignore_eos=True))
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "bos_token_id", None) is not None else 1
+    quote = [o + s.token_ids + [bos] + o[1:] for o, s in zip(openings, stories)]
+    return {"story": openings, "quote": quote}
+
+
+def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tokens: int) -> dict:
+    # a pool sized for the work (not the 1 GiB default budget), and the previous run's
+    # engine collected first, so that neither side pays for fresh memory the other reuses
+    cfg = dict(kv_layout=layout, max_num_blocks=512)
+    gc.collect()
+    if spec:
+        cfg.update(speculative="ngram", num_speculative_tokens=k)
+    eng = Engine(model, tokenizer, RuntimeConfig(**cfg))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = eng.generate(prompts, params)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    st = eng.stats()
+    return {"time": dt, "cpu": cpu, "tokens": [o.token_ids for o in outs], "generated": st["generated_tokens"],
+            "forwards": st["num_steps"], "acceptance": st["spec_acceptance_rate"],
+            "mean_accepted_length": st["spec_mean_accepted_length"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 64 tokens, paged layout only")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--layouts", default="paged,contiguous")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--story-tokens", type=int, default=150, help="length of the text the quote prompts repeat")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.max_tokens, args.layouts = 1, 64, "paged"
+    path = stories_path()
+    if not (path / "config.json").exists():
+        print(f"stories260K not found at {path}: set FERRUM_SHARED_MODELS")
+        return {}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    layouts = args.layouts.split(",")
+    info = print_header("bench_speculative: n-gram speculative decoding vs none, mlx_ferrum Engine, stories260K",
+                        {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                         "repeats": args.repeats, "prompt_lookup": "min 2, max 4 (defaults)"})
+    model, tokenizer = mf.load(str(path))
+    prompts = workloads(model, tokenizer, max(levels), args.story_tokens)
+    rows, results = [], []
+    for w, plist in prompts.items():
+        for layout in layouts:
+            for c in levels:
+                batch = plist[:c]
+                run_once(model, tokenizer, batch, layout, False, args.num_speculative_tokens, args.max_tokens)
+                run_once(model, tokenizer, batch, layout, True, args.num_speculative_tokens, args.max_tokens)
+                offs, ons = [], []
+                for r in range(args.repeats):
+                    order = (False, True) if r % 2 == 0 else (True, False)
+                    for spec in order:
+                        res = run_once(model, tokenizer, batch, layout, spec, args.num_speculative_tokens,
+                                       args.max_tokens)
+                        (ons if spec else offs).append(res)
+                if any(a["tokens"] != b["tokens"] for a, b in zip(offs, ons)):
+                    raise SystemExit(f"greedy outputs differ with speculation ({w}, {layout}, {c} requests)")
+                t_off = statistics.median(r["time"] for r in offs)
+                t_on = statistics.median(r["time"] for r in ons)
+                paired = [a["time"] / b["time"] for a, b in zip(offs, ons)]
+                c_off = statistics.median(r["cpu"] for r in offs)
+                c_on = statistics.median(r["cpu"] for r in ons)
+                cpu_paired = [a["cpu"] / b["cpu"] for a, b in zip(offs, ons)]
+                on, off = ons[0], offs[0]
+                rows.append([w, layout, c, f"{off['generated'] / off['forwards']:.2f}",
+                             f"{on['generated'] / on['forwards']:.2f}", f"{on['acceptance']:.2f}",
+                             f"{on['mean_accepted_length']:.2f}", f"{t_off:.3f}", f"{t_on:.3f}",
+                             f"{t_off / t_on:.2f}x ({min(paired):.2f}-{max(paired):.2f})",
+                             f"{c_off / c_on:.2f}x ({min(cpu_paired):.2f}-{max(cpu_paired):.2f})"])
+                results.append({"workload": w, "layout": layout, "requests": c, "time_off": t_off, "time_on": t_on,
+                                "speedup": t_off / t_on, "paired_speedups": paired,
+                                "cpu_off": c_off, "cpu_on": c_on, "cpu_speedup": c_off / c_on,
+                                "paired_cpu_speedups": cpu_paired,
+                                "tokens_per_forward_off": off["generated"] / off["forwards"],
+                                "tokens_per_forward_on": on["generated"] / on["forwards"],
+                                "acceptance_rate": on["acceptance"],
+                                "mean_accepted_length": on["mean_accepted_length"]})
+                print(f"   {w} {layout} {c} request(s): done", flush=True)
+    print()
+    print_table(["workload", "layout", "requests", "tok/fwd off", "tok/fwd on", "acceptance", "mean acc. len",
+                 "time off (s)", "time on (s)", "speedup (range)", "CPU-time speedup (range)"], rows)
+    out = {"machine": info, "settings": vars(args), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()

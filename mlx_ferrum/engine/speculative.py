@@ -1,0 +1,430 @@
+"""Speculative decoding: proposers and the acceptance rule.
+
+A decoding request with ``k`` proposed tokens ``d_1 .. d_k`` becomes a ``(k+1)``-token
+row ``[x, d_1, .., d_k]`` in the engine's ordinary batched forward pass (``x`` is the
+request's last sampled token). Row ``i`` of its logits is the target model's
+distribution ``p_i`` after ``d_i``; :func:`verify` then keeps a prefix of the proposal
+and adds one token of its own, so every verified row yields 1 to ``k+1`` tokens.
+
+Proposers:
+
+- :class:`NgramProposer`: prompt lookup (Saxena 2023, "Prompt Lookup Decoding",
+  github.com/apoorvumang/prompt-lookup-decoding; vLLM's ``NgramProposer``): find the
+  latest earlier occurrence of the last ``n`` tokens (``n`` from ``prompt_lookup_max``
+  down to ``prompt_lookup_min``) in the prompt and output so far, and propose the
+  ``k`` tokens that followed it. No model runs; the proposal is deterministic.
+- :class:`DraftModelProposer`: a smaller model sharing the tokenizer runs ``k``
+  autoregressive steps on its own executor and KV cache (Leviathan et al. 2023,
+  "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023,
+  "Accelerating Large Language Model Decoding with Speculative Sampling").
+
+Acceptance (:func:`verify`):
+
+- greedy rows (``temperature == 0``) accept while the target's argmax equals the
+  proposal, then take the target's argmax: the output is token for token what
+  greedy decoding without speculation gives;
+- sampled rows use the rejection rule of Leviathan et al. (Algorithm 1) / Chen et al.
+  (Algorithm 2): accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the
+  first rejection draw from ``normalize(max(0, p_i - q_i))``; when all ``k`` are accepted
+  draw a bonus token from ``p_k``. Each emitted token is then distributed exactly as
+  under ``p`` (the fully processed target distribution: repetition penalty,
+  temperature, top-k, top-p, min-p, as in :func:`~mlx_ferrum.engine.sampling.sample`).
+  A deterministic proposal (n-gram) has ``q_i`` = a point mass on ``d_i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import RuntimeConfig
+from ..errors import ConfigurationError, FerrumError
+from ..executor import KvCacheHandle, LlmExecutor, SeqWork
+from .sampling import (
+    SamplerState,
+    SamplingParams,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+)
+
+__all__ = [
+    "SpeculativeRequest",
+    "Proposal",
+    "Verified",
+    "ngram_propose",
+    "NgramProposer",
+    "DraftModelProposer",
+    "make_proposer",
+    "processed_logits",
+    "verify",
+    "token_logprobs",
+]
+
+
+@dataclass
+class SpeculativeRequest:
+    """One decoding request that may speculate this step.
+
+    Attributes:
+        request_id: the request (also its cache id in every executor).
+        token_ids: prompt plus output so far; the last one is not yet in the target's cache.
+        num_speculative_tokens: most tokens to propose (k >= 1).
+        state: the request's sampler state (params, history, PRNG key).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_speculative_tokens: int
+    state: SamplerState
+
+
+@dataclass
+class Proposal:
+    """Proposed tokens of one request.
+
+    Attributes:
+        token_ids: ``d_1 .. d_m`` with ``0 <= m <= k``.
+        draft_probs: ``[m, vocab]`` float64 numpy: the distribution ``q_i`` each ``d_i``
+            was drawn from, or None for a deterministic proposal (a point mass on ``d_i``).
+    """
+
+    token_ids: list[int]
+    draft_probs: Optional[np.ndarray] = None
+
+
+@dataclass
+class Verified:
+    """Result of verifying one proposal: ``token_ids`` (the accepted ``d_1 .. d_n`` and
+    one target token, so ``n + 1`` ids) and ``num_accepted`` (``n``)."""
+
+    token_ids: list[int]
+    num_accepted: int
+
+
+# ---------------------------------------------------------------------------
+# shared math
+# ---------------------------------------------------------------------------
+
+
+def processed_logits(
+    logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]
+) -> tuple[mx.array, Optional[mx.array]]:
+    """The logits :func:`~mlx_ferrum.engine.sampling.sample` draws from, one row per entry.
+
+    Args:
+        logits: ``[R, V]`` raw logits, any float dtype.
+        params: ``R`` sampling parameters (one per row).
+        histories: ``R`` token-id histories (for the repetition penalty).
+
+    Returns:
+        ``(penalised, filtered)``: ``[R, V]`` float32 logits after the repetition penalty
+        (their argmax is the greedy choice), and ``[R, V]`` float32 logits after
+        temperature, top-k, top-p and min-p (``softmax`` of a row is that row's sampling
+        distribution; ``-inf`` where filtered), or None when every row is greedy.
+    """
+    x = logits.astype(mx.float32)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        x = apply_repetition_penalty(x, histories, [p.repetition_penalty for p in params])
+    if all(p.greedy for p in params):
+        return x, None
+    y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
+    ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+    if any(ks):
+        y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
+    if any(p.top_p < 1.0 for p in params):
+        y = apply_top_p(y, [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        y = apply_min_p(y, [p.min_p for p in params])
+    return x, y
+
+
+def _uniforms(state: SamplerState, n: int) -> np.ndarray:
+    """``n`` uniforms in [0, 1) from the request's own key (split once)."""
+    return np.array(mx.random.uniform(shape=(n,), key=state.next_key()), dtype=np.float64)
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw of an index from non-negative ``weights`` with the uniform ``u``."""
+    cdf = np.cumsum(weights)
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(i, len(weights) - 1)
+
+
+def _softmax(y: mx.array) -> np.ndarray:
+    return np.array(mx.softmax(y, axis=-1), dtype=np.float64)
+
+
+def token_logprobs(logits: mx.array, token_ids: Sequence[int], top: int):
+    """Log-probabilities under the raw logits, as :func:`sample` reports them.
+
+    Args:
+        logits: ``[R, V]`` raw logits.
+        token_ids: ``R`` chosen ids.
+        top: how many top alternatives per row (0 = none).
+
+    Returns:
+        ``(chosen [R] list of float, top_ids [R][top] or None, top_logprobs [R][top] or None)``.
+    """
+    raw = logits.astype(mx.float32)
+    logp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    idx = mx.array(list(token_ids), dtype=mx.int32).reshape(-1, 1)
+    chosen = mx.take_along_axis(logp, idx, axis=-1).reshape(-1).tolist()
+    if top <= 0:
+        return chosen, None, None
+    k = min(top, raw.shape[-1])
+    part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+    part_lp = mx.take_along_axis(logp, part, axis=-1)
+    order = mx.argsort(-part_lp, axis=-1)
+    return chosen, mx.take_along_axis(part, order, axis=-1).tolist(), mx.take_along_axis(part_lp, order, axis=-1).tolist()
+
+
+# ---------------------------------------------------------------------------
+# acceptance
+# ---------------------------------------------------------------------------
+
+
+def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Sequence[SamplerState]) -> list[Verified]:
+    """Accept a prefix of each proposal and add one target token (see the module docstring).
+
+    Args:
+        logits: per request, ``[m_b + 1, V]`` target logits for ``[x, d_1 .. d_m]``.
+        proposals: per request, its :class:`Proposal` (``m_b`` tokens).
+        states: per request, its sampler state. Sampled rows split its key once; the
+            history is read, not changed (the caller appends the emitted tokens).
+
+    Returns:
+        One :class:`Verified` per request.
+
+    Raises:
+        ValueError: a logits block does not have ``m_b + 1`` rows.
+    """
+    params, histories = [], []
+    for lg, prop, st in zip(logits, proposals, states):
+        m = len(prop.token_ids)
+        if lg.shape[0] != m + 1:
+            raise ValueError(f"verify got {lg.shape[0]} logits rows for {m} proposed tokens: expected {m + 1}")
+        for i in range(m + 1):
+            params.append(st.params)
+            histories.append(st.history + prop.token_ids[:i] if st.params.repetition_penalty != 1.0 else st.history)
+    rows = mx.concatenate(list(logits), axis=0)
+    x, y = processed_logits(rows, params, histories)
+    argmax = mx.argmax(x, axis=-1).tolist()
+    probs = _softmax(y) if y is not None else None
+
+    out: list[Verified] = []
+    off = 0
+    for prop, st in zip(proposals, states):
+        d = prop.token_ids
+        m = len(d)
+        if st.params.greedy:
+            n = 0
+            while n < m and argmax[off + n] == d[n]:
+                n += 1
+            out.append(Verified(d[:n] + [argmax[off + n]], n))
+        else:
+            u = _uniforms(st, m + 1)
+            tok: Optional[int] = None
+            n = 0
+            while n < m:
+                p = probs[off + n]
+                q_d = 1.0 if prop.draft_probs is None else prop.draft_probs[n][d[n]]
+                if u[n] * q_d < p[d[n]]:  # u < p/q without dividing by a zero q
+                    n += 1
+                    continue
+                if prop.draft_probs is None:
+                    residual = p.copy()
+                    residual[d[n]] = 0.0
+                else:
+                    residual = np.maximum(p - prop.draft_probs[n], 0.0)
+                if residual.sum() <= 0.0:  # only by rounding: p == q, so p itself is exact
+                    residual = p
+                tok = _draw(residual, u[m])
+                break
+            if tok is None:
+                tok = _draw(probs[off + m], u[m])
+            out.append(Verified(d[:n] + [tok], n))
+        off += m + 1
+    return out
+
+
+# ---------------------------------------------------------------------------
+# proposers
+# ---------------------------------------------------------------------------
+
+
+def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_min: int, prompt_lookup_max: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier match of the last n-gram.
+
+    Tries ``n = prompt_lookup_max`` down to ``prompt_lookup_min``; for the first ``n`` whose
+    last ``n`` tokens also occur earlier in ``token_ids``, returns the ``k`` tokens that
+    followed the latest such occurrence; when fewer than ``k`` follow it (the text ends in
+    a loop of period ``p < k``), the loop is continued: token ``j`` repeats token ``j - p``.
+
+    Args:
+        token_ids: prompt plus output so far.
+        k: most tokens to return.
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths, ``1 <= min <= max``.
+
+    Returns:
+        ``k`` token ids, or ``[]`` when no n-gram matches.
+    """
+    length = len(token_ids)
+    arr = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
+        suffix = arr[length - n :]
+        # windows starting at 0 .. length-1-n: every occurrence but the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            # A match close to the end (a loop of period < k) continues into the tokens
+            # proposed so far, as repeating the loop would.
+            out = [int(t) for t in arr[start : start + k]]
+            while len(out) < k:
+                out.append(out[len(out) - (length - start)])
+            return out
+    return []
+
+
+class NgramProposer:
+    """Prompt-lookup proposer (no model). See :func:`ngram_propose`.
+
+    Args:
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths to match.
+    """
+
+    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+
+    def propose(self, requests: Sequence[SpeculativeRequest]) -> list[Proposal]:
+        """One deterministic :class:`Proposal` per request (possibly empty)."""
+        return [
+            Proposal(ngram_propose(r.token_ids, r.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max))
+            for r in requests
+        ]
+
+    def committed(self, request_id: str, num_tokens: int) -> None:
+        """Nothing to roll back: the proposer holds no state."""
+
+    def release(self, request_id: str) -> None:
+        """Nothing to free."""
+
+
+class DraftModelProposer:
+    """A draft model on its own :class:`~mlx_ferrum.executor.LlmExecutor` and KV cache.
+
+    Each :meth:`propose` feeds every request's tokens the draft has not seen yet
+    (the whole prompt the first time), then runs ``k - 1`` more one-token steps for the
+    batch, all requests in one forward pass per step. Greedy requests get the draft's
+    argmax; sampled ones a draw from the draft's processed distribution ``q`` (returned
+    for the acceptance rule). The draft's cache always holds a prefix of the request's
+    tokens: :meth:`committed` cuts it back after verification.
+
+    Args:
+        model: the draft model; its vocabulary must be the target's (same tokenizer).
+        config: runtime settings of the target; the draft uses the same KV layout
+            without prefix caching.
+        vocab_size: the target's vocabulary size, checked against the draft's.
+
+    Raises:
+        ConfigurationError: the vocabularies differ.
+    """
+
+    def __init__(self, model, config: RuntimeConfig, vocab_size: Optional[int] = None):
+        if vocab_size is not None and model.args.vocab_size != vocab_size:
+            raise ConfigurationError(
+                f"the draft model has a vocabulary of {model.args.vocab_size} and the target of {vocab_size}: "
+                "pick a draft that shares the target's tokenizer"
+            )
+        draft_config = dataclasses.replace(config, speculative=None, prefix_cache=False)
+        self.executor = LlmExecutor(model, draft_config, model_id="draft")
+
+    def propose(self, requests: Sequence[SpeculativeRequest]) -> list[Proposal]:
+        """One :class:`Proposal` per request; on a draft failure (pool full, context
+        full) the affected batch proposes nothing this step."""
+        ex = self.executor
+        cap = ex.kv_capacity()
+        tokens: list[list[int]] = [[] for _ in requests]
+        qs: list[list[np.ndarray]] = [[] for _ in requests]
+        feed: dict[int, list[int]] = {}
+        for b, r in enumerate(requests):
+            n = len(r.token_ids)
+            if n + r.num_speculative_tokens - 1 > cap:
+                continue
+            have = ex.num_tokens(r.request_id) if ex.has_cache(r.request_id) else 0
+            if have >= n:  # the draft must recompute the last token to get its logits
+                ex.truncate_kv(_handle(ex, r.request_id), n - 1)
+                have = n - 1
+            feed[b] = r.token_ids[have:]
+        while feed:
+            order = list(feed)
+            try:
+                logits = ex.run([SeqWork(requests[b].request_id, feed[b]) for b in order])
+            except FerrumError:
+                break
+            params, histories = [], []
+            for b in order:
+                st = requests[b].state
+                params.append(st.params)
+                histories.append(st.history + tokens[b] if st.params.repetition_penalty != 1.0 else st.history)
+            x, y = processed_logits(mx.concatenate(logits, axis=0), params, histories)
+            argmax = mx.argmax(x, axis=-1).tolist()
+            probs = _softmax(y) if y is not None else None
+            feed = {}
+            for j, b in enumerate(order):
+                st = requests[b].state
+                if st.params.greedy:
+                    tok = argmax[j]
+                else:
+                    q = probs[j]
+                    tok = _draw(q, float(_uniforms(st, 1)[0]))
+                    qs[b].append(q)
+                tokens[b].append(tok)
+                if len(tokens[b]) < requests[b].num_speculative_tokens:
+                    feed[b] = [tok]
+        return [
+            Proposal(t, np.stack(q) if q else None) if not requests[b].state.params.greedy and t else Proposal(t)
+            for b, (t, q) in enumerate(zip(tokens, qs))
+        ]
+
+    def committed(self, request_id: str, num_tokens: int) -> None:
+        """The request's first ``num_tokens`` tokens are final: drop draft K/V past them."""
+        ex = self.executor
+        if ex.has_cache(request_id) and ex.num_tokens(request_id) > num_tokens:
+            ex.truncate_kv(_handle(ex, request_id), num_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Free the request's draft cache (idempotent)."""
+        self.executor.release_cache(request_id)
+
+
+def _handle(executor: LlmExecutor, cache_id: str) -> KvCacheHandle:
+    return KvCacheHandle(cache_id, executor.num_tokens(cache_id), executor.layout)
+
+
+def make_proposer(config: RuntimeConfig, vocab_size: int):
+    """The proposer ``config.speculative`` names: None (off), :class:`NgramProposer` for
+    ``"ngram"``, else a :class:`DraftModelProposer` over the checkpoint at that path or
+    hub id (loaded in the target's KV layout).
+
+    Raises:
+        ConfigurationError: the draft's vocabulary differs from the target's.
+        ModelLoadError: the draft checkpoint cannot be loaded (see :mod:`mlx_ferrum.errors`).
+    """
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    from ..models.loader import load_model
+
+    model, _cfg, _path = load_model(spec)
+    return DraftModelProposer(model, config, vocab_size)

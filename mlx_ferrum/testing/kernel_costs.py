@@ -1,0 +1,84 @@
+"""The harness's cost model applied to the decode kernels (issue 9).
+
+:func:`measure_decode` runs ``mlx_ferrum.kernels.metal.paged_attention_decode`` (or any
+launch function with its arguments) in the harness's ``counting`` build and reduces the
+:class:`~mlx_ferrum.testing.metal_harness.LaunchCost` of every launch (decode and, when
+the context is split, reduce) to the per-token figures the budgets are stated in:
+
+- ``simd_ops_per_token_per_head``: simdgroup functions per KV token per query head,
+  ``sum(simd_ops) / (sum(context_lens) * num_heads)``; MLX's ``sdpa_vector`` spends
+  about 1 (one ``simd_sum`` per key per query head);
+- ``read_ratio``: device bytes read per KV token per KV head over the K+V bytes of
+  one token of one KV head (``2 * head_dim * itemsize``): 1.0 means K and V are read
+  once for all the query heads of their KV head, and nothing else is read.
+
+Each thread's loads count (there are no caches in the model), which makes it a
+machine-independent upper bound on DRAM traffic rather than a prediction of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from mlx_ferrum.kernels import metal
+from mlx_ferrum.testing import metal_harness as mh
+from mlx_ferrum.testing.paged_cases import decode_case
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Per-token cost of one decode call (see the module docstring)."""
+
+    simd_ops_per_token_per_head: float
+    read_ratio: float
+    threadgroup_barriers: int
+    launches: int
+    bytes_read: int
+
+
+def measure_decode(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    context_lens: Sequence[int],
+    dtype: mx.Dtype,
+    *,
+    partition_size: Optional[int] = None,
+    launch: Optional[Callable] = None,
+) -> DecodeCost:
+    """Run one decode call in the counting build and return its :class:`DecodeCost`.
+
+    Args:
+        num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype: the problem
+            (random q and pools from :func:`mlx_ferrum.testing.paged_cases.decode_case`).
+        partition_size: forces split-K partitions of this many tokens
+            (``metal.DECODE_PARTITION_SIZE``); None uses the occupancy policy, 0 or a
+            size above the context gives one pass.
+        launch: called as ``launch(q, k_pool, v_pool, block_tables, context_lens, scale)``
+            instead of ``metal.paged_attention_decode`` (e.g. an older kernel).
+    """
+    case = decode_case(1, list(context_lens), num_heads, num_kv_heads, head_dim, block_size, dtype)
+    run = launch or metal.paged_attention_decode
+    old = metal.DECODE_PARTITION_SIZE
+    try:
+        metal.DECODE_PARTITION_SIZE = partition_size if partition_size else None
+        if partition_size == 0:
+            metal.DECODE_PARTITION_SIZE = 1 << 30
+        with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("serial",)), mh.record_costs() as costs:
+            run(case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale)
+    finally:
+        metal.DECODE_PARTITION_SIZE = old
+    tokens = sum(context_lens)
+    kv_bytes = 2 * head_dim * dtype.size
+    bytes_read = sum(c.device_bytes_read for c in costs)
+    return DecodeCost(
+        simd_ops_per_token_per_head=sum(c.simd_ops for c in costs) / (tokens * num_heads),
+        read_ratio=bytes_read / (tokens * num_kv_heads * kv_bytes),
+        threadgroup_barriers=sum(c.threadgroup_barriers for c in costs),
+        launches=len(costs),
+        bytes_read=bytes_read,
+    )

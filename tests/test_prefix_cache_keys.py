@@ -1,0 +1,67 @@
+"""Issue 13: prefix-cache keys are a chained SHA-256 digest, and a hit checks the tokens.
+
+Python's ``hash()`` over token tuples lets a crafted prompt collide with another user's
+prefix (GHSA-rm76-4mrf-v9r8 / CVE-2025-25183 in vLLM). The reference digest here is
+computed independently with hashlib.
+"""
+
+import hashlib
+import struct
+
+import mlx_ferrum.kv_cache.manager as manager_module
+from mlx_ferrum.kv_cache import PagedKvCacheManager
+
+BS = 4
+
+
+def reference_chain(token_ids, block_size=BS):
+    parent, out = b"\x00" * 32, []
+    for i in range(len(token_ids) // block_size):
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hashlib.sha256(parent + b"".join(struct.pack("<q", t) for t in chunk)).digest()
+        out.append(parent)
+    return out
+
+
+def test_block_keys_are_the_chained_sha256_of_parent_digest_and_token_bytes():
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+    mgr.create("a")
+    mgr.append_slots("a", len(tokens), tokens)
+    assert mgr.seqs["a"].block_hashes == reference_chain(tokens)
+    # the same block of tokens under a different parent gets a different key
+    other = [0, 0, 0, 0] + tokens[4:8]
+    mgr.create("b")
+    mgr.append_slots("b", len(other), other)
+    assert mgr.seqs["b"].block_hashes[1] != mgr.seqs["a"].block_hashes[1]
+    mgr.check_invariants()
+
+
+def test_a_key_collision_is_not_a_hit_the_stored_tokens_are_compared(monkeypatch):
+    # force every key to collide, whatever the key function is
+    monkeypatch.setattr(manager_module, "hash", lambda _x: 0, raising=False)
+    monkeypatch.setattr(manager_module, "block_digest", lambda _p, _t: b"\x01" * 32, raising=False)
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    victim = [10, 11, 12, 13, 14, 15, 16, 17]
+    mgr.create("victim")
+    mgr.append_slots("victim", len(victim), victim)
+    attacker = [20, 21, 22, 23, 24]
+    mgr.create("attacker")
+    assert mgr.match_prefix("attacker", attacker) == 0, "a block holding other tokens was reused"
+    assert mgr.seqs["attacker"].block_ids == []
+    # a true prefix still hits
+    mgr.create("friend")
+    assert mgr.match_prefix("friend", victim[:4] + [99]) == BS
+    mgr.check_invariants()
+
+
+def test_prefix_hits_survive_release_and_reuse_across_sequences():
+    mgr = PagedKvCacheManager(8, BS, 8, prefix_cache=True)
+    prompt = list(range(1, 10))
+    mgr.create("a")
+    mgr.append_slots("a", len(prompt), prompt)
+    mgr.release("a")
+    mgr.create("b")
+    assert mgr.match_prefix("b", prompt) == 8
+    assert mgr.seqs["b"].block_hashes == reference_chain(prompt)[:2]
+    mgr.check_invariants()
