@@ -26,7 +26,7 @@ from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
 from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
-from .sampling import SampleResult, SamplingParams, sample
+from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
@@ -487,7 +487,7 @@ class Engine:
 
     @staticmethod
     def _host_logprobs(result: tuple, host: dict) -> tuple:
-        """Row ``r`` of a :class:`SampleResult`'s logprobs and top alternatives as Python
+        """Row ``r`` of a :class:`~mlx_ferrum.engine.sampling.SampleResult`'s logprobs and top alternatives as Python
         values (each result read back once per step)."""
         res, r = result
         if res is None or res.logprobs is None:
