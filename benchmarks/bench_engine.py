@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_engine.py --dtype bfloat16 --concurrency 1,8 --prompt-tokens 32 --max-tokens 8
     python benchmarks/bench_engine.py --openblas off    # MLX's bundled reference BLAS
 
-What is measured (see :mod:`mlx_ferrum.engine.bench` for the exact definitions): for
+What is measured (see :mod:`mlx_ferrum.bench` for the exact definitions): for
 each concurrency level N, N requests of ``--prompt-tokens`` random token ids (seeded,
 the same on both sides) arrive at once and each generates ``--max-tokens`` greedy
 tokens with EOS ignored. Reported per side: steady-state aggregate decode tok/s (all N
@@ -19,8 +19,8 @@ each figure is the median over them.
 
 Settings: mlx_ferrum's Engine runs the paged KV layout with ``max_num_seqs = N`` and
 its default chunked-prefill budgets (``FERRUM_*`` variables apply); mlx-lm's
-BatchGenerator runs with its defaults except ``completion_batch_size = max(32, N)``, so
-that neither side queues requests.
+BatchGenerator runs with ``prefill_batch_size = completion_batch_size = N``: the same
+admission (all requests prefilled and decoded together).
 
 The checkpoint has Qwen2.5-0.5B's published shapes (hidden 896, 24 layers, 14 heads,
 2 KV heads, head_dim 64, intermediate 4864, vocab 151936, tied embeddings, q/k/v bias)
@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
     if argv is None:
         ensure_blas(args.openblas)
     import mlx_ferrum as mf
-    from mlx_ferrum.engine.bench import (
+    from mlx_ferrum.bench import (
         RATIO_HEADERS,
         TABLE_HEADERS,
         bench_engine,
@@ -174,8 +174,8 @@ def main(argv=None) -> dict:
             f"each, greedy, EOS ignored, seed {args.seed}, {max(1, args.repeats)} timed run(s) per side (median)",
             "ferrum engine": "paged, max_num_seqs=N, block_size={0.block_size}, prefill_chunk_size={0.prefill_chunk_size}, "
             "max_num_batched_tokens={0.max_num_batched_tokens}".format(mf.RuntimeConfig(kv_layout="paged")),
-            "mlx-lm": "BatchGenerator defaults (prefill_batch_size=8, prefill_step_size=2048), "
-            "completion_batch_size=max(32, N)",
+            "mlx-lm": "BatchGenerator, prefill_batch_size=completion_batch_size=N (equal admission), "
+            "prefill_step_size=2048",
     }
     if not mx.metal.is_available():
         settings["note"] = "prompt/generation lengths are cut down to fit a 2-core CPU run (defaults 64/32)"

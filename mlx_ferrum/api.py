@@ -1,14 +1,14 @@
-"""load(), generate(), stream_generate(): thin conveniences over an executor.
+"""load(), generate(), stream_generate(): thin conveniences over the engine.
 
-One stream at a time: a prompt is prefilled, then decoded token by token through the
-model's cached :class:`~mlx_ferrum.executor.LlmExecutor`, sampled with
-:func:`~mlx_ferrum.engine.sampling.sample`, and detokenized as it streams. For many
-concurrent requests use :class:`~mlx_ferrum.engine.Engine`.
+One stream at a time: the prompt runs as one request of an
+:class:`~mlx_ferrum.engine.Engine` built over the model's cached
+:class:`~mlx_ferrum.executor.LlmExecutor`, so it goes through the same scheduler,
+pipelined step, sampler and stop handling as batched serving. For many concurrent
+requests use the :class:`~mlx_ferrum.engine.Engine` directly.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Optional
@@ -16,16 +16,14 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 
 from .config import RuntimeConfig
-from .engine.engine import context_full_message
+from .engine.engine import Engine, context_full_message
 from .engine.prompt import Prompt, encode_prompt
-from .engine.sampling import SamplerState, SamplingParams, sample
-from .engine.stop import StopStringMatcher, emit_token
-from .errors import NonFiniteLogitsError, PromptTooLongError
-from .executor import DecodeInput, LlmExecutor, PrefillInput
+from .engine.sampling import SamplingParams
+from .errors import FerrumError, NonFiniteLogitsError, PromptTooLongError
+from .executor import LlmExecutor
 from .models.loader import load_model
 from .tokenizer import Tokenizer
 
-_stream_ids = itertools.count()
 
 def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
@@ -136,57 +134,42 @@ def stream_generate(
     ids = encode_prompt(tokenizer, prompt, vocab_size=model.args.vocab_size)
     if len(ids) >= ex.kv_capacity():
         raise PromptTooLongError(context_full_message(len(ids), ex.kv_capacity(), model.args.max_position_embeddings))
-    stop_ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stop_ids |= set(tokenizer.eos_token_ids)
-    state = SamplerState.create(params, ids)
-    detok = tokenizer.detokenizer()
-    matcher = StopStringMatcher(params.stop)
+    # One request through the engine's own loop (scheduler, pipelined step, sampler,
+    # stops), so single-stream and batched generation share every line of request logic.
+    # The engine's stream aborts the request in its finally, so its cache is freed even
+    # when Ctrl-C lands inside the prefill.
+    engine = Engine(model, tokenizer, ex.config, executor=ex)
     want_logprobs = params.logprobs is not None
-
-    # the id is fixed before the prefill so the finally below frees the cache even when
-    # Ctrl-C lands inside the prefill
-    cache_id = f"stream-{next(_stream_ids)}"
-    try:
-        t0 = time.perf_counter()
-        out = ex.prefill(PrefillInput(input_ids=mx.array([ids], dtype=mx.int32), cache_id=cache_id))
-        handle = out.kv_cache
-        logits = out.logits[:, -1, :]
-        prompt_time = time.perf_counter() - t0
-        prompt_tps = len(ids) / prompt_time if prompt_time > 0 else 0.0
-        t_dec = time.perf_counter()
-        n = 0
-        while True:
-            res = sample(logits, [state], record=False)
-            finite = mx.all(mx.isfinite(logits))
-            mx.eval(res.tokens, finite)
-            if not finite.item():
-                raise NonFiniteLogitsError(
-                    "the model produced NaN or Inf logits: check the checkpoint's weights and rope_theta, "
-                    "or load it in float32"
-                )
-            token = int(res.tokens[0])
-            state.append(token)
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    for out in engine.stream(ids, params):
+        now = time.perf_counter()
+        for k, token in enumerate(out.new_token_ids):
             n += 1
-            lp = float(res.logprobs[0]) if want_logprobs and res.logprobs is not None else None
-            elapsed = time.perf_counter() - t_dec
-            stats = dict(
+            if t_first is None:
+                t_first = now
+            last = k == len(out.new_token_ids) - 1
+            elapsed = now - t_first
+            prompt_time = t_first - t0
+            lp = out.logprobs[n - 1] if want_logprobs and out.logprobs else None
+            yield GenerationChunk(
+                out.delta if last else "",
+                token,
+                out.finish_reason if last else None,
                 prompt_tokens=len(ids),
                 generation_tokens=n,
-                prompt_tps=prompt_tps,
+                prompt_tps=len(ids) / prompt_time if prompt_time > 0 else 0.0,
                 generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
                 peak_memory=_peak_memory(),
+                logprob=lp,
             )
-            out_of_room = n >= params.max_tokens or handle.num_tokens + 1 >= ex.kv_capacity()
-            text, reason = emit_token(detok, matcher, token, stop_ids, out_of_room)
-            yield GenerationChunk(text, token, reason, logprob=lp, **stats)
-            if reason is not None:
-                return
-            step = ex.decode(DecodeInput(input_ids=mx.array([[token]], dtype=mx.int32), kv_cache=handle))
-            handle = step.kv_cache
-            logits = step.logits
-    finally:
-        ex.release_cache(cache_id)
+        if out.finished and out.finish_reason in ("error", "abort"):
+            error = out.error or out.finish_reason
+            prefix = f"{NonFiniteLogitsError.__name__}: "
+            if error.startswith(prefix):
+                raise NonFiniteLogitsError(error[len(prefix):])
+            raise FerrumError(f"generation failed: {error}")
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **kwargs: Any) -> str:

@@ -251,8 +251,8 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Concurrent-request benchmark through the engine (see ``mlx_ferrum.engine.bench``)."""
-    from .engine.bench import run_bench_cli
+    """Concurrent-request benchmark through the engine (see ``mlx_ferrum.bench``)."""
+    from .bench import run_bench_cli
 
     return run_bench_cli(args)
 

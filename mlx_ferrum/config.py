@@ -74,6 +74,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "metal_kernels": ("FERRUM_METAL_KERNELS", _parse_bool, True),
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
+    "async_scheduling": ("FERRUM_ASYNC_SCHEDULING", _parse_bool, True),
     "speculative": ("FERRUM_SPECULATIVE", _parse_speculative, None),
     "num_speculative_tokens": ("FERRUM_NUM_SPECULATIVE_TOKENS", _parse_int, 4),
     "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
@@ -161,6 +162,8 @@ class RuntimeConfig:
     - ``kv_memory_fraction`` (``FERRUM_KV_MEMORY_FRACTION``, 0.5): share of the Metal
       working set (minus weights) given to the paged pool when ``max_num_blocks`` is unset.
     - ``kv_cache_step`` (``FERRUM_KV_CACHE_STEP``, 256): growth step, in tokens, of the contiguous cache.
+    - ``async_scheduling`` (``FERRUM_ASYNC_SCHEDULING``, 1): the engine queues step t+1 before it
+      reads step t's tokens (vLLM's name); 0 runs every step synchronously.
     - ``speculative`` (``FERRUM_SPECULATIVE``, None = off): ``"ngram"`` for prompt-lookup
       speculative decoding, or a draft checkpoint (folder or hub id) sharing the tokenizer.
     - ``num_speculative_tokens`` (``FERRUM_NUM_SPECULATIVE_TOKENS``, 4): tokens proposed per
@@ -183,6 +186,7 @@ class RuntimeConfig:
     metal_kernels: Optional[bool] = None
     kv_memory_fraction: Optional[float] = None
     kv_cache_step: Optional[int] = None
+    async_scheduling: Optional[bool] = None
     speculative: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None

@@ -1,4 +1,4 @@
-"""``mlx-ferrum bench`` and ``mlx_ferrum.engine.bench``: a fast smoke run on a tiny
+"""``mlx-ferrum bench`` and ``mlx_ferrum.bench``: a fast smoke run on a tiny
 checkpoint (with ``--compare mlx-lm``), the figures' definitions on hand-made timings,
 and the errors for bad arguments or a missing mlx-lm."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from checkpoints import cached_checkpoint
 from mlx_ferrum.cli import main
-from mlx_ferrum.engine import bench
+from mlx_ferrum import bench
 from mlx_ferrum.errors import ConfigurationError
 
 

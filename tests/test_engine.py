@@ -145,13 +145,13 @@ def test_chunked_prefill_mixes_with_decodes_and_matches_solo(model):
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     eng = Engine(model, None, paged(prefill_chunk_size=32))
     calls = []
-    real_run = eng.executor.run
+    real_forward = eng.executor.forward
 
-    def spy(work):
+    def spy(work, prev_tokens=None):
         calls.append([len(w.tokens) for w in work])
-        return real_run(work)
+        return real_forward(work, prev_tokens)
 
-    eng.executor.run = spy
+    eng.executor.forward = spy
     ids = [eng.add_request(p, sp) for p in short]
     for _ in range(3):
         eng.step()  # the short ones are decoding now

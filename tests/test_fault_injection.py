@@ -94,21 +94,22 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
     eng.executor.model = faulty
     counts = {"executor_before": 0, "executor_after": 0, "sampler": 0, "detokenizer": 0, "aborts": 0}
 
-    real_run = eng.executor.run
+    # the engine's executor entry is forward() (the pipelined step queues it lazily)
+    real_forward = eng.executor.forward
     calls = {"run": 0, "sample": 0}
 
-    def run(work):
+    def forward(work, prev_tokens=None):
         calls["run"] += 1
         if due(rng, calls["run"], 97, 13):
             counts["executor_before"] += 1
             raise InjectedFault("injected executor fault before the pass")
-        out = real_run(work)
+        out = real_forward(work, prev_tokens)
         if due(rng, calls["run"], 89, 7):
             counts["executor_after"] += 1
             raise InjectedFault("injected executor fault after the pass")
         return out
 
-    eng.executor.run = run
+    eng.executor.forward = forward
 
     poisoned = set()
     real_sample = engine_module.sample

@@ -227,20 +227,21 @@ def test_an_abort_between_schedule_and_run_frees_the_cache_after_the_step(model,
     released the engine lock and before executor.run() takes its own."""
     eng = Engine(model, None, config(layout))
     ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
-    real_run = eng.executor.run
+    # the engine's executor entry is forward() (the pipelined step queues it lazily)
+    real_forward = eng.executor.forward
     victims = iter([ids[0], ids[2]])
     fired = []
 
-    def run(work):
+    def forward(work, prev_tokens=None):
         if len(fired) < 2 and eng.num_steps in (0, 3):  # a prefill step and a decode step
             victim = next(victims)
             t = threading.Thread(target=eng.abort, args=(victim,))
             t.start()
             t.join()
             fired.append(victim)
-        return real_run(work)
+        return real_forward(work, prev_tokens)
 
-    eng.executor.run = run
+    eng.executor.forward = forward
     done = run_all(eng)
     assert fired == [ids[0], ids[2]]
     for v in fired:

@@ -273,3 +273,17 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_array_equal(np.array(res.top_ids), np.argsort(-logp, axis=-1)[:, :5])
     np.testing.assert_allclose(np.array(res.top_logprobs), np.sort(logp, axis=-1)[:, ::-1][:, :5], atol=1e-5)
     assert sample(mx.array(logits), states_for([SamplingParams()] * 3)).logprobs is None
+
+
+def test_batched_gumbel_noise_equals_per_row_draws():
+    # The batched sampler splits every row's key and draws its uniforms in one vmapped
+    # op; each row must still get exactly the stream its own key gives alone.
+    from mlx_ferrum.engine.sampling import SamplerState, _gumbel, _gumbel_rows
+
+    one_by_one = [SamplerState.create(SamplingParams(seed=s)) for s in (3, 11, 2**40)]
+    batched = [SamplerState.create(SamplingParams(seed=s)) for s in (3, 11, 2**40)]
+    for _ in range(3):
+        expected = mx.stack([_gumbel(64, st.next_key()) for st in one_by_one])
+        assert mx.array_equal(_gumbel_rows(64, batched), expected).item()
+    for a, b in zip(one_by_one, batched):
+        assert mx.array_equal(a.key, b.key).item()

@@ -35,6 +35,37 @@ from .stop import emit_token
 
 _req_ids = itertools.count()
 
+#: Placeholder in ``Sequence.output_ids`` for a token sampled but not yet read back.
+_IN_FLIGHT = -1
+
+
+@dataclass
+class _InFlight:
+    """A launched step, not read back yet.
+
+    Attributes:
+        tokens: ``[B]`` int32 sampled ids, on the device (the next step's ``prev_tokens``).
+        finite: ``[B]`` bool, whether row ``b``'s logits were all finite.
+        results: per row ``b``, ``(SampleResult, row in it)`` (one shared result when the
+            batched sample succeeded; one per row after the row-by-row fallback; ``None``
+            for a row whose sampling failed).
+        rows: ``(sequence, row, output index)`` per sampled request still running.
+        row_of: request id -> row.
+    """
+
+    tokens: mx.array
+    finite: mx.array
+    results: list
+    rows: list = field(default_factory=list)
+    row_of: dict = field(default_factory=dict)
+
+
+def _non_finite_error() -> str:
+    """The ``error`` text of a request whose logits held NaN or Inf."""
+    return f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
+        "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
+        "and rope_theta, or load it in float32"))
+
 
 def context_full_message(num_tokens: int, capacity: int, max_position_embeddings: int) -> str:
     """Why a prompt of ``num_tokens`` does not fit a context of ``capacity``, and the fix that
@@ -113,9 +144,13 @@ class Engine:
         self._ttft = LatencyReservoir()
         self._itl = LatencyReservoir(seed=1)
         # request ids of the step now in the executor; an abort of one of them frees its
-        # cache only after the step, so run() never re-creates a released cache
+        # cache only after the executor call, so forward() never re-creates a released cache
         self._in_flight: set[str] = set()
         self._deferred_release: list[str] = []
+        self._pipelined = bool(self.config.async_scheduling) and not (
+            self.executor.manager is not None and self.executor.manager.prefix_cache
+        )
+        self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
@@ -172,9 +207,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while a request waits or runs (or has an output not yet returned)."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._pending)
+            return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+        while seq.output_ids and seq.output_ids[-1] == _IN_FLIGHT:
+            seq.output_ids.pop()  # never read back: not part of the output
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -203,12 +240,16 @@ class Engine:
     def _fail_step(self, items, exc: BaseException) -> list[RequestOutput]:
         """End every request of a failed step with ``"error"`` (the executor already
         restored their caches; finishing releases them). Other requests are untouched."""
+        return self._fail_seqs([it.seq for it in items], exc)
+
+    def _fail_seqs(self, seqs, exc: BaseException) -> list[RequestOutput]:
+        """:meth:`_fail_step` for a list of sequences (finished ones are skipped)."""
         outs = []
         with self._lock:
-            for it in items:
-                if not it.seq.finished:
-                    self._finish(it.seq, "error", f"{type(exc).__name__}: {exc}")
-                    outs.append(self._output(it.seq, "", []))
+            for s in seqs:
+                if not s.finished:
+                    self._finish(s, "error", f"{type(exc).__name__}: {exc}")
+                    outs.append(self._output(s, "", []))
         return outs
 
     def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
@@ -230,58 +271,234 @@ class Engine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for each request that changed."""
+        """Run one scheduling step; returns an output for each request that changed.
+
+        Pipelined (``RuntimeConfig.async_scheduling``, the default): this step's forward
+        pass and sampling are queued with ``mx.async_eval`` BEFORE the previous step's
+        tokens are read back, detokenized and checked for stops, so the host work of one
+        step overlaps the device work of the next (vLLM's async scheduling; mlx-lm's
+        ``generate_step`` overlaps the same way). Outputs therefore trail by one step;
+        token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
+        one-step lag).
+        """
         if self._proposer is not None:
             return self._speculative_step()
         with self._step_lock:
-            with self._lock:
-                outputs, self._pending = self._pending, []
-                plan = self.scheduler.schedule()
-                for seq in plan.rejected:
-                    self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
-                                 "raise FERRUM_KV_MAX_BLOCKS or shorten it")
-                    outputs.append(self._output(seq, "", []))
-                items = plan.items
-                now = time.time()
-                work = []
-                for it in items:
-                    s = it.seq
-                    if s.metrics.first_scheduled_time is None:
-                        s.metrics.first_scheduled_time = now
-                    work.append(SeqWork(s.request_id, s.token_at(s.num_computed, s.num_computed + it.num_tokens)))
-                self._in_flight = {it.seq.request_id for it in items}
-            if not items:
-                return outputs
+            outputs: list[RequestOutput] = []
             try:
-                # a BaseException (Ctrl-C) propagates after the executor restored every cache
-                logits = self.executor.run(work)
-            except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
-                return outputs + self._fail_step(items, e)
-            finally:
-                self._end_flight()
-            with self._lock:
-                self.num_steps += 1
-                sampled = []
-                for it, row in zip(items, logits):
-                    s = it.seq
-                    if s.finished:  # aborted while the step ran
-                        continue
-                    samples = it.samples
-                    if s.num_computed < len(s.prompt_ids):
-                        self.num_prefilled_tokens += it.num_tokens
-                        s.metrics.num_prefilled_tokens += it.num_tokens
-                    s.num_computed += it.num_tokens
-                    if samples:
-                        sampled.append((s, row))
-                if sampled:
-                    try:
-                        outputs.extend(self._sample_and_emit(sampled))
-                    except BaseException as e:
-                        # Ctrl-C between sampling and emitting: the KV already holds this step,
-                        # so these requests end now rather than stall; then it propagates
-                        self._pending.extend(outputs + self._fail_step([it for it in items if it.samples], e))
-                        raise
+                self._step_body(outputs)
+            except BaseException:
+                # Ctrl-C (or a failure past the isolation below): what this step already
+                # produced is returned by the next call instead of being lost
+                with self._lock:
+                    self._pending[:0] = outputs
+                raise
             return outputs
+
+    def _step_body(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            outputs.extend(self._pending)
+            self._pending = []
+            if self._inflight is not None and not self._can_overlap():
+                flight, self._inflight = self._inflight, None
+                outputs.extend(self._resolve(flight))
+            plan = self.scheduler.schedule()
+            for seq in plan.rejected:
+                self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
+                             "raise FERRUM_KV_MAX_BLOCKS or shorten it")
+                outputs.append(self._output(seq, "", []))
+            items = plan.items
+            work = self._build_work(items)
+            # aborts from here until the executor call returns are released after it
+            self._in_flight = {it.seq.request_id for it in items}
+        launched = None
+        if items:
+            try:
+                launched = self._launch(items, work)
+            except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+                outputs.extend(self._fail_step(items, e))
+        with self._lock:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                outputs.extend(self._resolve(previous))
+            if launched is not None and not self._pipelined:
+                self._inflight = None
+                outputs.extend(self._resolve(launched))
+
+    def _can_overlap(self) -> bool:
+        """True when the next step may be queued before the in-flight tokens are known.
+
+        Not with prefix caching (the manager hashes token ids on the host) and not while
+        an in-flight row uses a repetition penalty (its history needs the token).
+        """
+        if not self._pipelined:
+            return False
+        return not any(s.params.repetition_penalty != 1.0 for s, _, _ in self._inflight.rows)
+
+    def _build_work(self, items: list) -> list[SeqWork]:
+        """The executor's work for ``items``; a token still in flight is taken on the device
+        from the previous step's sampled tokens (``prev_row``)."""
+        now = time.time()
+        rows = self._inflight.row_of if self._inflight is not None else {}
+        work = []
+        for it in items:
+            s = it.seq
+            if s.metrics.first_scheduled_time is None:
+                s.metrics.first_scheduled_time = now
+            end = s.num_computed + it.num_tokens
+            tokens = s.token_at(s.num_computed, end)
+            prev_row = -1
+            if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
+                prev_row = rows[s.request_id]
+                tokens[-1] = 0
+            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row))
+        return work
+
+    def _launch(self, items: list, work: list[SeqWork]) -> Optional["_InFlight"]:
+        """Queue the forward pass and the sampling of ``items``; nothing is read back.
+
+        Isolation (issue 13) as in a synchronous step: an ``Exception`` from the executor
+        fails this step's requests (the caller does that; the executor restored every
+        cache first), a ``BaseException`` propagates after the executor's rollback; a
+        sampler failure ends only its row's request (:meth:`_sample_flight`), and a
+        ``BaseException`` while sampling ends this step's sampled requests, then propagates.
+        """
+        prev = self._inflight.tokens if self._inflight is not None else None
+        try:
+            # a BaseException (Ctrl-C) propagates after the executor restored every cache
+            logits, state = self.executor.forward(work, prev)
+        finally:
+            self._end_flight()
+        with self._lock:
+            self.num_steps += 1
+            sampled = []
+            samples = [it.samples for it in items]  # read before num_computed moves
+            for it in items:
+                s = it.seq
+                if s.finished:  # aborted while the step was built: released by _end_flight
+                    continue
+                if s.num_computed < len(s.prompt_ids):
+                    self.num_prefilled_tokens += it.num_tokens
+                    s.metrics.num_prefilled_tokens += it.num_tokens
+                s.num_computed += it.num_tokens
+                if s.num_computed == s.num_tokens:
+                    sampled.append(s)
+            row_of_item = []
+            r = 0
+            for w in work:
+                row_of_item.append(r)
+                r += w.num_logit_rows
+            rows = [row_of_item[i] for i, it in enumerate(items) if samples[i] and not it.seq.finished]
+            if not sampled:
+                mx.async_eval(state)
+                return None
+            take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
+            try:
+                flight = self._sample_flight(take, sampled)
+            except BaseException as e:
+                # the KV already holds this step, so its sampled requests end now rather
+                # than stall; then it propagates
+                self._pending.extend(self._fail_seqs(sampled, e))
+                raise
+            extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
+                     for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+            mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+            return flight if flight.rows else None
+
+    def _sample_flight(self, take: mx.array, seqs: list[Sequence]) -> "_InFlight":
+        """Sample every row of ``take`` at once (lazily); when that raises, row by row with
+        the random keys restored, so a failure (a bad parameter, a fault) ends only the
+        request it belongs to (finished here with ``"error"``; its output is pending)."""
+        states = [s.sampler for s in seqs]
+        saved = [st.key for st in states]
+        finite = mx.all(mx.isfinite(take), axis=-1)
+        errors: dict[int, str] = {}
+        try:
+            res = sample(take, states, record=False)
+            results = [(res, b) for b in range(len(seqs))]
+            tokens = res.tokens
+        except Exception:  # noqa: BLE001 - find the row(s) at fault
+            results, pieces = [], []
+            for b, st in enumerate(states):
+                st.key = saved[b]  # the failed batched call may have split it
+                try:
+                    r = sample(take[b : b + 1], [st], record=False)
+                    results.append((r, 0))
+                    pieces.append(r.tokens.astype(mx.int32))
+                except Exception as e:  # noqa: BLE001
+                    errors[b] = f"{type(e).__name__}: sampling failed: {e}"
+                    results.append((None, 0))
+                    pieces.append(mx.zeros((1,), dtype=mx.int32))
+            tokens = mx.concatenate(pieces)
+        flight = _InFlight(tokens, finite, results)
+        for b, s in enumerate(seqs):
+            if b in errors:
+                self._finish(s, "error", errors[b])
+                self._pending.append(self._output(s, "", []))
+                continue
+            s.output_ids.append(_IN_FLIGHT)
+            flight.rows.append((s, b, len(s.output_ids) - 1))
+            flight.row_of[s.request_id] = b
+        return flight
+
+    def _resolve(self, flight: "_InFlight") -> list[RequestOutput]:
+        """Read a launched step's tokens, then detokenize, check stops and emit.
+
+        The one-step lag: a request that finishes here may already have its next token
+        queued (a placeholder at the end of ``output_ids``); it is dropped with the rest
+        of the request when :meth:`_finish` frees its blocks, and a later resolve skips
+        finished requests. Aborted or finished requests are skipped the same way.
+
+        Isolation: NaN/Inf logits end their request with :class:`NonFiniteLogitsError`;
+        a failure emitting one token (e.g. the detokenizer) ends only that request; a
+        failure reading the step back ends only this step's requests; a ``BaseException``
+        ends this step's requests, then propagates.
+        """
+        outs: list[RequestOutput] = []
+        try:
+            try:
+                tokens = flight.tokens.tolist()
+                finite = flight.finite.tolist()
+            except Exception as e:  # noqa: BLE001 - the step's evaluation failed: its requests only
+                return self._fail_seqs([s for s, _, _ in flight.rows], e)
+            host: dict[int, tuple] = {}
+            now = time.time()
+            cap = self.executor.kv_capacity()
+            for s, b, index in flight.rows:
+                if s.finished:
+                    continue
+                error = None if finite[b] else _non_finite_error()
+                if error is None:
+                    try:
+                        tok = tokens[b]
+                        lp, top = self._host_logprobs(flight.results[b], host)
+                        s.sampler.append(tok)
+                        outs.append(self._emit(s, tok, lp, top, now, cap, index=index))
+                        continue
+                    except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
+                        error = f"{type(e).__name__}: {e}"
+                if not s.finished:
+                    self._finish(s, "error", error)
+                outs.append(self._output(s, "", []))
+        except BaseException as e:
+            self._pending.extend(outs + self._fail_seqs([s for s, _, _ in flight.rows], e))
+            raise
+        return outs
+
+    @staticmethod
+    def _host_logprobs(result: tuple, host: dict) -> tuple:
+        """Row ``r`` of a :class:`~mlx_ferrum.engine.sampling.SampleResult`'s logprobs and top alternatives as Python
+        values (each result read back once per step)."""
+        res, r = result
+        if res is None or res.logprobs is None:
+            return None, None
+        got = host.get(id(res))
+        if got is None:
+            got = (res.logprobs.tolist(),
+                   (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None)
+            host[id(res)] = got
+        lps, tops = got
+        return lps[r], ((tops[0][r], tops[1][r]) if tops is not None else None)
 
     def _sample_rows(self, rows: mx.array, seqs: list[Sequence]):
         """Sample every row at once; when that raises, sample row by row so a failure
@@ -317,9 +534,7 @@ class Engine:
                     errors[b] = f"{type(e).__name__}: sampling failed: {e}"
         for b, ok in enumerate(finite.tolist()):
             if not ok:
-                errors[b] = f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
-                    "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
-                    "and rope_theta, or load it in float32"))
+                errors[b] = _non_finite_error()
         return tokens, lps, tops, errors
 
     def _sample_and_emit(self, sampled: list) -> list[RequestOutput]:
@@ -341,8 +556,11 @@ class Engine:
             outs.append(self._output(s, "", []))
         return outs
 
-    def _emit(self, s: Sequence, tok: int, lp, top, now: float, cap: int) -> RequestOutput:
-        """Record one sampled token of ``s``: metrics, logprobs, text, stop checks."""
+    def _emit(self, s: Sequence, tok: int, lp, top, now: float, cap: int, index: Optional[int] = None) -> RequestOutput:
+        """Record one sampled token of ``s``: metrics, logprobs, text, stop checks.
+
+        ``index``: the placeholder in ``output_ids`` the token replaces (pipelined step);
+        None appends it."""
         m = s.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -353,11 +571,16 @@ class Engine:
             if top is not None and s.params.logprobs:
                 k = s.params.logprobs
                 s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
-        s.output_ids.append(tok)
-        out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
+        if index is None:
+            s.output_ids.append(tok)
+            index = len(s.output_ids) - 1
+        else:
+            s.output_ids[index] = tok
+        out_of_room = index + 1 >= s.params.max_tokens or len(s.prompt_ids) + index + 1 >= cap
         delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
         s.text += delta
         if reason is not None:
+            del s.output_ids[index + 1 :]  # a token queued in the pipeline's lag is dropped
             self._finish(s, reason)
         return self._output(s, delta, [tok])
 

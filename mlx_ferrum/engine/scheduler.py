@@ -102,6 +102,12 @@ class Scheduler:
             cid = seq.request_id if self.manager.has(seq.request_id) else None
             self._reserved += self.manager.blocks_needed(cid, n)
 
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """True when ``seq`` already holds its last token (``max_tokens`` or a full context)."""
+        return bool(seq.output_ids) and (
+            len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_seq_len
+        )
+
     def _alone_cannot_fit(self, seq: Sequence) -> bool:
         if self.manager is None:
             return False
@@ -131,6 +137,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.remaining, chunk, budget)
+            if self._ends_by_length(seq):
+                n = 0  # its last token is still in flight (pipelined engine): nothing more to run
             if n <= 0:
                 i += 1
                 continue

@@ -1,7 +1,9 @@
 """LlmExecutor: the ``ModelExecutor`` over a real decoder-only MLX model.
 
 One executor serves many sequences, each known by a ``cache_id``. The KV layout comes
-from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``):
+from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``) and lives
+behind one interface (:mod:`mlx_ferrum.kv_cache.store`): the executor has ONE forward
+path, and the layouts differ only in their store and in the attention call.
 
 - contiguous: each sequence has per-layer :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`.
   Batched calls put sequences on separate rows; rows whose caches differ in length are
@@ -11,7 +13,9 @@ from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``):
   call packs every sequence's new tokens into ONE row (varlen, no padding), with
   per-token positions and a ``slot_mapping`` into the pool (ferrum's ``unified_decode``).
 
-Every call evaluates its logits before returning, so timings in :meth:`status` are real.
+The ferrum-style calls (prefill/decode/...) and :meth:`LlmExecutor.run` evaluate their
+logits before returning, so timings in :meth:`status` are real. :meth:`LlmExecutor.forward`
+returns the pass unevaluated, for the engine's pipelined step.
 """
 
 from __future__ import annotations
@@ -24,18 +28,13 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
-from ..kv_cache import (
-    ContiguousKvCache,
-    LayerGroupKvManager,
-    PagedKvCacheManager,
-    PagedKvPool,
-    bytes_per_block,
-    default_num_blocks,
-)
+from ..kv_cache import ContiguousKvCache, LayerGroupKvManager, PagedKvCacheManager, PagedKvPool, default_num_blocks
+from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
 from .types import (
     AttentionType,
@@ -63,11 +62,25 @@ class SeqWork:
         cache_id: the sequence's cache (created when absent).
         tokens: the new token ids.
         all_logits: return logits for every new token, else for the last one.
+        return_logits: False for a prefill chunk that does not reach the end of its
+            prompt: no logits row at all (ignored when ``all_logits``).
+        prev_row: ``>= 0``: the last token is not known on the host yet; it is row
+            ``prev_row`` of the ``prev_tokens`` device array given to
+            :meth:`LlmExecutor.forward` (``tokens[-1]`` is a placeholder then).
     """
 
     cache_id: str
     tokens: list[int]
     all_logits: bool = False
+    return_logits: bool = True
+    prev_row: int = -1
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logits rows this item gets back: ``len(tokens)``, 1, or 0."""
+        if self.all_logits:
+            return len(self.tokens)
+        return 1 if self.return_logits else 0
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
@@ -154,44 +167,46 @@ class LlmExecutor:
             dtype=str(self.dtype).replace("mlx.core.", ""),
             num_parameters=n_params,
         )
-        self._contiguous: dict[str, list[ContiguousKvCache]] = {}
         self.manager: Optional[PagedKvCacheManager] = None
         self.pool: Optional[PagedKvPool] = None
         if manager is not None and self.layout != "paged":
             raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
-        if self.layout == "paged" and manager is not None:
+        per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * self.dtype.size
+        if self.layout == "paged":
+            if manager is None:
+                bs = self.config.block_size
+                num_blocks = self.config.max_num_blocks or default_num_blocks(
+                    args.num_hidden_layers,
+                    args.num_key_value_heads,
+                    bs,
+                    args.head_dim,
+                    self.dtype,
+                    self._weight_bytes,
+                    self.config.kv_memory_fraction,
+                    max_num_seqs=self.config.max_num_seqs,
+                    max_seq_len=self.max_seq_len,
+                )
+                windows = layer_windows(model)
+                if len(set(windows)) > 1:
+                    # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
+                    manager = LayerGroupKvManager(
+                        num_blocks, bs, -(-self.max_seq_len // bs), windows, prefix_cache=self.config.prefix_cache
+                    )
+                else:
+                    manager = PagedKvCacheManager(
+                        num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs),
+                        prefix_cache=self.config.prefix_cache, sliding_window=windows[0],
+                    )
             self.manager = manager
             self.pool = PagedKvPool(
                 args.num_hidden_layers, manager.num_blocks, args.num_key_value_heads, manager.block_size,
                 args.head_dim, self.dtype,
             )
-        elif self.layout == "paged":
-            bs = self.config.block_size
-            num_blocks = self.config.max_num_blocks or default_num_blocks(
-                args.num_hidden_layers,
-                args.num_key_value_heads,
-                bs,
-                args.head_dim,
-                self.dtype,
-                self._weight_bytes,
-                self.config.kv_memory_fraction,
-                max_num_seqs=self.config.max_num_seqs,
-                max_seq_len=self.max_seq_len,
-            )
-            windows = layer_windows(model)
-            if len(set(windows)) > 1:
-                # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
-                self.manager = LayerGroupKvManager(
-                    num_blocks, bs, -(-self.max_seq_len // bs), windows, prefix_cache=self.config.prefix_cache
-                )
-            else:
-                self.manager = PagedKvCacheManager(
-                    num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs),
-                    prefix_cache=self.config.prefix_cache, sliding_window=windows[0],
-                )
-            self.pool = PagedKvPool(
-                args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs, args.head_dim, self.dtype
-            )
+            self.store: KvStore = PagedKvStore(manager, self.pool, per_token)
+        else:
+            self.store = ContiguousKvStore(self._new_contiguous, per_token)
+        # decided once per executor: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
+        self._metal_kernels = bool(self.config.metal_kernels)
         self._state = ExecutorState.READY
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
@@ -200,22 +215,22 @@ class LlmExecutor:
         self._peak_kv_bytes = 0
 
     # ------------------------------------------------------------- handles
+    @property
+    def _contiguous(self) -> dict:
+        """Contiguous layout: cache id -> per-layer caches (empty for paged)."""
+        return self.store.caches if isinstance(self.store, ContiguousKvStore) else {}
+
     def _handle(self, cache_id: str) -> KvCacheHandle:
         if self.layout == "paged":
             seq = self.manager._seq(cache_id)
             return KvCacheHandle(
                 cache_id, seq.num_tokens, "paged", self.manager.block_size, tuple(seq.block_ids)
             )
-        caches = self._contiguous.get(cache_id)
-        if caches is None:
-            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
-        return KvCacheHandle(cache_id, caches[0].len, "contiguous")
+        return KvCacheHandle(cache_id, self.store.num_tokens(cache_id), "contiguous")
 
     def has_cache(self, cache_id: str) -> bool:
         """True when ``cache_id`` holds a cache."""
-        if self.layout == "paged":
-            return self.manager.has(cache_id)
-        return cache_id in self._contiguous
+        return self.store.has(cache_id)
 
     def num_tokens(self, cache_id: str) -> int:
         """Tokens stored for ``cache_id``.
@@ -223,12 +238,7 @@ class LlmExecutor:
         Raises:
             UnknownCacheError: unknown ``cache_id``.
         """
-        if self.layout == "paged":
-            return self.manager.num_tokens(cache_id)
-        caches = self._contiguous.get(cache_id)
-        if caches is None:
-            raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
-        return caches[0].len
+        return self.store.num_tokens(cache_id)
 
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""
@@ -239,16 +249,21 @@ class LlmExecutor:
             raise ExecutorError("this executor was shut down: create a new one")
 
     # ------------------------------------------------------------- core
-    def run(self, work: Sequence[SeqWork]) -> list[mx.array]:
-        """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``).
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+        """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``),
+        evaluated before returning.
 
         Caches that do not exist are created. On any error every cache touched by this
         call is restored to its previous length (and new ones released), so a failed call
         leaves no blocks behind and other sequences untouched.
 
+        Args:
+            work: one :class:`SeqWork` per sequence.
+            prev_tokens: see :meth:`forward`.
+
         Returns:
-            One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``,
-            in the model dtype, evaluated.
+            One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``
+            (``[0, vocab]`` when ``return_logits`` is False), in the model dtype, evaluated.
 
         Raises:
             PromptTooLongError, KvCacheExhaustedError, ExecutorError.
@@ -256,15 +271,83 @@ class LlmExecutor:
         self._check_open()
         if not work:
             return []
+        logits, state, undo = self._build(work, prev_tokens)
+        try:
+            mx.eval(logits, state)
+        except BaseException:  # Ctrl-C too: the caches go back to their previous lengths
+            with self._lock:
+                undo()
+            raise
+        if self.manager is not None:
+            with self._lock:
+                for w in work:
+                    # hold only each sliding window between calls; a verify pass (all logits)
+                    # keeps its blocks until its rejected tokens are truncated
+                    if not w.all_logits and self.manager.has(w.cache_id):
+                        self.manager.trim_to_window(w.cache_id)
+        out = []
+        r = 0
+        for w in work:
+            n = w.num_logit_rows
+            out.append(logits[r : r + n])
+            r += n
+        return out
+
+    def forward(
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Build one forward pass over ``work`` and return it UNEVALUATED.
+
+        This is the pipelined engine's entry: the caller samples from the lazy logits
+        and ``mx.async_eval``-s the result together with ``state`` (the KV arrays this
+        pass writes), so the host can build the next step while this one runs (the
+        overlap mlx-lm's ``generate_step`` gets from ``mx.async_eval``).
+
+        Args:
+            work: one :class:`SeqWork` per sequence (each ``cache_id`` once).
+            prev_tokens: ``[R]`` int32 device array (a previous step's sampled tokens);
+                an item with ``prev_row >= 0`` takes its LAST token from
+                ``prev_tokens[prev_row]`` instead of ``tokens[-1]`` (a placeholder).
+
+        Returns:
+            ``(logits, state)``: logits ``[R, vocab]`` (model dtype), the rows of every
+            item in ``work`` order (``num_logit_rows`` each); ``state`` the cache arrays
+            to evaluate with them.
+
+        Raises:
+            PromptTooLongError, KvCacheExhaustedError, ExecutorError (nothing changes then).
+        """
+        self._check_open()
+        if not work:
+            return mx.zeros((0, self.args.vocab_size), self.dtype), []
+        logits, state, _ = self._build(work, prev_tokens)
+        return logits, state
+
+    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
+        """:meth:`forward` plus the store's ``undo`` (for :meth:`run` to call when the
+        evaluation fails)."""
+        self._validate(work, prev_tokens)
+        with self._lock:
+            self._state = ExecutorState.BUSY
+            try:
+                return self._forward(work, prev_tokens)
+            finally:
+                self._state = ExecutorState.READY
+
+    def _validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]) -> None:
         ids = [w.cache_id for w in work]
         if len(set(ids)) != len(ids):
             raise ExecutorError("a cache_id appears twice in one batch: send one item per sequence")
+        vocab = self.args.vocab_size
         for w in work:
             if not w.tokens:
                 raise ExecutorError(f"no tokens given for cache {w.cache_id!r}")
-            bad = [t for t in w.tokens if not 0 <= t < self.args.vocab_size]
-            if bad:
-                raise ExecutorError(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+            if w.prev_row >= 0 and prev_tokens is None:
+                raise ExecutorError(f"cache {w.cache_id!r} takes a previous step's token but prev_tokens is None")
+            host = w.tokens[:-1] if w.prev_row >= 0 else w.tokens
+            if host and not (0 <= min(host) and max(host) < vocab):
+                bad = next(t for t in host if not 0 <= t < vocab)
+                raise ExecutorError(f"token id {bad} is outside the vocabulary [0, {vocab})")
             have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
             if have + len(w.tokens) > self.max_seq_len:
                 raise PromptTooLongError(
@@ -272,109 +355,74 @@ class LlmExecutor:
                     f"{self.max_seq_len}: shorten the prompt or max_tokens, or raise FERRUM_KV_CAPACITY "
                     "(at most the model's max_position_embeddings for sound results)"
                 )
-        with self._lock:
-            self._state = ExecutorState.BUSY
-            try:
-                if self.layout == "paged":
-                    return self._run_paged(work)
-                return self._run_contiguous(work)
-            finally:
-                self._state = ExecutorState.READY
+        if self.manager is not None and self.manager.prefix_cache and any(w.prev_row >= 0 for w in work):
+            raise ExecutorError("prefix caching hashes token ids on the host: pass every token, not prev_row")
 
-    def _run_paged(self, work: Sequence[SeqWork]) -> list[mx.array]:
-        order = sorted(range(len(work)), key=lambda i: len(work[i].tokens) != 1)  # decodes first, stable
-        items = [work[i] for i in order]
-        mgr = self.manager
-        before: list[tuple[str, Optional[int]]] = []
-        slots: list[int] = []
-        positions: list[int] = []
-        copies: list[tuple[int, int]] = []
-        grouped = isinstance(mgr, LayerGroupKvManager)
-        group_slots: list[list[int]] = [[] for _ in mgr.groups] if grouped else []
-        group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups] if grouped else []
+    @staticmethod
+    def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
+        """The step's token ids as a device array; placeholders are filled from ``prev``
+        on the device, so a previous step's tokens never travel through the host."""
+        ids = mx.array(flat)
+        if patch_at:
+            ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
+        return ids
+
+    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
+        """One code path for both layouts: the store places the tokens and says how
+        many passes they take (paged: one packed pass; contiguous: one per token count)."""
+        passes, undo = self.store.prepare([(w.cache_id, w.tokens) for w in work])
+        pieces: list[mx.array] = []
+        owner: list[int] = []  # work index of each returned logits row, in piece order
         try:
-            for w in items:
-                existed = mgr.has(w.cache_id)
-                if not existed:
-                    mgr.create(w.cache_id)
-                start = mgr.num_tokens(w.cache_id)
-                before.append((w.cache_id, start if existed else None))
-                res = mgr.append_slots(w.cache_id, len(w.tokens), w.tokens)
-                slots.extend(res.slots)
-                copies.extend(res.copies)
-                if grouped:
-                    for g, r in enumerate(res.group_results):
-                        group_slots[g].extend(r.slots)
-                        group_copies[g].extend(r.copies)
-                positions.extend(range(start, start + len(w.tokens)))
+            for kv_pass in passes:
+                pieces.append(self._run_pass(work, kv_pass, prev, owner))
         except BaseException:  # Ctrl-C too: never leave slots appended twice
-            for cid, prev in before:
-                if prev is None:
-                    mgr.release(cid)
-                else:
-                    mgr.truncate(cid, prev)
+            undo()
             raise
-        if grouped:
-            for g, pairs in enumerate(group_copies):
-                self.pool.copy_blocks(pairs, layers=[i for i, x in enumerate(mgr.layer_groups) if x == g])
-        else:
-            self.pool.copy_blocks(copies)
+        logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
+        if order != list(range(len(order))):
+            logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
+        return logits, self.store.state([w.cache_id for w in work]), undo
 
-        def block_tables(seqs) -> mx.array:
-            # blocks freed outside a sliding window (-1) point at block 0: attention never reads them
-            tables = [[max(b, 0) for b in seqs[w.cache_id].block_ids] for w in items]
-            max_blocks = max(len(t) for t in tables)
-            return mx.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=mx.int32)
+    def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
+        """Build one pass's metadata and input ids and call the model (lazily); returns the
+        logits rows of its items ``[R, vocab]`` and appends their owners to ``owner``."""
+        flat = np.empty(kv_pass.rows * kv_pass.cols, dtype=np.int32)
+        patch_at: list[int] = []
+        patch_rows: list[int] = []
+        rows: list[int] = []
+        for i, start in zip(kv_pass.items, kv_pass.starts):
+            w = work[i]
+            n = len(w.tokens)
+            flat[start : start + n] = w.tokens
+            if w.prev_row >= 0:
+                patch_at.append(start + n - 1)
+                patch_rows.append(w.prev_row)
+            k = w.num_logit_rows
+            rows.extend(range(start + n - k, start + n))
+            owner.extend([i] * k)
+        meta = self._metadata(kv_pass.fields, kv_pass.cols)
+        # the LM head runs only on the rows whose logits are returned
+        if not (len(rows) == flat.size and rows == list(range(flat.size))):
+            meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
+        tokens = self._input_ids(flat, patch_at, patch_rows, prev).reshape(kv_pass.rows, kv_pass.cols)
+        logits = self.model(tokens, meta)
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if rows else logits[:0]
 
-        table_arr = block_tables(mgr.seqs)
-        ctx = [mgr.seqs[w.cache_id].num_tokens for w in items]
-        qsl = [0]
-        for w in items:
-            qsl.append(qsl[-1] + len(w.tokens))
-        nd = sum(1 for w in items if len(w.tokens) == 1)
-        logit_rows: list[int] = []
-        for i, w in enumerate(items):
-            logit_rows.extend(range(qsl[i], qsl[i + 1]) if w.all_logits else [qsl[i + 1] - 1])
-        meta = AttentionMetadata(
-            layout="paged",
-            positions=mx.array(positions, dtype=mx.int32),
-            pool=self.pool,
-            slot_mapping=mx.array(slots, dtype=mx.int32),
-            block_tables=table_arr,
-            context_lens=mx.array(ctx, dtype=mx.int32),
-            query_start_loc=mx.array(qsl, dtype=mx.int32),
-            num_decode_seqs=nd,
-            host_context_lens=ctx,
-            host_query_start_loc=qsl,
-            logits_indices=None if len(logit_rows) == qsl[-1] else mx.array(logit_rows, dtype=mx.int32),
-        )
-        if grouped:
-            meta.layer_groups = mgr.layer_groups
-            meta.group_slot_mappings = [mx.array(gs, dtype=mx.int32) for gs in group_slots]
-            meta.group_block_tables = [block_tables(g.seqs) for g in mgr.groups]
-        tokens = mx.array([t for w in items for t in w.tokens], dtype=mx.int32)[None]
-        try:
-            logits = self.model(tokens, meta)[0]
-            mx.eval(logits, self.pool.k, self.pool.v)
-        except BaseException:  # Ctrl-C too: never leave slots appended twice
-            for cid, prev in before:
-                if prev is None:
-                    mgr.release(cid)
-                else:
-                    mgr.truncate(cid, prev)
-            raise
-        for w in items:
-            # keep only each sliding window between steps; a verify step (all logits)
-            # keeps its blocks until the rejected draft tokens are truncated
-            if not w.all_logits:
-                mgr.trim_to_window(w.cache_id)
-        out: list[Optional[mx.array]] = [None] * len(work)
-        r = 0
-        for i, w in zip(order, items):
-            n = len(w.tokens) if w.all_logits else 1
-            out[i] = logits[r : r + n]
-            r += n
-        return out  # type: ignore[return-value]
+    def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
+        """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""
+        f = dict(fields)
+        lens_after = f.pop("cache_lens_after", None)
+        if lens_after is not None:
+            f["pad_mask"] = contiguous_pad_mask(lens_after, new_tokens, self.dtype)
+        for k, v in f.items():
+            if isinstance(v, np.ndarray):
+                f[k] = mx.array(v)
+            elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # per layer group
+                f[k] = [mx.array(x) for x in v]
+        return AttentionMetadata(metal_kernels=self._metal_kernels, **f)
 
     def _new_contiguous(self) -> list[ContiguousKvCache]:
         a = self.args
@@ -385,60 +433,6 @@ class LlmExecutor:
             )
             for _ in range(a.num_hidden_layers)
         ]
-
-    def _run_contiguous(self, work: Sequence[SeqWork]) -> list[mx.array]:
-        out: list[Optional[mx.array]] = [None] * len(work)
-        groups: dict[int, list[int]] = {}
-        for i, w in enumerate(work):
-            groups.setdefault(len(w.tokens), []).append(i)
-        done: list[tuple[list, list[int], list[str]]] = []  # groups already run, to undo on a later failure
-        try:
-            self._run_contiguous_groups(work, groups, out, done)
-        except BaseException:
-            for caches, prev, created in done:
-                self._undo_contiguous(caches, prev, created)
-            raise
-        return out  # type: ignore[return-value]
-
-    def _undo_contiguous(self, caches: list, prev: list[int], created: list[str]) -> None:
-        for c, p in zip(caches, prev):
-            for layer in c:
-                if layer.len > p:
-                    layer.truncate(p)
-        for cid in created:
-            self._contiguous.pop(cid, None)
-
-    def _run_contiguous_groups(self, work, groups, out, done) -> None:
-        for n, idxs in groups.items():
-            rows = [work[i] for i in idxs]
-            created = []
-            for w in rows:
-                if w.cache_id not in self._contiguous:
-                    self._contiguous[w.cache_id] = self._new_contiguous()
-                    created.append(w.cache_id)
-            caches = [self._contiguous[w.cache_id] for w in rows]
-            prev = [c[0].len for c in caches]
-            done.append((caches, prev, created))
-            rows_wanted = [
-                r for j, w in enumerate(rows) for r in (range(j * n, (j + 1) * n) if w.all_logits else [(j + 1) * n - 1])
-            ]
-            meta = AttentionMetadata(
-                layout="contiguous",
-                offsets=mx.array(prev, dtype=mx.int32),
-                caches=caches,
-                pad_mask=contiguous_pad_mask([p + n for p in prev], n, self.dtype),
-                # the LM head runs only on the rows whose logits are returned
-                logits_indices=None if len(rows_wanted) == n * len(rows) else mx.array(rows_wanted, dtype=mx.int32),
-            )
-            tokens = mx.array([w.tokens for w in rows], dtype=mx.int32)
-            logits = self.model(tokens, meta)
-            mx.eval(logits)
-            flat = logits.reshape(-1, logits.shape[-1])
-            r = 0
-            for i, w in zip(idxs, rows):
-                k = n if w.all_logits else 1
-                out[i] = flat[r : r + k]
-                r += k
 
     # ---------------------------------------------------------- ferrum API
     def _timed(self, kind: str, batch: int, fn):
@@ -531,63 +525,32 @@ class LlmExecutor:
         """
         cid = kv_cache.cache_id
         with self._lock:
-            if self.layout == "paged":
-                self.manager.truncate(cid, new_len)
-            else:
-                caches = self._contiguous.get(cid)
-                if caches is None:
-                    raise UnknownCacheError(f"unknown KV cache {cid!r}: it was never created or was released")
-                for c in caches:
-                    c.truncate(new_len)
+            self.store.truncate(cid, new_len)
         return self._handle(cid)
 
     def fork_cache(self, kv_cache: KvCacheHandle, new_cache_id: Optional[str] = None) -> KvCacheHandle:
         """A new sequence starting with ``kv_cache``'s tokens (paged: shared blocks, copy-on-write)."""
         new_id = new_cache_id or f"seq-{next(_ids)}"
         with self._lock:
-            if self.layout == "paged":
-                self.manager.fork(kv_cache.cache_id, new_id)
-            else:
-                src = self._contiguous.get(kv_cache.cache_id)
-                if src is None:
-                    raise UnknownCacheError(f"unknown KV cache {kv_cache.cache_id!r}")
-                dst = self._new_contiguous()
-                for s, d in zip(src, dst):
-                    if s.len:
-                        d.append(s.k[..., : s.len, :], s.v[..., : s.len, :])
-                self._contiguous[new_id] = dst
+            self.store.fork(kv_cache.cache_id, new_id)
         return self._handle(new_id)
 
     def release_cache(self, cache_id: str) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
         with self._lock:
-            if self.layout == "paged":
-                if self.manager.has(cache_id):
-                    self.manager.release(cache_id)
-            else:
-                self._contiguous.pop(cache_id, None)
+            self.store.release(cache_id)
 
     # ------------------------------------------------------------ reports
     def _kv_used_bytes(self) -> int:
-        a = self.args
-        per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * self.dtype.size
-        if self.layout == "paged":
-            if isinstance(self.manager, LayerGroupKvManager):
-                return self.manager.bytes_held(per_tok // a.num_hidden_layers)
-            return self.manager.allocator.num_in_use * self.manager.block_size * per_tok
-        return sum(c[0].capacity for c in self._contiguous.values()) * per_tok
+        return self.store.used_bytes()
 
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
-        if self.layout == "paged":
-            return self.pool.nbytes
-        return self._kv_used_bytes()
+        return self.store.allocated_bytes()
 
     def cache_metrics_snapshot(self) -> dict:
         """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
-        if self.layout == "paged":
-            return self.manager.cache_metrics_snapshot()
-        return {"num_sequences": len(self._contiguous), "allocated_bytes": self._kv_used_bytes()}
+        return self.store.metrics()
 
     def capabilities(self) -> ExecutorCapabilities:
         """What this executor does (every flag is true of the implementation)."""
@@ -652,8 +615,6 @@ class LlmExecutor:
     def shutdown(self) -> None:
         """Release every cache; later calls raise ``ExecutorError``."""
         with self._lock:
-            if self.layout == "paged":
-                for cid in list(self.manager.seqs):
-                    self.manager.release(cid)
-            self._contiguous.clear()
+            for cid in self.store.cache_ids():
+                self.store.release(cid)
             self._state = ExecutorState.SHUTDOWN

@@ -46,14 +46,21 @@ def _routed_to_reference(longest: int) -> None:
     )
 
 
-def metal_path_enabled() -> bool:
+def metal_path_enabled(metal_kernels: Optional[bool] = None) -> bool:
     """True when attention runs on the Metal kernels: Metal (or a test launcher) is
-    present and ``FERRUM_METAL_KERNELS`` is not 0.
+    present and the kernels are not switched off.
+
+    Args:
+        metal_kernels: the caller's ``RuntimeConfig.metal_kernels`` (an executor passes
+            its own, so an explicit ``RuntimeConfig(metal_kernels=False)`` wins); ``None``
+            reads ``FERRUM_METAL_KERNELS``.
 
     Raises:
         ConfigurationError: a ``FERRUM_*`` variable is malformed.
     """
-    if not _metal_kernels_flag(os.environ.get("FERRUM_METAL_KERNELS")):
+    if metal_kernels is None:
+        metal_kernels = _metal_kernels_flag(os.environ.get("FERRUM_METAL_KERNELS"))
+    if not metal_kernels:
         return False
     return metal.launcher_forced() or mx.metal.is_available()
 
@@ -74,6 +81,7 @@ def paged_attention_decode(
     scale: float,
     *,
     host_context_lens: Optional[Sequence[int]] = None,
+    metal_kernels: Optional[bool] = None,
     metadata: Optional[metal.DecodeMetadata] = None,
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
@@ -84,6 +92,7 @@ def paged_attention_decode(
     block_size, head_dim]``, block_tables ``[num_seqs, max_blocks]`` int32,
     context_lens ``[num_seqs]`` int32; returns ``[num_seqs, num_heads, head_dim]`` in q's dtype.
     ``host_context_lens`` (the same lengths as Python ints) lets the reference skip masking.
+    ``metal_kernels``: the caller's ``RuntimeConfig.metal_kernels`` (None: the environment).
     ``metadata`` (:func:`mlx_ferrum.kernels.metal.decode_metadata`, built once per step)
     spares the kernel path rebuilding its launch arrays per layer; the reference ignores it.
     Runs the Metal kernel (vLLM paged attention v1/v2, GQA-packed) when enabled and the
@@ -91,13 +100,13 @@ def paged_attention_decode(
     attention sinks) always take the reference path.
     """
     if window is not None or sinks is not None:
-        if metal_path_enabled():
+        if metal_path_enabled(metal_kernels):
             _fallback("paged_attention_decode", "sliding-window / sink attention is not in the Metal kernel")
         return reference.paged_attention_decode(
             q, k_pool, v_pool, block_tables, context_lens, scale,
             host_context_lens=host_context_lens, window=window, sinks=sinks,
         )
-    if metal_path_enabled():
+    if metal_path_enabled(metal_kernels):
         reason = metal.decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
         if reason is None:
             return metal.paged_attention_decode(
@@ -122,12 +131,14 @@ def paged_prefill_attention(
     host_query_start_loc: Optional[Sequence[int]] = None,
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
+    metal_kernels: Optional[bool] = None,
 ) -> mx.array:
     """Causal varlen prefill attention over paged K/V; see
     :func:`mlx_ferrum.kernels.reference.paged_prefill_attention`.
 
     Shapes: q ``[num_tokens, num_heads, head_dim]``, query_start_loc ``[num_seqs + 1]``
     int32, the rest as for decode; returns ``[num_tokens, num_heads, head_dim]``.
+    ``metal_kernels``: the caller's ``RuntimeConfig.metal_kernels`` (None: the environment).
     Runs the Metal kernel (FlashAttention-style tiles over the paged layout) when
     enabled, the shape is supported and no sequence has more than
     :data:`mlx_ferrum.kernels.metal.PREFILL_KERNEL_MAX_QUERY_LEN` new rows (speculative
@@ -137,14 +148,14 @@ def paged_prefill_attention(
     ``window`` / ``sinks`` always take the reference path.
     """
     if window is not None or sinks is not None:
-        if metal_path_enabled():
+        if metal_path_enabled(metal_kernels):
             _fallback("paged_prefill_attention", "sliding-window / sink attention is not in the Metal kernel")
         return reference.paged_prefill_attention(
             q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
             host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
             window=window, sinks=sinks,
         )
-    if metal_path_enabled():
+    if metal_path_enabled(metal_kernels):
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
         qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
         reason = metal.prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)

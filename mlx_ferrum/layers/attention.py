@@ -62,6 +62,8 @@ class AttentionMetadata:
             ``group_slot_mappings[g]`` (``[T]`` int32) and ``group_block_tables[g]``
             (``[num_seqs, max_blocks]`` int32) instead of ``slot_mapping`` /
             ``block_tables``; ``group_slot_indices`` caches their pool index arrays.
+        metal_kernels: the executor's ``RuntimeConfig.metal_kernels``, decided once per
+            executor (None: the kernels read ``FERRUM_METAL_KERNELS``).
     """
 
     layout: str = "none"
@@ -85,6 +87,7 @@ class AttentionMetadata:
     group_slot_mappings: Optional[list] = None
     group_block_tables: Optional[list] = None
     group_slot_indices: Optional[dict] = None
+    metal_kernels: Optional[bool] = None
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -96,10 +99,10 @@ def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array
     if meta is None or meta.layout == "none" and meta.offsets is None:
         return rope(x, 0)
     if meta.layout == "paged":
-        b, h, t, d = x.shape  # b == 1
-        xt = x[0].transpose(1, 0, 2)[:, :, None, :]  # [T, H, 1, D]
-        y = rope(xt, meta.positions)
-        return y[:, :, 0, :].transpose(1, 0, 2)[None]
+        # [1, H, T, D] -> [T, H, 1, D] in one transpose (the batch axis has size 1), so
+        # each packed token is a row with its own offset; fewer graph ops per layer
+        y = rope(x.transpose(2, 1, 0, 3), meta.positions)
+        return y.transpose(2, 1, 0, 3)
     return rope(x, meta.offsets)
 
 
@@ -219,11 +222,12 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
         if meta.group_slot_indices is None:
             meta.group_slot_indices = {}
         if g not in meta.group_slot_indices:
-            meta.group_slot_indices[g] = pool.slot_indices(slot_mapping)
+            meta.group_slot_indices[g] = tuple(mx.broadcast_arrays(*pool.slot_indices(slot_mapping)))
         slot_index = meta.group_slot_indices[g]
     else:
         if meta.slot_index is None:
-            meta.slot_index = pool.slot_indices(meta.slot_mapping)
+            # broadcast once per pass, so no layer's K or V write broadcasts them again
+            meta.slot_index = tuple(mx.broadcast_arrays(*pool.slot_indices(meta.slot_mapping)))
         slot_mapping, block_tables, slot_index = meta.slot_mapping, meta.block_tables, meta.slot_index
     pool.write(layer, slot_mapping, kt, vt, indices=slot_index)
     kp, vp = pool.k[layer], pool.v[layer]
@@ -236,6 +240,7 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
                 qt[:nd], kp, vp, block_tables[:nd], meta.context_lens[:nd], scale,
                 host_context_lens=meta.host_context_lens[:nd],
                 window=window, sinks=sinks,
+                metal_kernels=meta.metal_kernels,
             )
         )
     if nd < n_seqs:
@@ -254,6 +259,7 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
                 host_context_lens=meta.host_context_lens[nd:],
                 host_query_start_loc=rel,
                 window=window, sinks=sinks,
+                metal_kernels=meta.metal_kernels,
             )
         )
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -25,7 +25,10 @@ Figures (times in seconds, rates in tokens per second):
 
 The engine side always uses the paged KV layout (continuous batching needs it), with
 ``max_num_seqs = concurrency`` and a pool just large enough; mlx-lm runs with
-``completion_batch_size = max(32, concurrency)`` so that neither side queues requests.
+``prefill_batch_size = completion_batch_size = concurrency``: the same admission (all
+requests prefilled and decoded together). ``kv_allocated_bytes`` is the KV memory each
+side holds: the engine's whole pool, and mlx-lm's ``prompt_cache_nbytes`` (buffer
+capacity, its `prompt_cache_nbytes` property) at its largest during the run.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..config import RuntimeConfig
-from ..errors import ConfigurationError, FerrumError
+from .config import RuntimeConfig
+from .errors import ConfigurationError, FerrumError
 
 #: Keys of the dict :func:`bench_engine` and :func:`bench_mlx_lm_batch` return.
 RESULT_KEYS = (
@@ -53,6 +56,7 @@ RESULT_KEYS = (
     "total_tps",
     "ttft_p50",
     "ttft_p90",
+    "ttft_p99",
     "itl_p50",
     "itl_p90",
     "itl_p99",
@@ -140,6 +144,7 @@ def summarize(
         "total_tps": (gen + n * prompt_tokens) / wall if wall > 0 else math.nan,
         "ttft_p50": _pct(ttft, 50),
         "ttft_p90": _pct(ttft, 90),
+        "ttft_p99": _pct(ttft, 99),
         "itl_p50": _pct(itl, 50),
         "itl_p90": _pct(itl, 90),
         "itl_p99": _pct(itl, 99),
@@ -148,7 +153,7 @@ def summarize(
 
 # --------------------------------------------------------------------------- mlx_ferrum
 def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
-    from .sampling import SamplingParams
+    from .engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -171,6 +176,7 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict
                 left -= 1
     t_end = time.perf_counter()
     res = summarize([times[r] for r in ids], t0, t_end, len(prompts[0]), max_tokens)
+    res["kv_allocated_bytes"] = engine.executor.kv_allocated_bytes()
     return res, [tokens[r] for r in ids]
 
 
@@ -266,7 +272,9 @@ def _run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> tuple[dict,
     from mlx_lm.generate import BatchGenerator
 
     n = len(prompts)
-    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=max(32, n))
+    # the same admission as the engine's: every request prefilled and decoded at once
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=n, prefill_batch_size=n)
+    kv_bytes = 0
     try:
         t0 = time.perf_counter()
         uids = gen.insert(prompts, [max_tokens] * n)
@@ -276,6 +284,7 @@ def _run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> tuple[dict,
         while left:
             _, resps = gen.next()
             now = time.perf_counter()
+            kv_bytes = max(kv_bytes, gen.prompt_cache_nbytes)
             for r in resps:
                 times[r.uid].append(now)
                 tokens[r.uid].append(int(r.token))
@@ -285,6 +294,7 @@ def _run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> tuple[dict,
     finally:
         gen.close()
     res = summarize([times[u] for u in uids], t0, t_end, len(prompts[0]), max_tokens)
+    res["kv_allocated_bytes"] = kv_bytes
     return res, [tokens[u] for u in uids]
 
 
@@ -432,7 +442,7 @@ def run_bench_cli(args: Any) -> int:
     """
     import mlx.core as mx
 
-    from ..api import load
+    from .api import load
 
     levels = parse_concurrency(args.concurrency)
     if args.prompt_tokens < 1 or args.max_tokens < 1:
@@ -475,6 +485,6 @@ def run_bench_cli(args: Any) -> int:
 
 def model_dtype_of(model):
     """The activation dtype of a loaded mlx_ferrum model (see ``executor.model_dtype``)."""
-    from ..executor.llm_executor import model_dtype
+    from .executor.llm_executor import model_dtype
 
     return model_dtype(model)

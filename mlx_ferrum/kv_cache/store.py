@@ -1,0 +1,339 @@
+"""One KV-store interface over both layouts: ``ContiguousKvStore`` and ``PagedKvStore``.
+
+The executor runs every forward pass the same way; the layouts differ only here (how
+a batch's new tokens are placed and what attention metadata that yields) and in the
+attention call (:mod:`mlx_ferrum.layers.attention`). A store:
+
+- ``prepare(items)``: reserves room for each item's new tokens and returns the
+  forward passes that run them (:class:`KvPass`: which items, in what order, laid out
+  how, with the metadata fields attention needs) plus an ``undo`` that restores every
+  touched cache (and drops created ones) if the pass fails;
+- ``truncate``, ``fork``, ``release``: per-sequence operations;
+- ``used_bytes`` / ``allocated_bytes``: KV memory in bytes;
+- ``state(cache_ids)``: the arrays a pass writes, for the caller to evaluate.
+
+The paged layout packs all items into ONE pass (one row, decode tokens first, no
+padding; vLLM's varlen layout). The contiguous layout runs one pass per distinct
+new-token count (rows of equal length; caches of different lengths are padded and
+masked inside attention), so no pad token is ever stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from ..errors import UnknownCacheError
+from .contiguous import ContiguousKvCache
+from .layer_groups import LayerGroupKvManager
+from .manager import PagedKvCacheManager
+from .pool import PagedKvPool
+
+
+@dataclass
+class KvPass:
+    """One forward pass over some items of a batch.
+
+    Attributes:
+        items: indices into the ``prepare`` items, in the pass's order.
+        rows, cols: the pass's token array is ``[rows, cols]``.
+        starts: flat index (into the ``rows * cols`` tokens) of each item's first token.
+        fields: :class:`~mlx_ferrum.layers.attention.AttentionMetadata` fields for this pass
+            (host values as numpy arrays / lists; the executor moves them to the device).
+    """
+
+    items: list[int]
+    rows: int
+    cols: int
+    starts: list[int]
+    fields: dict = field(default_factory=dict)
+
+
+class KvStore(Protocol):
+    """What the executor needs of a KV layout (see the module docstring)."""
+
+    layout: str
+
+    def has(self, cache_id: Hashable) -> bool: ...
+
+    def num_tokens(self, cache_id: Hashable) -> int: ...
+
+    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> tuple[list[KvPass], Callable[[], None]]: ...
+
+    def truncate(self, cache_id: Hashable, new_len: int) -> None: ...
+
+    def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None: ...
+
+    def release(self, cache_id: Hashable) -> None: ...
+
+    def cache_ids(self) -> list: ...
+
+    def state(self, cache_ids: Sequence[Hashable]) -> list: ...
+
+    def used_bytes(self) -> int: ...
+
+    def allocated_bytes(self) -> int: ...
+
+
+def _unknown(cache_id: Hashable) -> UnknownCacheError:
+    return UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
+
+
+class PagedKvStore:
+    """The paged layout: a :class:`PagedKvCacheManager` (block tables) over a :class:`PagedKvPool`.
+
+    Args:
+        manager: host-side block tables.
+        pool: the per-layer K/V block pools (this store is their only holder).
+        bytes_per_token: K+V bytes of one token over all layers.
+    """
+
+    layout = "paged"
+
+    def __init__(self, manager: PagedKvCacheManager, pool: PagedKvPool, bytes_per_token: int):
+        self.manager = manager
+        self.pool = pool
+        self.bytes_per_token = bytes_per_token
+
+    def has(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds a cache."""
+        return self.manager.has(cache_id)
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored (raises UnknownCacheError for an unknown id)."""
+        return self.manager.num_tokens(cache_id)
+
+    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> tuple[list[KvPass], Callable[[], None]]:
+        """Append slots for every item and pack them into one pass, decode tokens first.
+
+        Raises:
+            KvCacheExhaustedError: the pool is full (nothing changes then).
+        """
+        mgr = self.manager
+        order = sorted(range(len(items)), key=lambda i: len(items[i][1]) != 1)  # decodes first, stable
+        before: list[tuple[Hashable, Optional[int]]] = []
+
+        def undo() -> None:
+            for cid, prev in before:
+                if prev is None:
+                    mgr.release(cid)
+                else:
+                    mgr.truncate(cid, prev)
+
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        starts: list[int] = []
+        grouped = isinstance(mgr, LayerGroupKvManager)
+        group_slots: list[list[int]] = [[] for _ in mgr.groups] if grouped else []
+        group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups] if grouped else []
+        try:
+            for i in order:
+                cid, tokens = items[i]
+                existed = mgr.has(cid)
+                if not existed:
+                    mgr.create(cid)
+                else:
+                    # Blocks the next token's window no longer covers are freed here, at the
+                    # start of the sequence's next pass rather than right after the last one:
+                    # the last pass may still be evaluating (pipelined step) and a speculative
+                    # verify pass has had its rejected tokens truncated by now.
+                    mgr.trim_to_window(cid)
+                start = mgr.num_tokens(cid)
+                before.append((cid, start if existed else None))
+                res = mgr.append_slots(cid, len(tokens), tokens if mgr.prefix_cache else None)
+                slots.extend(res.slots)
+                copies.extend(res.copies)
+                if grouped:
+                    for g, group_result in enumerate(res.group_results):
+                        group_slots[g].extend(group_result.slots)
+                        group_copies[g].extend(group_result.copies)
+                starts.append(start)
+            if grouped:
+                for g, pairs in enumerate(group_copies):
+                    self.pool.copy_blocks(pairs, layers=[n for n, x in enumerate(mgr.layer_groups) if x == g])
+            else:
+                self.pool.copy_blocks(copies)
+        except BaseException:  # Ctrl-C too: never leave slots appended twice
+            undo()
+            raise
+        lens = np.fromiter((len(items[i][1]) for i in order), dtype=np.int64, count=len(order))
+        qsl = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        starts_np = np.asarray(starts, dtype=np.int64)
+        # position of packed token j: its sequence's start + (j - that sequence's first row)
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts_np, lens)
+        table_arr = self._block_tables(mgr.seqs, [items[i][0] for i in order])
+        ctx = (starts_np + lens).tolist()
+        fields = dict(
+            layout="paged",
+            positions=positions.astype(np.int32),
+            pool=self.pool,
+            slot_mapping=np.asarray(slots, dtype=np.int32),
+            block_tables=table_arr,
+            context_lens=np.asarray(ctx, dtype=np.int32),
+            query_start_loc=qsl.astype(np.int32),
+            num_decode_seqs=int(np.sum(lens == 1)),
+            host_context_lens=ctx,
+            host_query_start_loc=qsl.tolist(),
+        )
+        if grouped:
+            fields["layer_groups"] = mgr.layer_groups
+            fields["group_slot_mappings"] = [np.asarray(gs, dtype=np.int32) for gs in group_slots]
+            fields["group_block_tables"] = [self._block_tables(g.seqs, [items[i][0] for i in order]) for g in mgr.groups]
+        return [KvPass(order, 1, int(qsl[-1]), qsl[:-1].tolist(), fields)], undo
+
+    @staticmethod
+    def _block_tables(seqs, cache_ids) -> np.ndarray:
+        """``[num_seqs, max_blocks]`` int32, zero-padded; blocks freed outside a sliding
+        window (-1) point at block 0, which attention never reads for them."""
+        tables = [seqs[cid].block_ids for cid in cache_ids]
+        table_arr = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+        for r, t in enumerate(tables):
+            table_arr[r, : len(t)] = np.maximum(np.asarray(t, dtype=np.int32), 0)
+        return table_arr
+
+    def truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens; blocks past them are freed."""
+        self.manager.truncate(cache_id, new_len)
+
+    def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        """Share ``cache_id``'s blocks with a new sequence (copy-on-write)."""
+        self.manager.fork(cache_id, new_cache_id)
+
+    def release(self, cache_id: Hashable) -> None:
+        """Free the sequence's blocks; unknown ids are ignored."""
+        if self.manager.has(cache_id):
+            self.manager.release(cache_id)
+
+    def cache_ids(self) -> list:
+        """Every live cache id."""
+        return list(self.manager.seqs)
+
+    def state(self, cache_ids: Sequence[Hashable]) -> list:
+        """The pool arrays (every pass writes them)."""
+        return self.pool.k + self.pool.v
+
+    def used_bytes(self) -> int:
+        """Bytes of the blocks in use (per layer group when the model mixes window sizes)."""
+        if isinstance(self.manager, LayerGroupKvManager):
+            return self.manager.bytes_held(self.bytes_per_token // len(self.manager.layer_groups))
+        return self.manager.allocator.num_in_use * self.manager.block_size * self.bytes_per_token
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the whole pool (free blocks included)."""
+        return self.pool.nbytes
+
+    def metrics(self) -> dict:
+        """The manager's block metrics."""
+        return self.manager.cache_metrics_snapshot()
+
+
+class ContiguousKvStore:
+    """The contiguous layout: per sequence, one :class:`ContiguousKvCache` per layer.
+
+    Args:
+        make_caches: builds a fresh per-layer cache list for a new sequence.
+        bytes_per_token: K+V bytes of one token over all layers.
+    """
+
+    layout = "contiguous"
+
+    def __init__(self, make_caches: Callable[[], list[ContiguousKvCache]], bytes_per_token: int):
+        self.make_caches = make_caches
+        self.bytes_per_token = bytes_per_token
+        self.caches: dict[Hashable, list[ContiguousKvCache]] = {}
+
+    def has(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds a cache."""
+        return cache_id in self.caches
+
+    def _get(self, cache_id: Hashable) -> list[ContiguousKvCache]:
+        c = self.caches.get(cache_id)
+        if c is None:
+            raise _unknown(cache_id)
+        return c
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored (raises UnknownCacheError for an unknown id)."""
+        return self._get(cache_id)[0].len
+
+    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> tuple[list[KvPass], Callable[[], None]]:
+        """One pass per distinct new-token count; caches are created as needed. The K/V
+        writes happen inside attention, so ``undo`` truncates back to these lengths."""
+        groups: dict[int, list[int]] = {}
+        for i, (_, tokens) in enumerate(items):
+            groups.setdefault(len(tokens), []).append(i)
+        touched: list[tuple[list[ContiguousKvCache], int]] = []
+        created: list[Hashable] = []
+
+        def undo() -> None:
+            for caches, prev in touched:
+                for layer in caches:
+                    if layer.len > prev:
+                        layer.truncate(prev)
+            for cid in created:
+                self.caches.pop(cid, None)
+
+        passes = []
+        try:
+            for n, idxs in groups.items():
+                caches = []
+                for i in idxs:
+                    cid = items[i][0]
+                    if cid not in self.caches:
+                        self.caches[cid] = self.make_caches()
+                        created.append(cid)
+                    caches.append(self.caches[cid])
+                prev = [c[0].len for c in caches]
+                touched.extend(zip(caches, prev))
+                fields = dict(layout="contiguous", offsets=np.asarray(prev, dtype=np.int32), caches=caches,
+                              cache_lens_after=[p + n for p in prev])
+                passes.append(KvPass(idxs, len(idxs), n, [j * n for j in range(len(idxs))], fields))
+        except BaseException:  # Ctrl-C too: no half-created caches stay behind
+            undo()
+            raise
+        return passes, undo
+
+    def truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens (their buffers stay allocated)."""
+        for c in self._get(cache_id):
+            c.truncate(new_len)
+
+    def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        """Copy ``cache_id``'s tokens into a new sequence."""
+        src = self._get(cache_id)
+        dst = self.make_caches()
+        for s, d in zip(src, dst):
+            if s.len:
+                d.append(s.k[..., : s.len, :], s.v[..., : s.len, :])
+        self.caches[new_cache_id] = dst
+
+    def release(self, cache_id: Hashable) -> None:
+        """Drop the sequence's buffers; unknown ids are ignored."""
+        self.caches.pop(cache_id, None)
+
+    def cache_ids(self) -> list:
+        """Every live cache id."""
+        return list(self.caches)
+
+    def state(self, cache_ids: Sequence[Hashable]) -> list:
+        """The K/V buffers of the given sequences (every layer)."""
+        out: list[Any] = []
+        for cid in cache_ids:
+            for layer in self.caches.get(cid, ()):
+                out.extend((layer.k, layer.v))
+        return out
+
+    def used_bytes(self) -> int:
+        """Bytes of every buffer's capacity (the contiguous layout holds what it allocates)."""
+        return sum(c[0].capacity for c in self.caches.values()) * self.bytes_per_token
+
+    def allocated_bytes(self) -> int:
+        """Same as :meth:`used_bytes`."""
+        return self.used_bytes()
+
+    def metrics(self) -> dict:
+        """Sequences and bytes held."""
+        return {"num_sequences": len(self.caches), "allocated_bytes": self.used_bytes()}

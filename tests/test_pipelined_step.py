@@ -1,0 +1,170 @@
+"""The pipelined engine step (``RuntimeConfig.async_scheduling``) against the synchronous one.
+
+The reference is the same engine with ``async_scheduling=False``, which reads every
+step's tokens before it builds the next. Token ids and finish reasons must be equal,
+including when a request stops, is aborted or is preempted while its next token is
+already queued (the one-step lag), and no KV block may be left behind.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import mlx_ferrum as mf
+from mlx_ferrum.config import RuntimeConfig
+from mlx_ferrum.engine import Engine, SamplingParams
+from mlx_ferrum.kernels import metal
+from tiny_models import tiny_model
+
+LAYOUTS = ["paged", "contiguous"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=5)
+
+
+def config(layout, pipelined, **kw):
+    base = dict(kv_layout=layout, block_size=8, max_num_blocks=512, max_num_seqs=32, async_scheduling=pipelined)
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def requests(n, seed, vocab=97, stop_ids=()):
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [r.randrange(vocab) for _ in range(r.randint(1, 40))]
+        kw = dict(max_tokens=r.randint(1, 20), ignore_eos=True, stop_token_ids=list(stop_ids))
+        if r.random() < 0.5:
+            sp = SamplingParams(temperature=0.0, **kw)
+        else:
+            sp = SamplingParams(temperature=r.choice([0.8, 1.0]), top_p=r.choice([1.0, 0.9]), top_k=r.choice([0, 20]),
+                                min_p=r.choice([0.0, 0.05]), seed=100 + i, **kw)
+        out.append((prompt, sp))
+    return out
+
+
+def run_all(model, cfg, reqs):
+    eng = Engine(model, None, cfg)
+    outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    return eng, [(o.token_ids, o.finish_reason) for o in outs]
+
+
+def assert_no_leak(eng):
+    mgr = eng.executor.manager
+    if mgr is not None:
+        assert mgr.allocator.num_in_use == 0, "blocks were left behind"
+        assert not mgr.seqs
+    else:
+        assert not eng.executor._contiguous, "contiguous caches were left behind"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipelined_equals_synchronous_greedy_and_seeded(model, layout):
+    reqs = requests(24, seed=1)
+    eng_p, pipelined = run_all(model, config(layout, True), reqs)
+    eng_s, synchronous = run_all(model, config(layout, False), reqs)
+    assert pipelined == synchronous
+    assert all(reason == "length" for _, reason in pipelined)
+    assert_no_leak(eng_p)
+    assert_no_leak(eng_s)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stop_tokens_inside_the_lag_drop_the_queued_token(model, layout):
+    # Stop ids that the tiny model produces often, so many requests stop while their
+    # next token is already queued.
+    _, free_run = run_all(model, config(layout, False), requests(24, seed=2))
+    counts: dict[int, int] = {}
+    for ids, _ in free_run:
+        for t in ids[1:]:
+            counts[t] = counts.get(t, 0) + 1
+    stop_ids = sorted(counts, key=counts.get, reverse=True)[:3]
+    reqs = requests(24, seed=2, stop_ids=stop_ids)
+    eng_p, pipelined = run_all(model, config(layout, True), reqs)
+    _, synchronous = run_all(model, config(layout, False), reqs)
+    stopped = [ids for ids, reason in pipelined if reason == "stop"]
+    assert len(stopped) >= 3, "too few requests stopped on a token: the test is too easy"
+    assert pipelined == synchronous
+    for ids in stopped:
+        assert ids[-1] in stop_ids and not any(t in stop_ids for t in ids[:-1])
+    assert_no_leak(eng_p)
+
+
+def test_preemption_inside_the_lag_matches_synchronous(model):
+    reqs = requests(60, seed=3)
+    cfg = dict(max_num_blocks=24, max_num_seqs=16, max_num_batched_tokens=128)
+    eng_p, pipelined = run_all(model, config("paged", True, **cfg), reqs)
+    eng_s, synchronous = run_all(model, config("paged", False, **cfg), reqs)
+    assert eng_p.stats()["num_preemptions"] > 0, "the pool was never under pressure: the test is too easy"
+    assert pipelined == synchronous
+    assert_no_leak(eng_p)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_abort_while_a_token_is_in_flight(model, layout):
+    reqs = requests(8, seed=4)
+    reqs = [(p, SamplingParams(**{**sp.__dict__, "max_tokens": 30})) for p, sp in reqs]
+    _, reference = run_all(model, config(layout, False), reqs)
+    eng = Engine(model, None, config(layout, True))
+    ids = [eng.add_request(p, sp) for p, sp in reqs]
+    final = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+        steps += 1
+        if steps == 6:
+            assert eng._inflight is not None, "nothing in flight: the abort would not land in the lag"
+            eng.abort(ids[0])
+            eng.abort(ids[3])
+    for i, (rid, (ref_ids, ref_reason)) in enumerate(zip(ids, reference)):
+        out = final[rid]
+        if i in (0, 3):
+            assert out.finish_reason == "abort"
+            assert -1 not in out.token_ids
+            assert out.token_ids == ref_ids[: len(out.token_ids)]
+        else:
+            assert (out.token_ids, out.finish_reason) == (ref_ids, ref_reason)
+    assert_no_leak(eng)
+
+
+def test_repetition_penalty_rows_fall_back_to_a_synchronous_step(model):
+    reqs = [([1, 2, 3, 4], SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)),
+            ([5, 6], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    _, pipelined = run_all(model, config("paged", True), reqs)
+    _, synchronous = run_all(model, config("paged", False), reqs)
+    assert pipelined == synchronous
+
+
+def test_explicit_metal_kernels_false_is_honoured(model, monkeypatch):
+    monkeypatch.delenv("FERRUM_METAL_KERNELS", raising=False)
+    calls = []
+    with metal.use_launcher(lambda **kw: calls.append(kw)):
+        ex = mf.LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=32, metal_kernels=False))
+        out = ex.prefill(mf.PrefillInput(input_ids=mx.array([[1, 2, 3]])))
+        ex.decode(mf.DecodeInput(input_ids=mx.array([[4]]), kv_cache=out.kv_cache))
+    assert not calls, "RuntimeConfig(metal_kernels=False) was ignored: the Metal kernels were launched"
+
+
+def test_explicit_metal_kernels_true_beats_the_environment(model, monkeypatch):
+    monkeypatch.setenv("FERRUM_METAL_KERNELS", "0")
+    calls = []
+    with metal.use_launcher(lambda **kw: calls.append(kw)):
+        ex = mf.LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=32, metal_kernels=True))
+        with pytest.raises(Exception):  # the recording launcher returns no kernel to call
+            ex.prefill(mf.PrefillInput(input_ids=mx.array([[1, 2, 3]])))
+    assert calls, "RuntimeConfig(metal_kernels=True) lost to FERRUM_METAL_KERNELS=0"
+
+
+def test_ferrum_async_scheduling_variable_and_prefix_cache_turn_pipelining_off(model, monkeypatch):
+    monkeypatch.setenv("FERRUM_ASYNC_SCHEDULING", "0")
+    assert not Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))._pipelined
+    monkeypatch.delenv("FERRUM_ASYNC_SCHEDULING")
+    assert Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))._pipelined
+    # the manager hashes token ids on the host, so prefix caching runs synchronous steps
+    assert not Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
+                                                 prefix_cache=True))._pipelined
