@@ -388,6 +388,7 @@ def test_a_process_that_leaves_an_async_engine_running_exits_cleanly(stories_pat
         print("done")
     """))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=repo)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "done"
+    for _ in range(4):  # the abort was a race at exit: seen in about half the runs
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=repo)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == "done"

@@ -140,6 +140,16 @@ def test_repetition_penalty_rows_fall_back_to_a_synchronous_step(model):
     assert pipelined == synchronous
 
 
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_presence_and_frequency_penalty_rows_fall_back_to_a_synchronous_step(model, layout):
+    reqs = [([1, 2, 3, 4], SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=1.5, ignore_eos=True)),
+            ([7, 8, 9], SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=1.2, ignore_eos=True)),
+            ([5, 6], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
+    _, pipelined = run_all(model, config(layout, True), reqs)
+    _, synchronous = run_all(model, config(layout, False), reqs)
+    assert pipelined == synchronous
+
+
 def test_explicit_metal_kernels_false_is_honoured(model, monkeypatch):
     monkeypatch.delenv("FERRUM_METAL_KERNELS", raising=False)
     calls = []

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import threading
+import time
 import weakref
 from typing import AsyncIterator, Optional
 
@@ -20,10 +22,30 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Engines whose stepping thread is alive. A daemon thread that is still inside MLX when
-# the interpreter finalizes makes the process abort ("terminate called without an active
-# exception", exit 134), so every live engine is stopped and joined at exit.
+# Engines whose stepping thread is alive. MLX keeps a per-thread compile cache (its
+# activations are mx.compile'd) whose destructor runs when the OS thread ends and takes
+# the GIL; if that happens while the interpreter finalizes, Python ends the thread with
+# pthread_exit inside a C++ destructor and the process aborts ("terminate called without
+# an active exception", exit 134). So every live engine's thread is stopped at exit, and
+# the interpreter waits until the OS thread is really gone.
 _live_engines: "weakref.WeakSet[AsyncEngine]" = weakref.WeakSet()
+
+
+def _wait_for_os_thread_exit(native_id, timeout_s: float = 5.0) -> None:
+    """Wait until a joined thread's OS thread has run its thread-local destructors.
+
+    ``Thread.join`` returns when the Python thread state is gone, slightly before that.
+    Linux lists live threads in ``/proc/self/task``; elsewhere a short sleep suffices.
+    """
+    if native_id is None:
+        return
+    task = f"/proc/self/task/{native_id}"
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.05)
+        return
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 @atexit.register
@@ -140,4 +162,5 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+            _wait_for_os_thread_exit(self._thread.native_id)
         _live_engines.discard(self)

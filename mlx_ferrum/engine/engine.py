@@ -329,11 +329,15 @@ class Engine:
         """True when the next step may be queued before the in-flight tokens are known.
 
         Not with prefix caching (the manager hashes token ids on the host) and not while
-        an in-flight row uses a repetition penalty (its history needs the token).
+        an in-flight row uses a repetition, presence or frequency penalty (its history
+        needs the token).
         """
         if not self._pipelined:
             return False
-        return not any(s.params.repetition_penalty != 1.0 for s, _, _ in self._inflight.rows)
+        return not any(
+            s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+            for s, _, _ in self._inflight.rows
+        )
 
     def _build_work(self, items: list) -> list[SeqWork]:
         """The executor's work for ``items``; a token still in flight is taken on the device
