@@ -295,6 +295,16 @@ class Engine:
                 raise
             return outputs
 
+    def _schedule(self, outputs: list[RequestOutput]) -> list:
+        """The scheduler's items for this step; requests the pool can never hold end here
+        with ``"error"`` (their outputs are appended to ``outputs``). Call with the lock held."""
+        plan = self.scheduler.schedule()
+        for seq in plan.rejected:
+            self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
+                         "raise FERRUM_KV_MAX_BLOCKS or shorten it")
+            outputs.append(self._output(seq, "", []))
+        return plan.items
+
     def _step_body(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             outputs.extend(self._pending)
@@ -302,12 +312,7 @@ class Engine:
             if self._inflight is not None and not self._can_overlap():
                 flight, self._inflight = self._inflight, None
                 outputs.extend(self._resolve(flight))
-            plan = self.scheduler.schedule()
-            for seq in plan.rejected:
-                self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
-                             "raise FERRUM_KV_MAX_BLOCKS or shorten it")
-                outputs.append(self._output(seq, "", []))
-            items = plan.items
+            items = self._schedule(outputs)
             work = self._build_work(items)
             # aborts from here until the executor call returns are released after it
             self._in_flight = {it.seq.request_id for it in items}
@@ -700,12 +705,7 @@ class Engine:
         with self._step_lock:
             with self._lock:
                 outputs, self._pending = self._pending, []
-                plan = self.scheduler.schedule()
-                for seq in plan.rejected:
-                    self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
-                                 "raise FERRUM_KV_MAX_BLOCKS or shorten it")
-                    outputs.append(self._output(seq, "", []))
-                items = plan.items
+                items = self._schedule(outputs)
                 now = time.time()
                 for it in items:
                     if it.seq.metrics.first_scheduled_time is None:
