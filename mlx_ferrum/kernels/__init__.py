@@ -8,9 +8,10 @@ test launcher is installed with :func:`mlx_ferrum.kernels.metal.use_launcher`) a
 the reference. A shape the kernels do not take goes to the reference, and the
 reason is logged once (logger ``mlx_ferrum.kernels``, level INFO).
 
-Sliding-window (``window``) and attention-sink (``sinks``) attention always run on
-the reference path: the Metal kernels do not take these parameters yet, so a call
-that passes either is routed to the reference (and the reason logged once).
+Sliding-window (``window``) and attention-sink (``sinks``) attention follow the same
+rules: the decode kernel and the short-chunk prefill kernel take both; the opt-in
+matrix prefill kernel does not, so long windowed/sink prefill chunks stay on the
+reference (as long chunks do anyway by default).
 """
 
 from __future__ import annotations
@@ -87,25 +88,20 @@ def paged_attention_decode(
     ``metadata`` (:func:`mlx_ferrum.kernels.metal.decode_metadata`, built once per step)
     spares the kernel path rebuilding its launch arrays per layer; the reference ignores it.
     Runs the Metal kernel (vLLM paged attention v1/v2, GQA-packed) when enabled and the
-    shape is supported, else the reference. ``window`` / ``sinks`` (sliding window,
-    attention sinks) always take the reference path.
+    shape is supported, else the reference; both take ``window`` (sliding window in
+    tokens) and ``sinks`` (``[num_heads]`` attention-sink logits).
     """
-    if window is not None or sinks is not None:
-        if metal_path_enabled():
-            _fallback("paged_attention_decode", "sliding-window / sink attention is not in the Metal kernel")
-        return reference.paged_attention_decode(
-            q, k_pool, v_pool, block_tables, context_lens, scale,
-            host_context_lens=host_context_lens, window=window, sinks=sinks,
-        )
     if metal_path_enabled():
         reason = metal.decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
         if reason is None:
             return metal.paged_attention_decode(
-                q, k_pool, v_pool, block_tables, context_lens, scale, metadata=metadata
+                q, k_pool, v_pool, block_tables, context_lens, scale, metadata=metadata,
+                window=window, sinks=sinks,
             )
         _fallback("paged_attention_decode", reason)
     return reference.paged_attention_decode(
-        q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens
+        q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens,
+        window=window, sinks=sinks,
     )
 
 

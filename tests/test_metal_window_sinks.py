@@ -1,0 +1,175 @@
+"""Sliding windows and attention sinks in the Metal decode and prefill kernels, run in
+the CPU harness (issue 12, item 6).
+
+Each result is compared with two oracles: the pure-MLX reference
+(:mod:`mlx_ferrum.kernels.reference`, whose window/sink semantics are those of Mistral
+and gpt-oss) and a float64 numpy implementation written from the definitions here: the
+query at position ``p`` attends keys ``p - window + 1 .. p``; a sink is one extra logit
+per query head in the softmax denominator, with no value. Pool slots no sequence owns
+hold NaN, and so do the blocks wholly before a sequence's window (the kernels must not
+read them: a freed block's table entry may point anywhere). Tolerances as in
+tests/test_metal_kernels.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_ferrum.kernels import metal, reference
+from mlx_ferrum.testing import metal_harness as mh
+from mlx_ferrum.testing.paged_cases import (
+    PagedCase,
+    _f64,
+    _seq_kv,
+    decode_case,
+    max_violation,
+    prefill_case,
+    without_garbage,
+)
+
+from test_metal_kernels import _assert_caught, _mutated
+
+F32, F16, BF16 = mx.float32, mx.float16, mx.bfloat16
+
+pytestmark = [
+    pytest.mark.harness,
+    pytest.mark.skipif(
+        not mh.clang_available(),
+        reason="clang++-19 not installed (apt-get install -y clang-19): the Metal harness compiles kernels with it",
+    ),
+]
+
+
+def _numpy_attend(q, keys, values, scale, sink):
+    logits = keys @ q * scale
+    m = logits.max() if len(logits) else -np.inf
+    if sink is not None:
+        m = max(m, sink)
+    if not np.isfinite(m):
+        return np.zeros(values.shape[-1])
+    p = np.exp(logits - m)
+    denom = p.sum() + (np.exp(sink - m) if sink is not None else 0.0)
+    return (p @ values) / denom
+
+
+def numpy_decode(case: PagedCase, window, sinks) -> np.ndarray:
+    q = _f64(case.q)
+    s, h, d = q.shape
+    kvh = case.k_pool.shape[1]
+    out = np.zeros((s, h, d))
+    for i, ctx in enumerate(np.array(case.context_lens).tolist()):
+        k, v = _seq_kv(case, i, ctx)
+        lo = max(0, ctx - window) if window else 0
+        for j in range(h):
+            g = j // (h // kvh)
+            out[i, j] = _numpy_attend(q[i, j], k[g, lo:], v[g, lo:], case.scale,
+                                      None if sinks is None else float(sinks[j]))
+    return out
+
+
+def numpy_prefill(case: PagedCase, window, sinks) -> np.ndarray:
+    q = _f64(case.q)
+    _, h, d = q.shape
+    kvh = case.k_pool.shape[1]
+    out = np.zeros_like(q)
+    qsl = np.array(case.query_start_loc).tolist()
+    for i, ctx in enumerate(np.array(case.context_lens).tolist()):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 == q0:
+            continue
+        k, v = _seq_kv(case, i, ctx)
+        for r in range(q0, q1):
+            pos = ctx - (q1 - q0) + (r - q0)
+            lo = max(0, pos - window + 1) if window else 0
+            for j in range(h):
+                g = j // (h // kvh)
+                out[r, j] = _numpy_attend(q[r, j], k[g, lo : pos + 1], v[g, lo : pos + 1], case.scale,
+                                          None if sinks is None else float(sinks[j]))
+    return out
+
+
+def _poison_before_window(case: PagedCase, first_needed: list[int]) -> PagedCase:
+    """NaN in every block wholly before each sequence's first needed position."""
+    bs = case.k_pool.shape[2]
+    k, v = np.array(case.k_pool.astype(F32)), np.array(case.v_pool.astype(F32))
+    tables = np.array(case.block_tables)
+    valid = case.valid.copy()
+    for i, first in enumerate(first_needed):
+        for b in tables[i, : first // bs]:
+            k[b] = np.nan
+            v[b] = np.nan
+            valid[b] = False
+    dtype = case.q.dtype
+    return PagedCase(case.q, mx.array(k).astype(dtype), mx.array(v).astype(dtype), case.block_tables,
+                     case.context_lens, case.query_start_loc, case.scale, valid)
+
+
+def _sinks(seed, h, use):
+    if not use:
+        return None
+    return mx.array(np.random.default_rng(seed).standard_normal(h).astype(np.float32) * 2.0)
+
+
+def _check_decode(h, kvh, d, bs, ctxs, dtype, window, use_sinks, psize, monkeypatch):
+    case = decode_case(len(ctxs) * 5 + d + (window or 0), ctxs, h, kvh, d, bs, dtype)
+    clean = without_garbage(case)
+    if window:
+        case = _poison_before_window(case, [max(0, c - window) for c in ctxs])
+    sinks = _sinks(d, h, use_sinks)
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+    with metal.use_launcher(mh.metal_kernel):
+        got = metal.paged_attention_decode(case.q, case.k_pool, case.v_pool, case.block_tables,
+                                           case.context_lens, case.scale, window=window, sinks=sinks)
+    assert got.shape == case.q.shape and got.dtype == dtype
+    want = numpy_decode(clean, window, None if sinks is None else np.array(sinks))
+    ref = reference.paged_attention_decode(clean.q, clean.k_pool, clean.v_pool, clean.block_tables,
+                                           clean.context_lens, clean.scale, window=window, sinks=sinks)
+    assert max_violation(got, want, dtype) <= 0, "kernel disagrees with the numpy oracle"
+    assert max_violation(got, _f64(ref), dtype) <= 0, "kernel disagrees with the MLX reference"
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, contexts, dtype, window, sinks, partition size)
+DECODE_CASES = [
+    (4, 4, 16, 8, [7, 21, 40], F32, 5, False, None),        # GQA 1, window inside one block / across
+    (8, 4, 32, 16, [33, 64, 16], F16, 16, True, None),      # GQA 2, window = one block, sinks
+    (16, 4, 64, 16, [100, 9], BF16, 37, True, None),        # GQA 4, window crossing blocks
+    (8, 2, 32, 8, [30, 12], F32, 12, False, None),          # window == one context
+    (8, 2, 32, 8, [30, 12], F16, 200, True, None),          # window longer than every context
+    (8, 4, 16, 8, [70, 45, 3], F32, 19, True, 16),          # split-K: early partitions hold nothing
+    (8, 2, 64, 16, [130, 47], BF16, 40, True, 32),          # split-K, GQA 4, bf16
+    (4, 1, 32, 8, [90], F16, None, True, 24),               # sinks alone, split-K
+    (4, 2, 16, 8, [11, 1], F32, None, True, None),          # sinks alone, one pass, context 1
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,ctxs,dtype,window,use_sinks,psize", DECODE_CASES)
+def test_decode_window_sinks_match_oracles(monkeypatch, h, kvh, d, bs, ctxs, dtype, window, use_sinks, psize):
+    _check_decode(h, kvh, d, bs, ctxs, dtype, window, use_sinks, psize, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_decode_window_sinks_sweep(monkeypatch, dtype):
+    for (h, kvh), window, use_sinks, psize in itertools.product(
+        [(4, 4), (8, 4), (8, 2)], [1, 7, 8, 23, 64, 500], [False, True], [None, 16]
+    ):
+        _check_decode(h, kvh, 32, 8, [1, 15, 64, 101], dtype, window, use_sinks, psize, monkeypatch)
+
+
+@pytest.mark.parametrize("name,old,new,psize", [
+    # the window's first key dropped (off-by-one at the window edge)
+    ("paged_attention_decode", "chunk_tok + local >= tok_begin;", "chunk_tok + local > tok_begin;", None),
+    # the sink left out of the one-pass denominator
+    ("paged_attention_decode", "l_all = l_all * o_scale + fast::exp2(sink - m_sink);",
+     "l_all = l_all * o_scale;", None),
+    # the reduce kernel forgetting the sink
+    ("paged_attention_reduce", "float l_all = SINKS == 1 ? fast::exp2(sink - m_all) : 0.0f;",
+     "float l_all = 0.0f;", 16),
+])
+def test_planted_decode_window_sink_bugs_are_caught(monkeypatch, name, old, new, psize):
+    _mutated(monkeypatch, name, old, new)
+    _assert_caught(lambda: _check_decode(8, 4, 16, 8, [70, 45, 3], F32, 19, True, psize, monkeypatch))
