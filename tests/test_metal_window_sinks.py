@@ -173,3 +173,164 @@ def test_decode_window_sinks_sweep(monkeypatch, dtype):
 def test_planted_decode_window_sink_bugs_are_caught(monkeypatch, name, old, new, psize):
     _mutated(monkeypatch, name, old, new)
     _assert_caught(lambda: _check_decode(8, 4, 16, 8, [70, 45, 3], F32, 19, True, psize, monkeypatch))
+
+
+def _check_prefill(h, kvh, d, bs, cq, dtype, window, use_sinks, matrix=False):
+    case = prefill_case(len(cq) * 3 + d + (window or 0), cq, h, kvh, d, bs, dtype)
+    clean = without_garbage(case)
+    if window:
+        case = _poison_before_window(case, [max(0, c - q - window + 1) for c, q in cq])
+    sinks = _sinks(d + 1, h, use_sinks)
+    run = metal.paged_prefill_attention_mma if matrix else metal.paged_prefill_attention
+    with metal.use_launcher(mh.metal_kernel):
+        got = run(case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens,
+                  case.query_start_loc, case.scale, window=window, sinks=sinks)
+    assert got.shape == case.q.shape and got.dtype == dtype
+    want = numpy_prefill(clean, window, None if sinks is None else np.array(sinks))
+    ref = reference.paged_prefill_attention(clean.q, clean.k_pool, clean.v_pool, clean.block_tables,
+                                            clean.context_lens, clean.query_start_loc, clean.scale,
+                                            window=window, sinks=sinks)
+    assert max_violation(got, want, dtype) <= 0, "kernel disagrees with the numpy oracle"
+    assert max_violation(got, _f64(ref), dtype) <= 0, "kernel disagrees with the MLX reference"
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, (context, q_len) per sequence, dtype, window, sinks)
+PREFILL_CASES = [
+    (4, 4, 16, 8, [(12, 12), (29, 10)], F32, 6, False),       # GQA 1, full prefill and an extend
+    (8, 4, 32, 16, [(40, 9), (17, 3)], F16, 16, True),        # GQA 2, window = one block
+    (8, 2, 64, 8, [(37, 16), (5, 5)], BF16, 11, True),        # GQA 4, window crossing blocks
+    (4, 2, 16, 8, [(20, 4)], F32, 200, True),                 # window longer than the context
+    (4, 1, 32, 16, [(33, 7), (9, 1)], F16, None, True),       # sinks alone
+    (4, 2, 16, 8, [(18, 8)], F32, 1, False),                  # window 1: each row sees itself
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,cq,dtype,window,use_sinks", PREFILL_CASES)
+def test_prefill_window_sinks_match_oracles(h, kvh, d, bs, cq, dtype, window, use_sinks):
+    _check_prefill(h, kvh, d, bs, cq, dtype, window, use_sinks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_prefill_window_sinks_sweep(dtype):
+    for (h, kvh), window, use_sinks in itertools.product([(4, 4), (8, 4), (8, 2)], [1, 5, 8, 21, 300],
+                                                         [False, True]):
+        _check_prefill(h, kvh, 32, 8, [(1, 1), (30, 14), (64, 8), (23, 23)], dtype, window, use_sinks)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("k0 + t >= row_first_key &&", "k0 + t > row_first_key &&"),      # the window's first key dropped
+    ("l = l * o_scale + exp(sink - m_sink);", "l = l * o_scale;"),  # the sink left out
+])
+def test_planted_prefill_window_sink_bugs_are_caught(monkeypatch, old, new):
+    _mutated(monkeypatch, "paged_prefill_attention", old, new)
+    _assert_caught(lambda: _check_prefill(8, 2, 32, 8, [(37, 16), (5, 5)], F32, 11, True))
+
+
+# ------------------------------------------------------------ dispatch, sources, costs
+
+
+def test_dispatch_sends_window_and_sinks_to_the_kernels(caplog):
+    import logging
+
+    import mlx_ferrum.kernels as kernels
+
+    dec = without_garbage(decode_case(4, [40, 9], 8, 2, 16, 8, F32))
+    pre = without_garbage(prefill_case(4, [(30, 6)], 8, 2, 16, 8, F32))
+    sinks = _sinks(3, 8, True)
+    before = dict(mh.LAUNCHES)
+    with caplog.at_level(logging.INFO, logger="mlx_ferrum.kernels"), metal.use_launcher(mh.metal_kernel):
+        out_d = kernels.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables,
+                                               dec.context_lens, dec.scale, window=13, sinks=sinks)
+        out_p = kernels.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables,
+                                                pre.context_lens, pre.query_start_loc, pre.scale,
+                                                window=13, sinks=sinks)
+    assert mh.LAUNCHES["paged_attention_decode"] == before.get("paged_attention_decode", 0) + 1
+    assert mh.LAUNCHES["paged_prefill_attention"] == before.get("paged_prefill_attention", 0) + 1
+    assert "reference" not in caplog.text
+    assert max_violation(out_d, numpy_decode(dec, 13, np.array(sinks)), F32) <= 0
+    assert max_violation(out_p, numpy_prefill(pre, 13, np.array(sinks)), F32) <= 0
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    from mlx_ferrum.errors import KernelError
+
+    dec = decode_case(4, [9], 8, 2, 16, 8, F32)
+    with metal.use_launcher(mh.metal_kernel), pytest.raises(KernelError, match="one logit per query head"):
+        metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens,
+                                     dec.scale, sinks=mx.zeros((2,)))
+
+
+def test_generated_source_with_window_and_sinks_matches_mlx(monkeypatch):
+    launches = []
+
+    def factory(**fkw):
+        def call(**ckw):
+            launches.append((fkw, ckw))
+            return [mx.zeros(s, d) for s, d in zip(ckw["output_shapes"], ckw["output_dtypes"])]
+        return call
+
+    dec = decode_case(1, [30, 3], 8, 2, 64, 16, BF16)
+    pre = prefill_case(1, [(12, 5)], 4, 4, 8, 8, F16)
+    with metal.use_launcher(factory):
+        for psize in (None, 16):
+            monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+            metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens, 0.1,
+                                         window=7, sinks=mx.zeros((8,), BF16))
+        metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                                      pre.query_start_loc, 0.1, window=7, sinks=mx.zeros((4,)))
+    assert sorted({f["name"] for f, _ in launches}) == [
+        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+    for fkw, ckw in launches:
+        assert ("SINKS", 1) in ckw["template"]
+        _, mlx_source = mh.capture_mlx_source(
+            name=fkw["name"], input_names=fkw["input_names"], output_names=fkw["output_names"],
+            source=fkw["source"], header=fkw["header"], inputs=ckw["inputs"],
+            output_shapes=ckw["output_shapes"], output_dtypes=ckw["output_dtypes"], template=ckw["template"],
+        )
+        gen = mh.generate(
+            fkw["name"], fkw["input_names"], fkw["output_names"], fkw["source"], fkw["header"],
+            [mh.source.arg_info(n, a) for n, a in zip(fkw["input_names"], ckw["inputs"])],
+            ckw["output_dtypes"], ckw["template"],
+        )
+        assert gen.source == mlx_source
+        sinks_param = [p for p in gen.params if p.name == "sinks"]
+        assert sinks_param and sinks_param[0].decl.startswith("const device"), sinks_param
+
+
+def _decode_bytes(ctx, window, psize, monkeypatch):
+    case = decode_case(1, [ctx], 16, 4, 128, 16, F16)
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+    with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("serial",)), mh.record_costs() as costs:
+        metal.paged_attention_decode(case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens,
+                                     case.scale, window=window, sinks=_sinks(1, 16, True))
+    return sum(c.device_bytes_read for c in costs), sum(c.simd_ops for c in costs)
+
+
+def test_decode_work_grows_with_the_window_not_the_context(monkeypatch):
+    # head_dim 128, GQA 4, float16, a 2048-token context with a 256-token window.
+    # One pass: the bytes read stay within 1.1x the K+V bytes of the window's tokens
+    # (plus one partial block) and the simdgroup operations within 1 per windowed token
+    # per head, the budgets of tests/test_metal_costs.py.
+    ctx, window, kvh, heads = 2048, 256, 4, 16
+    kv_bytes_per_token = 2 * 128 * 2 * kvh
+    read, simd_ops = _decode_bytes(ctx, window, 1 << 30, monkeypatch)
+    assert read <= 1.1 * (window + 16) * kv_bytes_per_token, read / (window * kv_bytes_per_token)
+    assert simd_ops <= (window + 16) * heads, simd_ops / (window * heads)
+    # Split-K (8 partitions of 256): the partitions before the window read only their
+    # launch metadata and q, so each extra windowed token costs its K+V bytes, and the
+    # whole call reads under a quarter of the context's K+V bytes.
+    read_256, _ = _decode_bytes(ctx, window, 256, monkeypatch)
+    read_512, _ = _decode_bytes(ctx, 2 * window, 256, monkeypatch)
+    assert read_512 - read_256 <= 1.1 * window * kv_bytes_per_token
+    assert read_256 <= 0.25 * ctx * kv_bytes_per_token
+
+
+def test_planted_window_reading_every_block_is_caught(monkeypatch):
+    # The mask alone keeps the result right; only the cost check sees the wasted reads.
+    _mutated(monkeypatch, "paged_attention_decode",
+             "const int first_block = tok_begin / BLOCK_SIZE;",
+             "const int first_block = PARTITION_SIZE > 0 ? min(ctx, part * PARTITION_SIZE) / BLOCK_SIZE : 0;")
+    _check_decode(8, 4, 16, 8, [70, 45, 3], F32, 19, True, None, monkeypatch)
+    with pytest.raises(AssertionError):
+        test_decode_work_grows_with_the_window_not_the_context(monkeypatch)

@@ -130,16 +130,10 @@ def paged_prefill_attention(
     verify, short extends); longer chunks are compute bound and go to the reference,
     whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units (or,
     with ``metal.PREFILL_MATRIX_KERNEL`` set, to the ``simdgroup_matrix`` kernel).
-    ``window`` / ``sinks`` always take the reference path.
+    ``window`` (sliding window in tokens) and ``sinks`` (``[num_heads]`` logits) are
+    taken by the reference and the short-chunk kernel; the matrix kernel does not take
+    them, so long windowed/sink chunks go to the reference.
     """
-    if window is not None or sinks is not None:
-        if metal_path_enabled():
-            _fallback("paged_prefill_attention", "sliding-window / sink attention is not in the Metal kernel")
-        return reference.paged_prefill_attention(
-            q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
-            host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
-            window=window, sinks=sinks,
-        )
     if metal_path_enabled():
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
         qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
@@ -148,9 +142,9 @@ def paged_prefill_attention(
         if reason is None and longest <= metal.PREFILL_KERNEL_MAX_QUERY_LEN:
             return metal.paged_prefill_attention(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
-                host_context_lens=ctx, host_query_start_loc=qsl,
+                host_context_lens=ctx, host_query_start_loc=qsl, window=window, sinks=sinks,
             )
-        if reason is None and metal.PREFILL_MATRIX_KERNEL:
+        if reason is None and metal.PREFILL_MATRIX_KERNEL and window is None and sinks is None:
             return metal.paged_prefill_attention_mma(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
                 host_context_lens=ctx, host_query_start_loc=qsl,
@@ -165,4 +159,5 @@ def paged_prefill_attention(
     return reference.paged_prefill_attention(
         q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
         host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
+        window=window, sinks=sinks,
     )

@@ -581,6 +581,8 @@ def paged_prefill_attention(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Causal attention of several new tokens per sequence over its paged K/V, on the Metal kernel.
 
@@ -595,12 +597,17 @@ def paged_prefill_attention(
         scale: softmax scale.
         host_context_lens, host_query_start_loc: the same values as Python ints (read
             from the arrays when None: the tiling is decided on the host).
+        window: sliding window in tokens (None, 0 or negative: none): query ``p``
+            attends keys ``p - window + 1 .. p``; blocks wholly before a tile's first
+            window are never read.
+        sinks: ``[num_heads]`` attention-sink logits (gpt-oss), or None.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
 
     Raises:
-        KernelError: shapes outside what the kernel takes (see :func:`prefill_unsupported_reason`).
+        KernelError: shapes outside what the kernel takes (see :func:`prefill_unsupported_reason`),
+            or ``sinks`` not ``[num_heads]``.
     """
     ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
     qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
@@ -614,9 +621,10 @@ def paged_prefill_attention(
     _, num_kv_heads, block_size, _ = k_pool.shape
     kv_tile = min(block_size, _pow2_floor(PREFILL_TILE_ELEMENTS // head_dim))
     tg = PREFILL_NUM_SIMD * 32
+    window_tokens = max(0, int(window)) if window is not None else 0
     kernel = _kernel(
         "paged_prefill_attention",
-        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale", "sinks"],
         ["out"],
     )
     return kernel(
@@ -626,8 +634,9 @@ def paged_prefill_attention(
             v_pool,
             _pad(block_tables.astype(mx.int32)),
             _pad(mx.array(tiles, dtype=mx.int32)),
-            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            _params(num_heads, num_kv_heads, block_tables.shape[1], window_tokens),
             mx.array(scale, dtype=mx.float32),
+            _sinks_input(sinks, num_heads, log2_units=False),
         ],
         template=[
             ("T", q.dtype),
@@ -635,6 +644,7 @@ def paged_prefill_attention(
             ("BLOCK_SIZE", block_size),
             ("NUM_SIMD", PREFILL_NUM_SIMD),
             ("KV_TILE", kv_tile),
+            ("SINKS", int(sinks is not None)),
         ],
         grid=(len(tiles) // 4 * tg, num_heads, 1),
         threadgroup=(tg, 1, 1),
