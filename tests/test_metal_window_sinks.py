@@ -277,10 +277,12 @@ def test_generated_source_with_window_and_sinks_matches_mlx(monkeypatch):
             monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
             metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables, dec.context_lens, 0.1,
                                          window=7, sinks=mx.zeros((8,), BF16))
-        metal.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
-                                      pre.query_start_loc, 0.1, window=7, sinks=mx.zeros((4,)))
+        for run in (metal.paged_prefill_attention, metal.paged_prefill_attention_mma):
+            run(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens, pre.query_start_loc, 0.1,
+                window=7, sinks=mx.zeros((4,)))
     assert sorted({f["name"] for f, _ in launches}) == [
-        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention"]
+        "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
+        "paged_prefill_attention_mma"]
     for fkw, ckw in launches:
         assert ("SINKS", 1) in ckw["template"]
         _, mlx_source = mh.capture_mlx_source(
@@ -334,3 +336,40 @@ def test_planted_window_reading_every_block_is_caught(monkeypatch):
     _check_decode(8, 4, 16, 8, [70, 45, 3], F32, 19, True, None, monkeypatch)
     with pytest.raises(AssertionError):
         test_decode_work_grows_with_the_window_not_the_context(monkeypatch)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, (context, q_len) per sequence, dtype, window, sinks)
+MATRIX_CASES = [
+    (4, 4, 16, 8, [(40, 33), (29, 10)], F32, 6, False),       # GQA 1, windows across steps
+    (8, 2, 32, 16, [(50, 20), (17, 17)], F16, 16, True),      # GQA 4, window = one block, sinks
+    (12, 2, 16, 8, [(45, 24)], BF16, 11, True),               # GQA 6 (two heads per simdgroup)
+    (4, 1, 16, 8, [(26, 18)], F32, None, True),               # sinks alone
+]
+
+
+@pytest.mark.parametrize("h,kvh,d,bs,cq,dtype,window,use_sinks", MATRIX_CASES)
+def test_matrix_prefill_window_sinks_match_oracles(h, kvh, d, bs, cq, dtype, window, use_sinks):
+    _check_prefill(h, kvh, d, bs, cq, dtype, window, use_sinks, matrix=True)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("window > 0 ? pos - window + 1 : 0;", "window > 0 ? pos - window + 2 : 0;"),  # window edge off by one
+    ("l_all = l_all * o_scale + fast::exp2(sink - m_sink);", "l_all = l_all * o_scale;"),  # sink left out
+])
+def test_planted_matrix_window_sink_bugs_are_caught(monkeypatch, old, new):
+    _mutated(monkeypatch, "paged_prefill_attention_mma", old, new)
+    _assert_caught(lambda: _check_prefill(8, 2, 32, 16, [(50, 20), (17, 17)], F32, 16, True, matrix=True))
+
+
+def test_long_windowed_chunks_go_to_the_matrix_kernel_when_enabled(monkeypatch):
+    import mlx_ferrum.kernels as kernels
+
+    pre = without_garbage(prefill_case(5, [(40, 30)], 8, 2, 16, 8, F32))  # 30 rows > 16
+    sinks = _sinks(5, 8, True)
+    monkeypatch.setattr(metal, "PREFILL_MATRIX_KERNEL", True)
+    before = mh.LAUNCHES.get("paged_prefill_attention_mma", 0)
+    with metal.use_launcher(mh.metal_kernel):
+        out = kernels.paged_prefill_attention(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                                              pre.query_start_loc, pre.scale, window=9, sinks=sinks)
+    assert mh.LAUNCHES["paged_prefill_attention_mma"] == before + 1
+    assert max_violation(out, numpy_prefill(pre, 9, np.array(sinks)), F32) <= 0

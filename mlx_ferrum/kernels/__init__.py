@@ -9,9 +9,7 @@ the reference. A shape the kernels do not take goes to the reference, and the
 reason is logged once (logger ``mlx_ferrum.kernels``, level INFO).
 
 Sliding-window (``window``) and attention-sink (``sinks``) attention follow the same
-rules: the decode kernel and the short-chunk prefill kernel take both; the opt-in
-matrix prefill kernel does not, so long windowed/sink prefill chunks stay on the
-reference (as long chunks do anyway by default).
+rules: every kernel (decode, prefill and the opt-in matrix prefill) takes both.
 """
 
 from __future__ import annotations
@@ -130,9 +128,8 @@ def paged_prefill_attention(
     verify, short extends); longer chunks are compute bound and go to the reference,
     whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units (or,
     with ``metal.PREFILL_MATRIX_KERNEL`` set, to the ``simdgroup_matrix`` kernel).
-    ``window`` (sliding window in tokens) and ``sinks`` (``[num_heads]`` logits) are
-    taken by the reference and the short-chunk kernel; the matrix kernel does not take
-    them, so long windowed/sink chunks go to the reference.
+    All three paths take ``window`` (sliding window in tokens) and ``sinks``
+    (``[num_heads]`` attention-sink logits).
     """
     if metal_path_enabled():
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
@@ -144,10 +141,10 @@ def paged_prefill_attention(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
                 host_context_lens=ctx, host_query_start_loc=qsl, window=window, sinks=sinks,
             )
-        if reason is None and metal.PREFILL_MATRIX_KERNEL and window is None and sinks is None:
+        if reason is None and metal.PREFILL_MATRIX_KERNEL:
             return metal.paged_prefill_attention_mma(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
-                host_context_lens=ctx, host_query_start_loc=qsl,
+                host_context_lens=ctx, host_query_start_loc=qsl, window=window, sinks=sinks,
             )
         if reason is None:
             # A dispatch rule, not a fallback: long chunks are compute bound and MLX's

@@ -664,13 +664,16 @@ def paged_prefill_attention_mma(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """:func:`paged_prefill_attention` on the matrix units: ``simdgroup_matrix`` 8x8 tiles
     (FlashAttention-2, Dao 2023, tiled as in MLX's steel attention), the GQA query heads
     of a KV head in one threadgroup sharing each staged K/V tile.
 
-    Same arguments, shapes, dtypes, result and errors as :func:`paged_prefill_attention`
-    (``[num_tokens, num_heads, head_dim]`` in q's dtype; float32 accumulation).
+    Same arguments (``window`` and ``sinks`` included), shapes, dtypes, result and errors
+    as :func:`paged_prefill_attention` (``[num_tokens, num_heads, head_dim]`` in q's
+    dtype; float32 accumulation).
 
     Raises:
         KernelError: shapes outside what the kernels take (see :func:`prefill_unsupported_reason`).
@@ -687,9 +690,10 @@ def paged_prefill_attention_mma(
     _, num_kv_heads, block_size, _ = k_pool.shape
     gqa = num_heads // num_kv_heads
     num_simd = min(4, gqa)
+    window_tokens = max(0, int(window)) if window is not None else 0
     kernel = _kernel(
         "paged_prefill_attention_mma",
-        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale", "sinks"],
         ["out"],
     )
     return kernel(
@@ -699,8 +703,9 @@ def paged_prefill_attention_mma(
             v_pool,
             _pad(block_tables.astype(mx.int32)),
             _pad(mx.array(tiles, dtype=mx.int32)),
-            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            _params(num_heads, num_kv_heads, block_tables.shape[1], window_tokens),
             mx.array(scale * LOG2E, dtype=mx.float32),
+            _sinks_input(sinks, num_heads),
         ],
         template=[
             ("T", q.dtype),
@@ -709,6 +714,7 @@ def paged_prefill_attention_mma(
             ("GQA", gqa),
             ("NUM_SIMD", num_simd),
             ("HEADS_PER_SIMD", -(-gqa // num_simd)),
+            ("SINKS", int(sinks is not None)),
         ],
         grid=(len(tiles) // 4 * num_simd * 32, num_kv_heads, 1),
         threadgroup=(num_simd * 32, 1, 1),
