@@ -373,3 +373,23 @@ def test_long_windowed_chunks_go_to_the_matrix_kernel_when_enabled(monkeypatch):
                                               pre.query_start_loc, pre.scale, window=9, sinks=sinks)
     assert mh.LAUNCHES["paged_prefill_attention_mma"] == before + 1
     assert max_violation(out, numpy_prefill(pre, 9, np.array(sinks)), F32) <= 0
+
+
+@pytest.mark.parametrize("variant,finite_math", [("counting", False), ("ubsan", False), ("cxx14", False),
+                                                 ("default", True)])
+def test_window_sink_kernels_pass_in_each_build_variant(monkeypatch, variant, finite_math):
+    # counting checks every output element is written exactly once; ubsan, C++14 text
+    # and -ffinite-math-only as in tests/test_metal_hardening.py.
+    dec = decode_case(6, [40, 300, 1], 8, 2, 64, 16, F16)
+    pre = prefill_case(6, [(20, 9), (7, 7)], 8, 2, 64, 16, BF16)
+    sinks = _sinks(6, 8, True)
+    with metal.use_launcher(mh.metal_kernel), mh.options(variant=variant, finite_math=finite_math):
+        for psize in (None, 64):
+            monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+            got = metal.paged_attention_decode(dec.q, dec.k_pool, dec.v_pool, dec.block_tables,
+                                               dec.context_lens, dec.scale, window=70, sinks=sinks)
+            assert max_violation(got, numpy_decode(dec, 70, np.array(sinks)), F16) <= 0
+        for prefill in (metal.paged_prefill_attention, metal.paged_prefill_attention_mma):
+            got = prefill(pre.q, pre.k_pool, pre.v_pool, pre.block_tables, pre.context_lens,
+                          pre.query_start_loc, pre.scale, window=5, sinks=sinks)
+            assert max_violation(got, numpy_prefill(pre, 5, np.array(sinks)), BF16) <= 0
