@@ -538,6 +538,12 @@ def paged_attention_decode(
     )[0]
 
 
+@lru_cache(maxsize=16)
+def _no_sinks(num_heads: int) -> mx.array:
+    # built once per head count: the decode hot path would otherwise allocate it per layer
+    return mx.zeros((max(MIN_DEVICE_ELEMENTS, num_heads),), mx.float32)
+
+
 def _sinks_input(sinks: Optional[mx.array], num_heads: int, log2_units: bool = True) -> mx.array:
     """The kernels' ``sinks`` input: ``[max(8, num_heads)]`` float32 logits (times
     log2(e) for the base-2 kernels); zeros when there are no sinks (then unread).
@@ -546,7 +552,7 @@ def _sinks_input(sinks: Optional[mx.array], num_heads: int, log2_units: bool = T
         KernelError: ``sinks`` is not ``[num_heads]``.
     """
     if sinks is None:
-        return mx.zeros((max(MIN_DEVICE_ELEMENTS, num_heads),), mx.float32)
+        return _no_sinks(num_heads)
     if sinks.shape != (num_heads,):
         raise KernelError(f"sinks has shape {sinks.shape}; pass one logit per query head: ({num_heads},)")
     values = sinks.astype(mx.float32)
