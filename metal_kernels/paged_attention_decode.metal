@@ -24,8 +24,12 @@
 //   v_pool       same as k_pool
 //   block_tables [num_seqs * max_blocks_per_seq] int32, padded to >= 8 elements
 //   context_lens [num_seqs] int32, padded to >= 8 elements
-//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq, num_partitions
+//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq, num_partitions,
+//                window (sliding window in tokens; 0 = none)
 //   scale        0-d float32: softmax scale times log2(e)
+//   sinks        [max(8, num_heads)] float32: attention-sink logits times log2(e)
+//                (read only when SINKS == 1 and PARTITION_SIZE == 0; split-K adds
+//                them in paged_attention_reduce)
 // Outputs:
 //   out          PARTITION_SIZE == 0: [num_seqs, num_heads, HEAD_DIM] OutT (= T), final.
 //                PARTITION_SIZE  > 0: [num_seqs, num_heads, num_partitions, HEAD_DIM]
@@ -36,7 +40,18 @@
 // Template: T, OutT, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE (power of two >= 8),
 //   NUM_SIMD, GQA (query heads per threadgroup: num_heads / num_kv_heads, or a divisor of
 //   it when that is above 8), PARTITION_SIZE (tokens per partition, a
-//   multiple of BLOCK_SIZE; 0 = one pass).
+//   multiple of BLOCK_SIZE; 0 = one pass), SINKS (1: add the sink logit of each query
+//   head to the softmax denominator, gpt-oss; 0: none).
+//
+// Sliding window (Mistral; gpt-oss's even layers): the query at position ctx - 1
+// attends keys [ctx - window, ctx). The block loop starts at the block holding
+// ctx - window, so blocks wholly before the window are never read (work and traffic
+// grow with the window, not the context); the tokens of that first block before the
+// window are masked like tokens past the context. A partition wholly before the
+// window reads nothing and reports an empty state (max -FLT_MAX, sum 0).
+// Sinks (gpt-oss): one extra logit per query head in the denominator, with no value:
+// out = sum_t exp2(s_t - M) v_t / (sum_t exp2(s_t - M) + exp2(sink - M)),
+// M = max(max_t s_t, sink).
 //
 // Work split: a K or V row is read as 16-byte vectors (VEC elements). LPT lanes share a
 // token (at most 8, so the score needs log2(LPT) <= 3 shuffles for 32 / LPT tokens);
@@ -47,7 +62,8 @@
 // The GQA query rows and the block ids (per chunk of 32 blocks) are read from device
 // memory once per threadgroup, into threadgroup memory.
 // No +-infinity anywhere (safe under fast math): the running max starts at -FLT_MAX,
-// the number of rounds is computed up front, tokens past the context score nothing.
+// the number of rounds is computed up front, tokens outside [window start, context)
+// score nothing.
 // --- header ---
 // Elements of T in one 16-byte load.
 template <typename T>
@@ -115,6 +131,7 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   const int num_kv_heads = params[1];
   const int max_blocks = params[2];
   const int num_partitions = params[3];
+  const int window = params[4];
   const int head_group = threadgroup_position_in_grid.x;  // query heads head_group * GQA + [0, GQA)
   const int kv_head = head_group / ((num_heads / num_kv_heads) / GQA);
   const int seq = threadgroup_position_in_grid.y;
@@ -132,11 +149,13 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
     exp_sums[0] = 0.0f;
   }
   const int ctx = context_lens[seq];
-  int tok_begin = 0;
+  const int window_begin = window > 0 ? max(0, ctx - window) : 0;
+  int tok_begin = window_begin;
   int tok_end = ctx;
   if (PARTITION_SIZE > 0) {
-    tok_begin = min(ctx, part * PARTITION_SIZE);
-    tok_end = min(ctx, tok_begin + PARTITION_SIZE);
+    const int part_begin = min(ctx, part * PARTITION_SIZE);
+    tok_end = min(ctx, part_begin + PARTITION_SIZE);
+    tok_begin = min(tok_end, max(part_begin, window_begin));
   }
   const int first_block = tok_begin / BLOCK_SIZE;
   const int num_blocks = (tok_end - first_block * BLOCK_SIZE + BLOCK_SIZE - 1) / BLOCK_SIZE;
@@ -178,7 +197,7 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
     const int rounds = (min(CHUNK * BLOCK_SIZE, tok_end - chunk_tok) + ROUND - 1) / ROUND;
     for (int k = 0; k < rounds; ++k) {
       const int local = k * ROUND + sg * TPS + tok_group;
-      const bool valid = chunk_tok + local < tok_end;
+      const bool valid = chunk_tok + local < tok_end && chunk_tok + local >= tok_begin;
       const int64_t row = int64_t(block_ids[local / BLOCK_SIZE]) * block_stride + kv_offset
           + int64_t(local % BLOCK_SIZE) * HEAD_DIM;
       float kf[EPL];
@@ -264,8 +283,16 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
     for (int g = 0; g < GROUPS; ++g) {
       l_all += group_sum[g] * fast::exp2(group_max[g] - m_all);
     }
+    // The sink joins the one-pass denominator here (split-K: in the reduce kernel).
+    float o_scale = 1.0f;
+    if (SINKS == 1 && PARTITION_SIZE == 0) {
+      const float sink = sinks[head_group * GQA + h];
+      const float m_sink = max(m_all, sink);
+      o_scale = fast::exp2(m_all - m_sink);
+      l_all = l_all * o_scale + fast::exp2(sink - m_sink);
+    }
     // An empty context (or a partition past it) gives 0, not 0/0.
-    const float inv_l = l_all > 0.0f ? 1.0f / l_all : 0.0f;
+    const float inv_l = l_all > 0.0f ? o_scale / l_all : 0.0f;
     const int64_t out_row = q_row + h;
     for (int d = tid; d < HEAD_DIM; d += TG) {
       float o = 0.0f;

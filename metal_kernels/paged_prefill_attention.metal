@@ -10,7 +10,12 @@
 // KV_TILE tokens of K and V at a time in threadgroup memory (as float), and each
 // simdgroup updates its row's online softmax (float32 max, sum and output).
 // Query row j of a sequence with q_len new tokens and context_len tokens sits at
-// position context_len - q_len + j and attends to keys 0..position.
+// position context_len - q_len + j and attends to keys 0..position, or with a
+// sliding window (Mistral; gpt-oss's even layers) to keys position - window + 1 ..
+// position: the tile loop then starts at the tile holding the first row's first key,
+// so earlier blocks are never read. With sinks (gpt-oss) the head's sink logit joins
+// the softmax denominator at the end: out = acc e^(m - M) / (l e^(m - M) + e^(sink - M)),
+// M = max(m, sink).
 //
 // Launch (built by mlx_ferrum/kernels/metal.py):
 //   grid        = (num_tiles * NUM_SIMD * 32, num_heads, 1) threads
@@ -23,13 +28,16 @@
 //   tiles        [num_tiles * 4] int32, padded to >= 8 elements: per tile the
 //                sequence, its first q row, its row count (<= NUM_SIMD) and the
 //                position of its first row; a tile never spans two sequences
-//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq
+//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq, window
+//                (sliding window in tokens; 0 = none)
 //   scale        0-d float32
+//   sinks        [max(8, num_heads)] float32 attention-sink logits (read only when
+//                SINKS == 1)
 // Output:
 //   out          [num_tokens, num_heads, HEAD_DIM] T
 // Template: T, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE, NUM_SIMD, KV_TILE
 //   (tokens staged per step: a power of two dividing BLOCK_SIZE, with
-//   2 * KV_TILE * HEAD_DIM * 4 bytes of threadgroup memory).
+//   2 * KV_TILE * HEAD_DIM * 4 bytes of threadgroup memory), SINKS (0 or 1).
 // --- header ---
 // Lanes that share one token's dot product: the largest power of two <= 32 that
 // divides head_dim (see paged_attention_decode.metal).
@@ -54,6 +62,7 @@ constexpr int pa_lanes_per_token(int head_dim) {
   const int num_heads = params[0];
   const int num_kv_heads = params[1];
   const int max_blocks = params[2];
+  const int window = params[3];
   const int seq = tiles[4 * tile];
   const int row0 = tiles[4 * tile + 1];
   const int num_rows = tiles[4 * tile + 2];
@@ -69,6 +78,9 @@ constexpr int pa_lanes_per_token(int head_dim) {
   const bool active = sg < num_rows;
   const int pos = pos0 + sg;
   const int last_pos = pos0 + num_rows - 1;
+  // First key of this row's window, and of the tile's first row (where loading starts).
+  const int row_first_key = window > 0 ? pos - window + 1 : 0;
+  const int first_key = window > 0 ? max(0, pos0 - window + 1) : 0;
   const int64_t out_row = (int64_t(row0) + sg) * num_heads + head;
 
   float qv[EPL];
@@ -84,12 +96,12 @@ constexpr int pa_lanes_per_token(int head_dim) {
 
   const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
   const int64_t block_stride = head_stride * num_kv_heads;
-  for (int k0 = 0; k0 <= last_pos; k0 += KV_TILE) {
+  for (int k0 = first_key / KV_TILE * KV_TILE; k0 <= last_pos; k0 += KV_TILE) {
     const int physical_block = block_tables[int64_t(seq) * max_blocks + k0 / BLOCK_SIZE];
     const int64_t base = physical_block * block_stride + kv_head * head_stride + (k0 % BLOCK_SIZE) * HEAD_DIM;
     for (int e = tid; e < KV_TILE * HEAD_DIM; e += TG) {
       // Slots past the last needed key may hold garbage (even NaN): stage zeros.
-      const bool needed = k0 + e / HEAD_DIM <= last_pos;
+      const bool needed = k0 + e / HEAD_DIM <= last_pos && k0 + e / HEAD_DIM >= first_key;
       k_tile[e] = needed ? float(k_pool[base + e]) : 0.0f;
       v_tile[e] = needed ? float(v_pool[base + e]) : 0.0f;
     }
@@ -100,7 +112,7 @@ constexpr int pa_lanes_per_token(int head_dim) {
       const int keys_here = min(KV_TILE, pos - k0 + 1);
       for (int t0 = 0; t0 < keys_here; t0 += TPS) {
         const int t = t0 + tok_group;
-        const bool valid = t < KV_TILE && k0 + t <= pos;
+        const bool valid = t < KV_TILE && k0 + t >= row_first_key && k0 + t <= pos;
         float s = 0.0f;
         if (valid) {
           for (int i = 0; i < EPL; ++i) {
@@ -133,9 +145,16 @@ constexpr int pa_lanes_per_token(int head_dim) {
         acc[i] += simd_shuffle_xor(acc[i], ushort(o));
       }
     }
+    float o_scale = 1.0f;
+    if (SINKS == 1) {
+      const float sink = sinks[head];
+      const float m_sink = max(m, sink);
+      o_scale = exp(m - m_sink);
+      l = l * o_scale + exp(sink - m_sink);
+    }
     if (tok_group == 0) {
       for (int i = 0; i < EPL; ++i) {
-        out[out_row * HEAD_DIM + r + i * LPT] = static_cast<T>(acc[i] / l);
+        out[out_row * HEAD_DIM + r + i * LPT] = static_cast<T>(acc[i] * o_scale / l);
       }
     }
   }

@@ -10,7 +10,10 @@
 // accumulates), online softmax per row in base 2 (q pre-scaled by scale * log2(e)),
 // O = diag(correction) O + P V. Query row j of a sequence with q_len new tokens and
 // context context_len sits at position context_len - q_len + j and attends to keys
-// 0..position. A finite -FLT_MAX sentinel; key slots past the context are staged as 0.
+// 0..position, or with a sliding window to keys position - window + 1 .. position (the
+// step loop then starts at the step holding the first row's first key). With sinks
+// (gpt-oss) each row's sink logit joins its denominator at the end. A finite -FLT_MAX
+// sentinel; key slots outside [first row's window start, last position] are staged as 0.
 //
 // Launch (built by mlx_ferrum/kernels/metal.py):
 //   grid        = (num_tiles * NUM_SIMD * 32, num_kv_heads, 1) threads
@@ -23,12 +26,15 @@
 //   v_pool       same as k_pool
 //   block_tables [num_seqs * max_blocks_per_seq] int32, padded to >= 8 elements
 //   tiles        [num_tiles * 4] int32: seq, first_row, rows (1..8), first_position
-//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq
+//   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq, window
+//                (sliding window in tokens; 0 = none)
 //   scale        0-d float32: softmax scale times log2(e)
+//   sinks        [max(8, num_heads)] float32: sink logits times log2(e) (read only when
+//                SINKS == 1)
 // Output:
 //   out          [num_tokens, num_heads, HEAD_DIM] T
 // Template: T, HEAD_DIM (multiple of 8), BLOCK_SIZE (multiple of 8), GQA, NUM_SIMD,
-//   HEADS_PER_SIMD (= ceil(GQA / NUM_SIMD)).
+//   HEADS_PER_SIMD (= ceil(GQA / NUM_SIMD)), SINKS (0 or 1).
 // Threadgroup memory: K and V of 8 keys as float (2 * 8 * HEAD_DIM * 4 bytes) and, per
 //   simdgroup, two 8x8 float tiles (scores / probabilities, the diagonal scaling):
 //   16 KiB + 2 KiB at HEAD_DIM 256.
@@ -45,6 +51,7 @@
   const int num_heads = params[0];
   const int num_kv_heads = params[1];
   const int max_blocks = params[2];
+  const int window = params[3];
   const int tile = threadgroup_position_in_grid.x;
   const int kv_head = threadgroup_position_in_grid.y;
   const int tid = thread_index_in_threadgroup;
@@ -56,6 +63,7 @@
   const int first_pos = tiles[4 * tile + 3];
   const int num_keys = first_pos + rows;  // causal: the last row sees keys 0..first_pos + rows - 1
   const int num_steps = (num_keys + 7) / 8;
+  const int first_key = window > 0 ? max(0, first_pos - window + 1) : 0;
   threadgroup float* s_mine = s_tile + sg * 64;
   threadgroup float* d_mine = d_tile + sg * 64;
 
@@ -85,14 +93,14 @@
 
   const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
   const int64_t block_stride = head_stride * num_kv_heads;
-  for (int step = 0; step < num_steps; ++step) {
+  for (int step = first_key / 8; step < num_steps; ++step) {
     const int k0 = step * 8;
     // 8 keys never straddle a block (BLOCK_SIZE is a multiple of 8).
     const int physical_block = block_tables[int64_t(seq) * max_blocks + k0 / BLOCK_SIZE];
     const int64_t base = physical_block * block_stride + int64_t(kv_head) * head_stride
         + int64_t(k0 % BLOCK_SIZE) * HEAD_DIM;
     for (int i = tid; i < 8 * HEAD_DIM; i += TG) {
-      const bool valid = k0 + i / HEAD_DIM < num_keys;
+      const bool valid = k0 + i / HEAD_DIM < num_keys && k0 + i / HEAD_DIM >= first_key;
       k_tile[i] = valid ? float(k_pool[base + i]) : 0.0f;
       v_tile[i] = valid ? float(v_pool[base + i]) : 0.0f;
     }
@@ -109,16 +117,17 @@
       simdgroup_barrier(mem_flags::mem_threadgroup);
       if (lane < 8) {
         const int pos = first_pos + lane;
+        const int row_first_key = window > 0 ? pos - window + 1 : 0;
         float row_max = -FLT_MAX;
         for (int j = 0; j < 8; ++j) {
-          const bool valid = lane < rows && k0 + j <= pos;
+          const bool valid = lane < rows && k0 + j >= row_first_key && k0 + j <= pos;
           row_max = valid ? max(row_max, s_mine[lane * 8 + j]) : row_max;
         }
         const float m_new = max(m[hh], row_max);
         const float correction = fast::exp2(m[hh] - m_new);
         float row_sum = 0.0f;
         for (int j = 0; j < 8; ++j) {
-          const bool valid = lane < rows && k0 + j <= pos;
+          const bool valid = lane < rows && k0 + j >= row_first_key && k0 + j <= pos;
           const float p = valid ? fast::exp2(s_mine[lane * 8 + j] - m_new) : 0.0f;
           s_mine[lane * 8 + j] = p;
           d_mine[lane * 8 + j] = j == lane ? correction : 0.0f;
@@ -148,7 +157,15 @@
     const int h = sg + hh * NUM_SIMD;
     if (lane < 8) {
       for (int j = 0; j < 8; ++j) {
-        d_mine[lane * 8 + j] = j == lane && l[hh] > 0.0f ? 1.0f / l[hh] : 0.0f;
+        float o_scale = 1.0f;
+        float l_all = l[hh];
+        if (SINKS == 1) {
+          const float sink = sinks[int64_t(kv_head) * GQA + min(h, GQA - 1)];
+          const float m_sink = max(m[hh], sink);
+          o_scale = fast::exp2(m[hh] - m_sink);
+          l_all = l_all * o_scale + fast::exp2(sink - m_sink);
+        }
+        d_mine[lane * 8 + j] = j == lane && l[hh] > 0.0f ? o_scale / l_all : 0.0f;
       }
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);

@@ -66,7 +66,7 @@ def test_decode_window_and_sinks(window, use_sinks):
     sk = None if sinks is None else mx.array(sinks)
     blockwise = reference.paged_attention_decode(*args, window=window, sinks=sk)
     assert np.abs(np.array(blockwise) - expected).max() < 1e-4
-    # the single-sequence fast path, and the dispatcher (routes window/sinks to the reference)
+    # the single-sequence fast path, and the dispatcher (the reference here: no Metal, no launcher)
     for i in range(len(lens)):
         one = kernels.paged_attention_decode(
             mx.array(q[i : i + 1]), mx.array(k_pool), mx.array(v_pool), mx.array(table[i : i + 1]),

@@ -8,9 +8,8 @@ test launcher is installed with :func:`mlx_ferrum.kernels.metal.use_launcher`) a
 the reference. A shape the kernels do not take goes to the reference, and the
 reason is logged once (logger ``mlx_ferrum.kernels``, level INFO).
 
-Sliding-window (``window``) and attention-sink (``sinks``) attention always run on
-the reference path: the Metal kernels do not take these parameters yet, so a call
-that passes either is routed to the reference (and the reason logged once).
+Sliding-window (``window``) and attention-sink (``sinks``) attention follow the same
+rules: every kernel (decode, prefill and the opt-in matrix prefill) takes both.
 """
 
 from __future__ import annotations
@@ -96,25 +95,20 @@ def paged_attention_decode(
     ``metadata`` (:func:`mlx_ferrum.kernels.metal.decode_metadata`, built once per step)
     spares the kernel path rebuilding its launch arrays per layer; the reference ignores it.
     Runs the Metal kernel (vLLM paged attention v1/v2, GQA-packed) when enabled and the
-    shape is supported, else the reference. ``window`` / ``sinks`` (sliding window,
-    attention sinks) always take the reference path.
+    shape is supported, else the reference; both take ``window`` (sliding window in
+    tokens) and ``sinks`` (``[num_heads]`` attention-sink logits).
     """
-    if window is not None or sinks is not None:
-        if metal_path_enabled(metal_kernels):
-            _fallback("paged_attention_decode", "sliding-window / sink attention is not in the Metal kernel")
-        return reference.paged_attention_decode(
-            q, k_pool, v_pool, block_tables, context_lens, scale,
-            host_context_lens=host_context_lens, window=window, sinks=sinks,
-        )
     if metal_path_enabled(metal_kernels):
         reason = metal.decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
         if reason is None:
             return metal.paged_attention_decode(
-                q, k_pool, v_pool, block_tables, context_lens, scale, metadata=metadata
+                q, k_pool, v_pool, block_tables, context_lens, scale, metadata=metadata,
+                window=window, sinks=sinks,
             )
         _fallback("paged_attention_decode", reason)
     return reference.paged_attention_decode(
-        q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens
+        q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens,
+        window=window, sinks=sinks,
     )
 
 
@@ -145,16 +139,9 @@ def paged_prefill_attention(
     verify, short extends); longer chunks are compute bound and go to the reference,
     whose gather + ``mx.fast.scaled_dot_product_attention`` uses the matrix units (or,
     with ``metal.PREFILL_MATRIX_KERNEL`` set, to the ``simdgroup_matrix`` kernel).
-    ``window`` / ``sinks`` always take the reference path.
+    All three paths take ``window`` (sliding window in tokens) and ``sinks``
+    (``[num_heads]`` attention-sink logits).
     """
-    if window is not None or sinks is not None:
-        if metal_path_enabled(metal_kernels):
-            _fallback("paged_prefill_attention", "sliding-window / sink attention is not in the Metal kernel")
-        return reference.paged_prefill_attention(
-            q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
-            host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
-            window=window, sinks=sinks,
-        )
     if metal_path_enabled(metal_kernels):
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
         qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
@@ -163,12 +150,12 @@ def paged_prefill_attention(
         if reason is None and longest <= metal.PREFILL_KERNEL_MAX_QUERY_LEN:
             return metal.paged_prefill_attention(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
-                host_context_lens=ctx, host_query_start_loc=qsl,
+                host_context_lens=ctx, host_query_start_loc=qsl, window=window, sinks=sinks,
             )
         if reason is None and metal.PREFILL_MATRIX_KERNEL:
             return metal.paged_prefill_attention_mma(
                 q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
-                host_context_lens=ctx, host_query_start_loc=qsl,
+                host_context_lens=ctx, host_query_start_loc=qsl, window=window, sinks=sinks,
             )
         if reason is None:
             # A dispatch rule, not a fallback: long chunks are compute bound and MLX's
@@ -180,4 +167,5 @@ def paged_prefill_attention(
     return reference.paged_prefill_attention(
         q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
         host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
+        window=window, sinks=sinks,
     )

@@ -438,6 +438,8 @@ def paged_attention_decode(
     *,
     host_context_lens=None,
     metadata: Optional[DecodeMetadata] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V, on the Metal kernels.
 
@@ -457,6 +459,11 @@ def paged_attention_decode(
         metadata: the step's :class:`DecodeMetadata` from :func:`decode_metadata`
             (built here when None); its arrays replace ``block_tables`` and
             ``context_lens``.
+        window: sliding window in tokens (None, 0 or negative: none): only the last
+            ``window`` tokens of each context are attended, and the kernel starts at
+            the block holding the first of them (blocks before it are never read).
+        sinks: ``[num_heads]`` attention-sink logits (gpt-oss; any float dtype), or
+            None: one extra logit per head in the softmax denominator, with no value.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype. One threadgroup per
@@ -481,16 +488,18 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     heads_per_tg = max(d for d in range(1, DECODE_MAX_HEADS_PER_THREADGROUP + 1) if group % d == 0)
     scale_arr = mx.array(scale * LOG2E, dtype=mx.float32)
-    params = _params(num_heads, num_kv_heads, metadata.max_blocks_per_seq, num_partitions)
+    window_tokens = max(0, int(window)) if window is not None else 0
+    sinks_arr = _sinks_input(sinks, num_heads)
+    params = _params(num_heads, num_kv_heads, metadata.max_blocks_per_seq, num_partitions, window_tokens)
     kernel = _kernel(
         "paged_attention_decode",
-        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale"],
+        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks"],
         ["out", "max_logits", "exp_sums"],
     )
     out_dtype = mx.float32 if partitioned else q.dtype
     stats_shape = (num_seqs, num_heads, num_partitions) if partitioned else (1,)
     outs = kernel(
-        inputs=[q, k_pool, v_pool, metadata.block_tables, metadata.context_lens, params, scale_arr],
+        inputs=[q, k_pool, v_pool, metadata.block_tables, metadata.context_lens, params, scale_arr, sinks_arr],
         template=[
             ("T", q.dtype),
             ("OutT", out_dtype),
@@ -499,6 +508,7 @@ def paged_attention_decode(
             ("NUM_SIMD", DECODE_NUM_SIMD),
             ("GQA", heads_per_tg),
             ("PARTITION_SIZE", psize if partitioned else 0),
+            ("SINKS", int(sinks is not None)),
         ],
         grid=(num_heads // heads_per_tg * tg, num_seqs, num_partitions),
         threadgroup=(tg, 1, 1),
@@ -513,17 +523,40 @@ def paged_attention_decode(
         return outs[0]
     reduce = _kernel(
         "paged_attention_reduce",
-        ["tmp_out", "max_logits", "exp_sums", "context_lens", "params"],
+        ["tmp_out", "max_logits", "exp_sums", "context_lens", "params", "sinks"],
         ["out"],
     )
     return reduce(
-        inputs=[outs[0], outs[1], outs[2], metadata.context_lens, _params(num_heads, num_partitions, psize)],
-        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("NUM_PARTITIONS", num_partitions)],
+        inputs=[outs[0], outs[1], outs[2], metadata.context_lens,
+                _params(num_heads, num_partitions, psize, window_tokens), sinks_arr],
+        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("NUM_PARTITIONS", num_partitions),
+                  ("SINKS", int(sinks is not None))],
         grid=(head_dim, num_heads, num_seqs),
         threadgroup=(head_dim, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]
+
+
+@lru_cache(maxsize=16)
+def _no_sinks(num_heads: int) -> mx.array:
+    # built once per head count: the decode hot path would otherwise allocate it per layer
+    return mx.zeros((max(MIN_DEVICE_ELEMENTS, num_heads),), mx.float32)
+
+
+def _sinks_input(sinks: Optional[mx.array], num_heads: int, log2_units: bool = True) -> mx.array:
+    """The kernels' ``sinks`` input: ``[max(8, num_heads)]`` float32 logits (times
+    log2(e) for the base-2 kernels); zeros when there are no sinks (then unread).
+
+    Raises:
+        KernelError: ``sinks`` is not ``[num_heads]``.
+    """
+    if sinks is None:
+        return _no_sinks(num_heads)
+    if sinks.shape != (num_heads,):
+        raise KernelError(f"sinks has shape {sinks.shape}; pass one logit per query head: ({num_heads},)")
+    values = sinks.astype(mx.float32)
+    return _pad(values * LOG2E if log2_units else values)
 
 
 def prefill_tiles(
@@ -554,6 +587,8 @@ def paged_prefill_attention(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Causal attention of several new tokens per sequence over its paged K/V, on the Metal kernel.
 
@@ -568,12 +603,17 @@ def paged_prefill_attention(
         scale: softmax scale.
         host_context_lens, host_query_start_loc: the same values as Python ints (read
             from the arrays when None: the tiling is decided on the host).
+        window: sliding window in tokens (None, 0 or negative: none): query ``p``
+            attends keys ``p - window + 1 .. p``; blocks wholly before a tile's first
+            window are never read.
+        sinks: ``[num_heads]`` attention-sink logits (gpt-oss), or None.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
 
     Raises:
-        KernelError: shapes outside what the kernel takes (see :func:`prefill_unsupported_reason`).
+        KernelError: shapes outside what the kernel takes (see :func:`prefill_unsupported_reason`),
+            or ``sinks`` not ``[num_heads]``.
     """
     ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
     qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
@@ -587,9 +627,10 @@ def paged_prefill_attention(
     _, num_kv_heads, block_size, _ = k_pool.shape
     kv_tile = min(block_size, _pow2_floor(PREFILL_TILE_ELEMENTS // head_dim))
     tg = PREFILL_NUM_SIMD * 32
+    window_tokens = max(0, int(window)) if window is not None else 0
     kernel = _kernel(
         "paged_prefill_attention",
-        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale", "sinks"],
         ["out"],
     )
     return kernel(
@@ -599,8 +640,9 @@ def paged_prefill_attention(
             v_pool,
             _pad(block_tables.astype(mx.int32)),
             _pad(mx.array(tiles, dtype=mx.int32)),
-            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            _params(num_heads, num_kv_heads, block_tables.shape[1], window_tokens),
             mx.array(scale, dtype=mx.float32),
+            _sinks_input(sinks, num_heads, log2_units=False),
         ],
         template=[
             ("T", q.dtype),
@@ -608,6 +650,7 @@ def paged_prefill_attention(
             ("BLOCK_SIZE", block_size),
             ("NUM_SIMD", PREFILL_NUM_SIMD),
             ("KV_TILE", kv_tile),
+            ("SINKS", int(sinks is not None)),
         ],
         grid=(len(tiles) // 4 * tg, num_heads, 1),
         threadgroup=(tg, 1, 1),
@@ -627,13 +670,16 @@ def paged_prefill_attention_mma(
     *,
     host_context_lens: Optional[Sequence[int]] = None,
     host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """:func:`paged_prefill_attention` on the matrix units: ``simdgroup_matrix`` 8x8 tiles
     (FlashAttention-2, Dao 2023, tiled as in MLX's steel attention), the GQA query heads
     of a KV head in one threadgroup sharing each staged K/V tile.
 
-    Same arguments, shapes, dtypes, result and errors as :func:`paged_prefill_attention`
-    (``[num_tokens, num_heads, head_dim]`` in q's dtype; float32 accumulation).
+    Same arguments (``window`` and ``sinks`` included), shapes, dtypes, result and errors
+    as :func:`paged_prefill_attention` (``[num_tokens, num_heads, head_dim]`` in q's
+    dtype; float32 accumulation).
 
     Raises:
         KernelError: shapes outside what the kernels take (see :func:`prefill_unsupported_reason`).
@@ -650,9 +696,10 @@ def paged_prefill_attention_mma(
     _, num_kv_heads, block_size, _ = k_pool.shape
     gqa = num_heads // num_kv_heads
     num_simd = min(4, gqa)
+    window_tokens = max(0, int(window)) if window is not None else 0
     kernel = _kernel(
         "paged_prefill_attention_mma",
-        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale"],
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale", "sinks"],
         ["out"],
     )
     return kernel(
@@ -662,8 +709,9 @@ def paged_prefill_attention_mma(
             v_pool,
             _pad(block_tables.astype(mx.int32)),
             _pad(mx.array(tiles, dtype=mx.int32)),
-            _params(num_heads, num_kv_heads, block_tables.shape[1]),
+            _params(num_heads, num_kv_heads, block_tables.shape[1], window_tokens),
             mx.array(scale * LOG2E, dtype=mx.float32),
+            _sinks_input(sinks, num_heads),
         ],
         template=[
             ("T", q.dtype),
@@ -672,6 +720,7 @@ def paged_prefill_attention_mma(
             ("GQA", gqa),
             ("NUM_SIMD", num_simd),
             ("HEADS_PER_SIMD", -(-gqa // num_simd)),
+            ("SINKS", int(sinks is not None)),
         ],
         grid=(len(tiles) // 4 * num_simd * 32, num_kv_heads, 1),
         threadgroup=(num_simd * 32, 1, 1),
