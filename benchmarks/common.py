@@ -8,8 +8,9 @@ preloaded over the reference BLAS that the ``mlx[cpu]`` wheel bundles).
 The random checkpoint follows the layout ``transformers``' ``save_pretrained``
 writes for Qwen2 (``config.json`` with Qwen2.5-0.5B's published shapes, one
 ``model.safetensors`` under the Hugging Face parameter names) plus a word-level
-``tokenizer.json`` whose tokens are ``t0 .. t{vocab-1}``, so that ``mf.load`` and
-``mf.stream_generate`` run unchanged. Its outputs are meaningless; only the shapes
+``tokenizer.json`` whose tokens are ``t0 .. t{vocab-1}`` (or, with
+``tokenizer_kind="bpe"``, a byte-level BPE that transformers reads alike, for runs
+against mlx_lm.server), so that ``mf.load`` and ``mf.stream_generate`` run unchanged. Its outputs are meaningless; only the shapes
 and dtypes matter for speed.
 """
 
