@@ -37,12 +37,12 @@ to mlx-ferrum as ``--chat-template FILE`` and to mlx_lm.server as ``--chat-templ
 since the test checkpoints carry none.
 
 ``--model qwen-0.5b-shape`` builds (once, under $TMPDIR) the random-weight checkpoint
-with Qwen2.5-0.5B's shapes from ``benchmarks/common.py``. Its word-level
-``tokenizer.json`` is read by mlx-ferrum as written, but transformers (inside
-mlx_lm.server) loads it as a Qwen2 BPE tokenizer that maps every word to one id, so the
-two servers would not see the same prompts (and mlx_lm.server's generation thread died
-on the resulting all-cached prompts): use it for mlx-ferrum-only runs, and compare
-against mlx_lm.server on a checkpoint whose tokenizer both read alike (stories260K). Every load loop is bounded:
+with Qwen2.5-0.5B's shapes from ``benchmarks/common.py`` except the vocabulary: a
+byte-level BPE trained to 32768 ids (``write_bpe_tokenizer``) whose
+``tokenizer_config.json`` names ``PreTrainedTokenizerFast``, so transformers (inside
+mlx_lm.server) reads ``tokenizer.json`` as written, as mlx-ferrum does. Before any
+server starts, compare mode checks that both tokenizers give the same ids for the
+workload's prompts and aborts if not. Every load loop is bounded:
 ``--num-requests`` and ``--turns`` fix the request count and ``--run-timeout`` the time.
 """
 
@@ -361,10 +361,55 @@ def print_ratios(workload: str, per_side: dict[str, list[dict]], baseline: str) 
 
 
 # ----------------------------------------------------------------------------- main
+#: Vocabulary of the ``qwen-0.5b-shape`` checkpoint: a byte-level BPE trained to 32768 ids
+#: (Qwen2.5-0.5B has 151936; training that many merges needs far more text than a benchmark
+#: should generate). Every other shape is Qwen2.5-0.5B's.
+QWEN_SHAPE_VOCAB = 32768
+
+
 def _resolve_model(name: str) -> Path:
     if name == "qwen-0.5b-shape":
-        return cached_random_checkpoint("qwen2.5-0.5b-shape", QWEN25_05B_CONFIG, "float32")
+        # no bos_token_id: transformers keeps tokenizer_config.json's null bos_token, while mlx-ferrum
+        # would fall back to generation_config.json's id and render it through `bos_token`
+        config = dict(QWEN25_05B_CONFIG, vocab_size=QWEN_SHAPE_VOCAB, bos_token_id=None, eos_token_id=0)
+        return cached_random_checkpoint("qwen2.5-0.5b-shape-bpe32k", config, "float32", tokenizer_kind="bpe")
     return Path(name).resolve()
+
+
+def _chat_ids_transformers(hf_tokenizer, messages: list[dict], template: str) -> list[int]:
+    out = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=template)
+    if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def check_tokenizer_parity(model: Path, tokenizer, workloads: list[Workload], template: str) -> None:
+    """Abort unless transformers' ``AutoTokenizer`` (what mlx_lm.server loads) and
+    mlx-ferrum's tokenizer turn the workload's chats and prompts into the same ids, so
+    both servers compute the same prompts.
+
+    Raises:
+        SystemExit: on the first mismatch, naming the prompt.
+    """
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model))
+    checks: list[tuple[str, list[int], list[int]]] = []
+    for w in workloads:
+        for i, prompt in enumerate(w.prompts):
+            checks.append((f"random prompt {i}", list(hf.encode(prompt)), tokenizer.encode(prompt)))
+        for i, turns in enumerate(w.turns):
+            messages = [{"role": "system", "content": w.system}, {"role": "user", "content": turns[0]}]
+            if len(turns) > 1:  # a reply in the history, as from the second turn on
+                messages += [{"role": "assistant", "content": turns[-1]}, {"role": "user", "content": turns[1]}]
+            checks.append((f"chat {i}", _chat_ids_transformers(hf, messages, template),
+                           tokenizer.apply_chat_template(messages, tokenize=True, chat_template=template)))
+    for name, hf_ids, ferrum_ids in checks:
+        if hf_ids != ferrum_ids:
+            raise SystemExit(f"tokenizer mismatch on {name}: transformers gives {len(hf_ids)} ids {hf_ids[:12]}..., "
+                             f"mlx-ferrum {len(ferrum_ids)} ids {ferrum_ids[:12]}...; the servers would see different "
+                             f"prompts: use a checkpoint whose tokenizer_config.json names its tokenizer_class")
+    print(f"   tokenizer parity: transformers and mlx-ferrum agree on {len(checks)} prompts")
 
 
 def parse_args(argv=None):
@@ -435,6 +480,8 @@ def main(argv=None) -> int:
                  "ferrum-pc1": Side("mlx-ferrum prefix-cache=1", "ferrum", {"FERRUM_PREFIX_CACHE": "1"}),
                  "mlx_lm": Side("mlx_lm.server", "mlx_lm")}
     sides = [all_sides[s] for s in args.sides.split(",")]
+    if any(s.kind == "mlx_lm" for s in sides):
+        check_tokenizer_parity(model, tokenizer, workloads, PLAIN_TEMPLATE)
     print_header("bench_serving --compare", {
         "model": model, "workloads": [w.name for w in workloads], "clients": args.num_clients,
         "random": f"{args.num_requests} requests, prompts {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens",

@@ -8,8 +8,9 @@ preloaded over the reference BLAS that the ``mlx[cpu]`` wheel bundles).
 The random checkpoint follows the layout ``transformers``' ``save_pretrained``
 writes for Qwen2 (``config.json`` with Qwen2.5-0.5B's published shapes, one
 ``model.safetensors`` under the Hugging Face parameter names) plus a word-level
-``tokenizer.json`` whose tokens are ``t0 .. t{vocab-1}``, so that ``mf.load`` and
-``mf.stream_generate`` run unchanged. Its outputs are meaningless; only the shapes
+``tokenizer.json`` whose tokens are ``t0 .. t{vocab-1}`` (or, with
+``tokenizer_kind="bpe"``, a byte-level BPE that transformers reads alike, for runs
+against mlx_lm.server), so that ``mf.load`` and ``mf.stream_generate`` run unchanged. Its outputs are meaningless; only the shapes
 and dtypes matter for speed.
 """
 
@@ -242,8 +243,77 @@ def _write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> None:
     )
 
 
+#: Special tokens of :func:`write_bpe_tokenizer`, at ids 0, 1, 2 (the trainer puts them first).
+BPE_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+#: A ChatML template (Qwen2's chat format, without its tool-calling branches), stored in the
+#: byte-level BPE checkpoint's ``tokenizer_config.json``.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _bpe_training_text(seed: int, num_words: int = 400_000) -> list[str]:
+    """Deterministic English-like text: pseudo-words drawn from a fixed syllable set by a
+    seeded ``random.Random``, so the trained merges are the same on every machine."""
+    import random
+
+    rng = random.Random(seed)
+    onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+              "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr", "wh"]
+    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "oo", "y"]
+    codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt", "x"]
+    lines, words = [], []
+    for _ in range(num_words):
+        word = "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.08:
+            word = word.capitalize()
+        words.append(word + rng.choice(["", "", "", "", "", "", ",", ".", "?", "!", ":", "'s"]))
+        if len(words) >= 16:
+            lines.append(" ".join(words))
+            words = []
+    return lines
+
+
+def write_bpe_tokenizer(folder: Path, vocab_size: int, seed: int = 0) -> None:
+    """Train a byte-level BPE ``tokenizer.json`` of exactly ``vocab_size`` ids on
+    :func:`_bpe_training_text` and write it with a ``tokenizer_config.json`` that names
+    ``PreTrainedTokenizerFast`` (so transformers reads the file as written instead of
+    substituting the model family's tokenizer class), a ChatML chat template, and
+    ``<|endoftext|>`` (id 0) as the end-of-sequence token.
+
+    Ids: 0-2 are :data:`BPE_SPECIAL_TOKENS`, 3-258 the 256 byte symbols, the rest merges.
+    Algorithm: GPT-2's byte-level BPE (Radford et al. 2019) as the ``tokenizers`` library
+    implements it (``BpeTrainer``, ``ByteLevel`` pre-tokenizer and decoder).
+
+    Raises:
+        ValueError: the training text yields fewer than ``vocab_size`` ids (pick a smaller one).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=1, show_progress=False,
+        special_tokens=list(BPE_SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_bpe_training_text(seed), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"BPE training reached {tok.get_vocab_size()} ids, not {vocab_size}: use a smaller vocab_size")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None, "eos_token": BPE_SPECIAL_TOKENS[0], "pad_token": BPE_SPECIAL_TOKENS[0],
+        "add_bos_token": False, "add_eos_token": False, "model_max_length": 32768,
+        "chat_template": CHATML_TEMPLATE,
+    }, indent=2))
+
+
 def build_random_checkpoint(
-    folder: Path, config: dict = QWEN25_05B_CONFIG, dtype: str = "bfloat16", seed: int = 0, tokenizer: bool = True
+    folder: Path, config: dict = QWEN25_05B_CONFIG, dtype: str = "bfloat16", seed: int = 0, tokenizer: bool = True,
+    tokenizer_kind: str = "wordlevel",
 ) -> Path:
     """Write a random-weight Qwen2 checkpoint in the Hugging Face layout to ``folder``.
 
@@ -252,8 +322,11 @@ def build_random_checkpoint(
         config: a Qwen2 ``config.json`` (default: Qwen2.5-0.5B's shapes).
         dtype: stored dtype of every tensor (``torch_dtype`` is set to it).
         seed: ``mx.random`` seed.
-        tokenizer: also write a word-level ``tokenizer.json`` (``t0``...) so that
-            ``mf.load`` finds a tokenizer.
+        tokenizer: also write a ``tokenizer.json`` so that ``mf.load`` finds a tokenizer.
+        tokenizer_kind: ``"wordlevel"`` (tokens ``t0``..., read alike only by the
+            ``tokenizers`` library: transformers substitutes the Qwen2 class) or ``"bpe"``
+            (:func:`write_bpe_tokenizer`, read alike by mlx-ferrum and transformers;
+            ``config["vocab_size"]`` must be one it can train to, and ``eos_token_id`` 0).
 
     Weights are ``N(0, 0.02)`` (``initializer_range``), biases ``N(0, 0.02)``, norms 1,
     so activations stay O(1) in bf16 over 24 layers.
@@ -280,21 +353,25 @@ def build_random_checkpoint(
     mx.eval(weights)
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
     del weights
-    if tokenizer:
+    if tokenizer and tokenizer_kind == "bpe":
+        write_bpe_tokenizer(folder, cfg["vocab_size"], seed)
+    elif tokenizer:
         _write_wordlevel_tokenizer(folder, cfg["vocab_size"])
     return folder
 
 
-def cached_random_checkpoint(name: str, config: dict, dtype: str, rebuild: bool = False) -> Path:
+def cached_random_checkpoint(
+    name: str, config: dict, dtype: str, rebuild: bool = False, tokenizer_kind: str = "wordlevel"
+) -> Path:
     """:func:`build_random_checkpoint` into ``$TMPDIR/mlx_ferrum_bench/<name>-<dtype>``, reused
     across runs (a ``.complete`` marker with the config guards against a half-written folder)."""
     folder = Path(tempfile.gettempdir()) / "mlx_ferrum_bench" / f"{name}-{dtype}"
     marker = folder / ".complete"
-    stamp = json.dumps(config, sort_keys=True)
+    stamp = json.dumps(config, sort_keys=True) + ("" if tokenizer_kind == "wordlevel" else f" tokenizer={tokenizer_kind}")
     if not rebuild and marker.is_file() and marker.read_text() == stamp:
         return folder
     t0 = time.perf_counter()
-    build_random_checkpoint(folder, config, dtype)
+    build_random_checkpoint(folder, config, dtype, tokenizer_kind=tokenizer_kind)
     marker.write_text(stamp)
     print(f"   built random checkpoint {folder} in {time.perf_counter() - t0:.1f} s")
     return folder
