@@ -278,6 +278,9 @@ class Tokenizer:
             self._templates = {"default": chat_template}
 
         self.bos_token = _token_content(config.get("bos_token"))
+        # templates see the tokenizer config's own bos_token, as transformers renders them,
+        # even when the id falls back to generation_config.json below
+        self._template_bos_token = self.bos_token
         self.eos_token = _token_content(config.get("eos_token"))
         self.unk_token = _token_content(config.get("unk_token"))
         self.pad_token = _token_content(config.get("pad_token"))
@@ -502,7 +505,7 @@ class Tokenizer:
         variables: dict[str, Any] = {
             "messages": list(messages),
             "add_generation_prompt": add_generation_prompt,
-            "bos_token": self.bos_token or "",
+            "bos_token": self._template_bos_token or "",
             "eos_token": self.eos_token or "",
             "tools": None,
             "documents": None,

@@ -423,3 +423,16 @@ def test_missing_and_malformed_files(tmp_path, byte_bpe_backend):
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": 3}))
     with pytest.raises(TokenizerError, match="chat_template"):
         Tokenizer.from_pretrained(folder)
+
+
+def test_template_bos_token_comes_from_the_tokenizer_config_only(tmp_path, byte_bpe_backend):
+    """Qwen2-style files: ``bos_token: null`` in tokenizer_config.json but a ``bos_token_id``
+    in generation_config.json. transformers renders ``{{ bos_token }}`` as empty there."""
+    folder = _write_folder(
+        tmp_path / "null_bos",
+        byte_bpe_backend,
+        {"eos_token": "<|im_end|>", "bos_token": None,
+         "chat_template": "{{ bos_token or '' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+        {"bos_token_id": byte_bpe_backend.token_to_id("<|endoftext|>")},
+    )
+    _check_against_transformers(folder, CONVERSATIONS)
