@@ -191,6 +191,12 @@ class DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    """The Gemma 3 decoder stack: embeddings scaled by sqrt(hidden_size), local and global layers, final (1+w) RMSNorm.
+
+    Input ``[B, L]`` int32 token ids and an :class:`AttentionMetadata`; returns hidden states ``[B, L, hidden_size]``
+    in the model dtype (transformers' ``Gemma3TextModel``).
+    """
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -129,6 +129,11 @@ class MoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One gpt-oss layer: attention with sinks (sliding or full) and the mixture-of-experts MLP, each pre-normed.
+
+    ``x`` ``[B, L, hidden_size]`` -> the same shape (transformers' ``GptOssDecoderLayer``).
+    """
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
@@ -142,6 +147,11 @@ class DecoderLayer(nn.Module):
 
 
 class GptOssModel(llama.LlamaModel):
+    """The gpt-oss decoder stack (embeddings, :class:`DecoderLayer` list, final RMSNorm).
+
+    Token ids ``[B, L]`` int32 -> hidden states ``[B, L, hidden_size]`` (transformers' ``GptOssModel``).
+    """
+
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)

@@ -101,6 +101,11 @@ class DecoderLayer(llama.DecoderLayer):
 
 
 class Qwen3MoeModel(llama.LlamaModel):
+    """The Qwen3-MoE decoder stack: Qwen3 attention with sparse-MoE (or dense, per ``mlp_only_layers`` /
+    ``decoder_sparse_step``) MLPs. Token ids ``[B, L]`` int32 -> hidden states ``[B, L, hidden_size]``
+    (transformers' ``Qwen3MoeModel``).
+    """
+
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)

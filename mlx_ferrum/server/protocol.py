@@ -92,6 +92,8 @@ class DetokenizeRequest(_Request):
 
 
 class PromptTokensDetails(BaseModel):
+    """Prompt-token detail of ``usage``: ``cached_tokens`` = prompt tokens read from the prefix cache (tokens)."""
+
     cached_tokens: int = 0
 
 
@@ -105,25 +107,35 @@ class UsageInfo(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """One candidate token with its natural-log probability (float) and its UTF-8 ``bytes``; OpenAI's chat ``top_logprobs`` entry."""
+
     token: str
     logprob: float
     bytes: Optional[list[int]] = None
 
 
 class ChatLogprob(TopLogprob):
+    """The chosen token's log-probability plus its ``top_logprobs`` alternatives (OpenAI chat ``logprobs.content`` entry)."""
+
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one :class:`ChatLogprob` per generated token, or None."""
+
     content: Optional[list[ChatLogprob]] = None
 
 
 class ChatResponseMessage(BaseModel):
+    """The assistant message of a non-streamed chat choice (OpenAI's ``message``)."""
+
     role: str = "assistant"
     content: Optional[str] = None
 
 
 class ChatCompletionChoice(BaseModel):
+    """One of the ``n`` choices of a chat completion; ``finish_reason`` is ``stop``, ``length``, ``abort`` or ``error``."""
+
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
@@ -131,6 +143,8 @@ class ChatCompletionChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """A non-streamed ``/v1/chat/completions`` response (OpenAI's ``chat.completion`` object); ``created`` in Unix seconds."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -140,11 +154,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """The text a streamed chat chunk adds (``role`` only on a choice's first chunk)."""
+
     role: Optional[str] = None
     content: Optional[str] = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
+    """One choice of a streamed chat chunk; ``finish_reason`` is set on its last chunk."""
+
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
@@ -152,6 +170,8 @@ class ChatCompletionStreamChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One SSE ``data:`` chunk of a streamed chat completion (``chat.completion.chunk``); ``usage`` only on the final chunk when ``stream_options.include_usage`` is set."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -161,6 +181,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Legacy completions ``logprobs``: per generated token its text, log-probability, top alternatives and character offset in the text."""
+
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[Optional[float]] = Field(default_factory=list)
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
@@ -168,6 +190,8 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One of the ``n`` choices of a ``/v1/completions`` response or chunk."""
+
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
@@ -186,6 +210,8 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One entry of ``/v1/models``; ``max_model_len`` is the context in tokens."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -195,21 +221,29 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """The ``/v1/models`` response: one :class:`ModelCard` per served model name."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class TokenizeResponse(BaseModel):
+    """vLLM's ``/tokenize`` response: the token ids, their ``count`` and the context ``max_model_len`` (tokens)."""
+
     count: int
     max_model_len: int
     tokens: list[int]
 
 
 class DetokenizeResponse(BaseModel):
+    """vLLM's ``/detokenize`` response: the decoded text."""
+
     prompt: str
 
 
 class ErrorInfo(BaseModel):
+    """The ``error`` object of an OpenAI-shaped error body (``message``, ``type``, ``param``, ``code``)."""
+
     message: str
     type: str
     param: Optional[str] = None
