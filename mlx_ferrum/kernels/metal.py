@@ -559,6 +559,21 @@ def _sinks_input(sinks: Optional[mx.array], num_heads: int, log2_units: bool = T
     return _pad(values * LOG2E if log2_units else values)
 
 
+def _checked_prefill_tiles(
+    name: str, q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
+    host_context_lens, host_query_start_loc, rows: int = PREFILL_NUM_SIMD,
+) -> list:
+    """The prefill kernels' shared launch check and tiling, decided on the host: the
+    lengths as Python ints (read from the arrays when not given), then
+    :func:`prefill_tiles`. Raises KernelError naming ``name`` for unsupported shapes."""
+    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
+    if reason:
+        raise KernelError(f"{name} kernel: {reason}")
+    return prefill_tiles(ctx, qsl, rows=rows)
+
+
 def prefill_tiles(
     host_context_lens: Sequence[int], host_query_start_loc: Sequence[int], rows: int = PREFILL_NUM_SIMD
 ) -> list[int]:
@@ -615,12 +630,10 @@ def paged_prefill_attention(
         KernelError: shapes outside what the kernel takes (see :func:`prefill_unsupported_reason`),
             or ``sinks`` not ``[num_heads]``.
     """
-    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
-    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
-    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
-    if reason:
-        raise KernelError(f"paged_prefill_attention kernel: {reason}")
-    tiles = prefill_tiles(ctx, qsl)
+    tiles = _checked_prefill_tiles(
+        "paged_prefill_attention", q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
+        host_context_lens, host_query_start_loc,
+    )
     if not tiles:
         return mx.zeros_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -684,12 +697,10 @@ def paged_prefill_attention_mma(
     Raises:
         KernelError: shapes outside what the kernels take (see :func:`prefill_unsupported_reason`).
     """
-    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
-    qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
-    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
-    if reason:
-        raise KernelError(f"paged_prefill_attention_mma kernel: {reason}")
-    tiles = prefill_tiles(ctx, qsl, rows=8)
+    tiles = _checked_prefill_tiles(
+        "paged_prefill_attention_mma", q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
+        host_context_lens, host_query_start_loc, rows=8,
+    )
     if not tiles:
         return mx.zeros_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]

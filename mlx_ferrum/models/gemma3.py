@@ -32,6 +32,7 @@ from ..layers.attention import AttentionMetadata, apply_rope, attention
 from ..layers.mlp import GatedMLP
 from ..layers.norms import GemmaRMSNorm
 from ..layers.rope import Rope, rope_parameters
+from . import llama
 from .config_validation import validate_config
 
 # transformers' Gemma3TextConfig defaults: Hub gemma3 text_configs omit many keys
@@ -212,24 +213,14 @@ class Gemma3Model(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
+class Model(llama.Model):
     """Gemma 3 causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]`` (see
     :class:`mlx_ferrum.models.llama.Model` for ``meta``)."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Gemma3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+    backbone = Gemma3Model
 
     def __call__(self, input_ids: mx.array, meta: Optional[AttentionMetadata] = None) -> mx.array:
-        h = self.model(input_ids, meta)
-        idx = getattr(meta, "logits_indices", None) if meta is not None else None
-        if idx is not None:
-            h = h.reshape(-1, h.shape[-1])[idx][None]
-        logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        logits = super().__call__(input_ids, meta)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
@@ -254,8 +245,3 @@ class Model(nn.Module):
             for s in ("weight", "scales", "biases"):
                 out.pop(f"lm_head.{s}", None)
         return out
-
-    @property
-    def layers(self) -> list:
-        """The decoder layers."""
-        return self.model.layers

@@ -162,13 +162,7 @@ class GptOssModel(llama.LlamaModel):
 class Model(llama.Model):
     """gpt-oss causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]``."""
 
-    def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = GptOssModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+    backbone = GptOssModel
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Split the fused Hub expert tensors into per-projection stacked ``[E, out, in]`` weights.
@@ -198,10 +192,8 @@ class Model(llama.Model):
                 weights[f"{p}.up_proj.bias"] = mx.contiguous(bias[..., 1::2])
             down = weights.pop(f"{p}.down_proj", None)
             if down is not None:
-                if down.shape[-2:] == (inter, hidden) and inter != hidden:
-                    down = down.swapaxes(-1, -2)  # -> [E, H, I]
-                elif inter == hidden:
-                    down = down.swapaxes(-1, -2)  # transformers' layout is [E, I, H]
+                if down.shape[-2:] == (inter, hidden):
+                    down = down.swapaxes(-1, -2)  # transformers' [E, I, H] -> [E, H, I]
                 weights[f"{p}.down_proj.weight"] = mx.contiguous(down)
             bias = weights.pop(f"{p}.down_proj_bias", None)
             if bias is not None:

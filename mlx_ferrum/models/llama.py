@@ -257,11 +257,14 @@ class Model(nn.Module):
     Logits come back in the model dtype.
     """
 
+    #: the decoder stack; other families subclass this model and name their own
+    backbone = LlamaModel
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = LlamaModel(args)
+        self.model = self.backbone(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

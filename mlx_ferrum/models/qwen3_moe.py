@@ -117,13 +117,7 @@ class Model(llama.Model):
     """Qwen3-MoE causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]`` (see
     :class:`mlx_ferrum.models.llama.Model` for ``meta``)."""
 
-    def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Qwen3MoeModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+    backbone = Qwen3MoeModel
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Stack per-expert Hub tensors into ``switch_mlp``; drop what the model computes.
