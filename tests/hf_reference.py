@@ -130,3 +130,30 @@ def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.nd
         )
     ids = [int(t) for t in out[0]]
     return ids[len(prompt):], reference_logits(model, ids)
+
+
+def executor_greedy(executor, prompt: list[int], split: int, n: int) -> tuple[list[int], np.ndarray]:
+    """The code under test's side of the parity checks: prefill ``prompt[:split]`` then
+    ``prompt[split:]`` (when ``split < len(prompt)``) with every position's logits, then
+    greedy decodes until ``n`` tokens. Returns the tokens and the float32 logits
+    ``[len(prompt) + n - 1, vocab]`` (every prompt position, then each decode step);
+    the cache is released."""
+    import mlx.core as mx
+
+    from mlx_ferrum.executor import DecodeInput, PrefillInput
+
+    out = executor.prefill(PrefillInput(input_ids=mx.array([prompt[:split]]), return_all_logits=True))
+    rows = [out.logits[0]]
+    if split < len(prompt):
+        out = executor.prefill(PrefillInput(input_ids=mx.array([prompt[split:]]), kv_cache=out.kv_cache,
+                                            return_all_logits=True))
+        rows.append(out.logits[0])
+    handle = out.kv_cache
+    tokens = [int(mx.argmax(rows[-1][-1]).item())]
+    for _ in range(n - 1):
+        step = executor.decode(DecodeInput(input_ids=mx.array([[tokens[-1]]]), kv_cache=handle))
+        handle = step.kv_cache
+        rows.append(step.logits.reshape(1, -1))
+        tokens.append(int(mx.argmax(step.logits.reshape(-1)).item()))
+    executor.release_cache(handle.cache_id)
+    return tokens, np.array(mx.concatenate(rows, axis=0).astype(mx.float32))

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf_reference import CONFIGS, VOCAB, make_checkpoint, reference_greedy
+from hf_reference import CONFIGS, VOCAB, executor_greedy, make_checkpoint, reference_greedy
 from mlx_ferrum.config import RuntimeConfig
-from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
+from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.models import load_model
 
 ATOL = 1e-3
@@ -58,21 +58,7 @@ def test_executor_logits_and_greedy_tokens_match_transformers(case, layout):
     family, model, _, prompt, expected, ref_logits = case
     cfg = RuntimeConfig(kv_layout=layout, kv_capacity=256, block_size=8, max_num_blocks=128 if layout == "paged" else None)
     ex = LlmExecutor(model, config=cfg)
-    rows = []
     split = PROMPT_LEN // 2 + 1 if layout == "paged" else PROMPT_LEN
-    out = ex.prefill(PrefillInput(input_ids=mx.array([prompt[:split]]), return_all_logits=True))
-    rows.append(out.logits[0])
-    if split < PROMPT_LEN:
-        out = ex.prefill(PrefillInput(input_ids=mx.array([prompt[split:]]), kv_cache=out.kv_cache, return_all_logits=True))
-        rows.append(out.logits[0])
-    handle = out.kv_cache
-    tokens = [int(mx.argmax(rows[-1][-1]).item())]
-    for _ in range(NEW_TOKENS - 1):
-        step = ex.decode(DecodeInput(input_ids=mx.array([[tokens[-1]]]), kv_cache=handle))
-        handle = step.kv_cache
-        rows.append(step.logits.reshape(1, -1))
-        tokens.append(int(mx.argmax(step.logits.reshape(-1)).item()))
-    ex.release_cache(handle.cache_id)
-    ours = np.array(mx.concatenate(rows, axis=0).astype(mx.float32))
+    tokens, ours = executor_greedy(ex, prompt, split, NEW_TOKENS)
     assert tokens == expected, family
     assert _err(ours, ref_logits[: ours.shape[0]]) <= ATOL, family

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import logging
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_ferrum.config import RuntimeConfig
-from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
+from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.kernels import metal
 from mlx_ferrum.models import load_model
 from mlx_ferrum.testing import metal_harness as mh
@@ -39,7 +38,7 @@ ATOL = 1e-3
 
 @pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
 def test_window_model_on_kernels_matches_transformers(family, tmp_path, caplog, monkeypatch):
-    from hf_reference import VOCAB, make_checkpoint, reference_greedy
+    from hf_reference import VOCAB, executor_greedy, make_checkpoint, reference_greedy
 
     monkeypatch.delenv("FERRUM_METAL_KERNELS", raising=False)
     ref = make_checkpoint(family, tmp_path, window=WINDOW)
@@ -57,26 +56,11 @@ def test_window_model_on_kernels_matches_transformers(family, tmp_path, caplog, 
     caplog.set_level(logging.INFO, logger="mlx_ferrum.kernels")
     with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("random",)):
         ex = LlmExecutor(model, config=cfg)
-        rows = []
-        split = PROMPT_LEN // 2 + 1
-        out = ex.prefill(PrefillInput(input_ids=mx.array([prompt[:split]]), return_all_logits=True))
-        rows.append(out.logits[0])
-        out = ex.prefill(PrefillInput(input_ids=mx.array([prompt[split:]]), kv_cache=out.kv_cache,
-                                      return_all_logits=True))
-        rows.append(out.logits[0])
-        handle = out.kv_cache
-        tokens = [int(mx.argmax(rows[-1][-1]).item())]
-        for _ in range(NEW_TOKENS - 1):
-            step = ex.decode(DecodeInput(input_ids=mx.array([[tokens[-1]]]), kv_cache=handle))
-            handle = step.kv_cache
-            rows.append(step.logits.reshape(1, -1))
-            tokens.append(int(mx.argmax(step.logits.reshape(-1)).item()))
-        ex.release_cache(handle.cache_id)
+        tokens, ours = executor_greedy(ex, prompt, PROMPT_LEN // 2 + 1, NEW_TOKENS)
     layers = len(model.layers)
     assert mh.LAUNCHES["paged_prefill_attention"] - before.get("paged_prefill_attention", 0) == 2 * layers
     assert mh.LAUNCHES["paged_attention_decode"] - before.get("paged_attention_decode", 0) == \
         layers * (NEW_TOKENS - 1)
     assert not [r for r in caplog.records if "reference" in r.getMessage()], "a call fell back to the reference"
-    ours = np.array(mx.concatenate(rows, axis=0).astype(mx.float32))
     assert tokens == expected, family
     assert float(np.abs(ours - ref_logits[: ours.shape[0]]).max()) <= ATOL, family
