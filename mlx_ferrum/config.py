@@ -75,6 +75,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
     "async_scheduling": ("FERRUM_ASYNC_SCHEDULING", _parse_bool, True),
+    "enforce_eager": ("FERRUM_ENFORCE_EAGER", _parse_bool, False),
     "speculative": ("FERRUM_SPECULATIVE", _parse_speculative, None),
     "num_speculative_tokens": ("FERRUM_NUM_SPECULATIVE_TOKENS", _parse_int, 4),
     "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
@@ -164,6 +165,9 @@ class RuntimeConfig:
     - ``kv_cache_step`` (``FERRUM_KV_CACHE_STEP``, 256): growth step, in tokens, of the contiguous cache.
     - ``async_scheduling`` (``FERRUM_ASYNC_SCHEDULING``, 1): the engine queues step t+1 before it
       reads step t's tokens (vLLM's name); 0 runs every step synchronously.
+    - ``enforce_eager`` (``FERRUM_ENFORCE_EAGER``, 0): 1 builds every forward pass op by op;
+      0 lets the paged executor run decode passes through ``mx.compile`` (vLLM's name for
+      turning its compiled graphs off).
     - ``speculative`` (``FERRUM_SPECULATIVE``, None = off): ``"ngram"`` for prompt-lookup
       speculative decoding, or a draft checkpoint (folder or hub id) sharing the tokenizer.
     - ``num_speculative_tokens`` (``FERRUM_NUM_SPECULATIVE_TOKENS``, 4): tokens proposed per
@@ -187,6 +191,7 @@ class RuntimeConfig:
     kv_memory_fraction: Optional[float] = None
     kv_cache_step: Optional[int] = None
     async_scheduling: Optional[bool] = None
+    enforce_eager: Optional[bool] = None
     speculative: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None

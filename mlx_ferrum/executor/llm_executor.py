@@ -21,6 +21,7 @@ returns the pass unevaluated, for the engine's pipelined step.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from .types import (
 )
 
 _ids = itertools.count()
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -207,6 +209,10 @@ class LlmExecutor:
             self.store = ContiguousKvStore(self._new_contiguous, per_token)
         # decided once per executor: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
         self._metal_kernels = bool(self.config.metal_kernels)
+        # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
+        self._compiled_decode = None
+        if self.layout == "paged" and not self.config.enforce_eager:
+            self._compiled_decode = mx.compile(self._decode_graph)
         self._state = ExecutorState.READY
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
@@ -388,6 +394,11 @@ class LlmExecutor:
     def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
         """Build one pass's metadata and input ids and call the model (lazily); returns the
         logits rows of its items ``[R, vocab]`` and appends their owners to ``owner``."""
+        if self._compiled_decode is not None and self._is_decode_pass(work, kv_pass):
+            logits = self._decode_pass(work, kv_pass, prev)
+            if logits is not None:
+                owner.extend(kv_pass.items)
+                return logits
         flat = np.empty(kv_pass.rows * kv_pass.cols, dtype=np.int32)
         patch_at: list[int] = []
         patch_rows: list[int] = []
@@ -410,6 +421,71 @@ class LlmExecutor:
         logits = self.model(tokens, meta)
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if rows else logits[:0]
+
+    @staticmethod
+    def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
+        """One new token and one logits row for every item of a paged pass."""
+        f = kv_pass.fields
+        return f.get("layout") == "paged" and f["num_decode_seqs"] == len(kv_pass.items) and all(
+            work[i].num_logit_rows == 1 for i in kv_pass.items
+        )
+
+    _DECODE_ARRAYS = ("positions", "slot_mapping", "block_tables", "context_lens")
+    _GROUP_ARRAYS = ("group_slot_mappings", "group_block_tables")
+
+    def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
+        """Run a pure decode pass through the compiled step :meth:`_decode_graph`.
+
+        ``mx.compile`` traces the step once per (sequences, blocks per table) shape and
+        replays it afterwards: no Python per layer, and elementwise chains (RoPE, norms,
+        SwiGLU, the softmax of decode attention) fused into single kernels. The pool
+        arrays go in as inputs and come back as outputs, and the pool is rebound to
+        them. Returns the logits ``[B, vocab]`` in ``kv_pass.items`` order, or None when
+        the model cannot be traced (it reads values on the host): the executor then
+        stays eager for good, and the caller runs the pass op by op.
+        """
+        f = kv_pass.fields
+        ids = np.empty(len(kv_pass.items), dtype=np.int32)
+        patch_at: list[int] = []
+        patch_rows: list[int] = []
+        for r, i in enumerate(kv_pass.items):
+            w = work[i]
+            ids[r] = w.tokens[-1]
+            if w.prev_row >= 0:
+                patch_at.append(r)
+                patch_rows.append(w.prev_row)
+        if len(patch_at) == len(ids) and prev is not None and prev.shape[0] == len(ids) and patch_rows == patch_at:
+            input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
+        else:
+            input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
+        arrays = {k: mx.array(f[k]) for k in self._DECODE_ARRAYS}
+        groups = f.get("layer_groups")
+        if groups is not None:
+            for k in self._GROUP_ARRAYS:
+                arrays[k] = [mx.array(x) for x in f[k]]
+        pool = self.pool
+        try:
+            logits, k_pools, v_pools = self._compiled_decode(input_ids, arrays, pool.k, pool.v)
+        except ValueError as e:
+            if "compile" not in str(e) and "transformation" not in str(e):
+                raise
+            logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
+            self._compiled_decode = None
+            return None
+        pool.k, pool.v = list(k_pools), list(v_pools)
+        return logits
+
+    def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
+        """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
+        metadata arrays, and every layer's K/V pool -> ``(logits [B, vocab], k_pools, v_pools)``."""
+        pool = self.pool.with_arrays(k_pools, v_pools)
+        groups = getattr(self.manager, "layer_groups", None) if "group_block_tables" in arrays else None
+        meta = AttentionMetadata(
+            layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
+            layer_groups=groups, **arrays,
+        )
+        logits = self.model(input_ids[None], meta)
+        return logits[0], pool.k, pool.v
 
     def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
         """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""

@@ -43,6 +43,18 @@ class PagedKvPool:
         self.v = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         mx.eval(self.k, self.v)
 
+    def with_arrays(self, k: list, v: list) -> "PagedKvPool":
+        """A pool object of the same shape over other ``k`` / ``v`` arrays (one per layer).
+
+        A compiled decode step (``mx.compile``) gets the pools as inputs and returns the
+        written pools as outputs; attention writes through this view, so the real pool
+        is rebound to the outputs only once the step has been built.
+        """
+        view = object.__new__(PagedKvPool)
+        view.shape, view.dtype = self.shape, self.dtype
+        view.k, view.v = list(k), list(v)
+        return view
+
     @property
     def num_blocks(self) -> int:
         """Blocks per layer pool."""

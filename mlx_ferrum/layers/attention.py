@@ -232,13 +232,14 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
     pool.write(layer, slot_mapping, kt, vt, indices=slot_index)
     kp, vp = pool.k[layer], pool.v[layer]
     nd = meta.num_decode_seqs
-    n_seqs = len(meta.host_context_lens)
+    # a compiled decode step has no host lengths (nothing may be read back while tracing)
+    n_seqs = meta.context_lens.shape[0]
     parts = []
     if nd:
         parts.append(
             kernels.paged_attention_decode(
                 qt[:nd], kp, vp, block_tables[:nd], meta.context_lens[:nd], scale,
-                host_context_lens=meta.host_context_lens[:nd],
+                host_context_lens=meta.host_context_lens[:nd] or None,
                 window=window, sinks=sinks,
                 metal_kernels=meta.metal_kernels,
             )
