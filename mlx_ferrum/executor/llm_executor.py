@@ -246,6 +246,13 @@ class LlmExecutor:
         """
         return self.store.num_tokens(cache_id)
 
+    @property
+    def compiled_decode(self) -> bool:
+        """True while paged decode passes run as one ``mx.compile``'d step (see
+        ``RuntimeConfig.enforce_eager``); False for the contiguous layout, with
+        ``enforce_eager``, or once a model was found that cannot be traced."""
+        return self._compiled_decode is not None
+
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""
         return self.max_seq_len
