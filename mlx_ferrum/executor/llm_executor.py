@@ -210,9 +210,11 @@ class LlmExecutor:
         # decided once per executor: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
         self._metal_kernels = bool(self.config.metal_kernels)
         # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
-        self._compiled_decode = None
+        # (MLX streams belong to the thread that made them, and a trace keeps its streams:
+        # each thread that runs steps gets its own compiled function)
+        self._compiled_decode: Optional[dict] = None
         if self.layout == "paged" and not self.config.enforce_eager:
-            self._compiled_decode = mx.compile(self._decode_graph)
+            self._compiled_decode = {}
         self._state = ExecutorState.READY
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
@@ -471,8 +473,11 @@ class LlmExecutor:
             for k in self._GROUP_ARRAYS:
                 arrays[k] = [mx.array(x) for x in f[k]]
         pool = self.pool
+        step = self._compiled_decode.get(threading.get_ident())
+        if step is None:
+            step = self._compiled_decode[threading.get_ident()] = mx.compile(self._decode_graph)
         try:
-            logits, k_pools, v_pools = self._compiled_decode(input_ids, arrays, pool.k, pool.v)
+            logits, k_pools, v_pools = step(input_ids, arrays, pool.k, pool.v)
         except ValueError as e:
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise

@@ -3,6 +3,6 @@
 Models import from here; the executor builds the :class:`AttentionMetadata` these layers read.
 """
 
-from .attention import AttentionMetadata, apply_rope, attention, contiguous_pad_mask
+from .attention import AttentionMetadata, apply_rope, attention, contiguous_pad_mask, rope_attention
 
-__all__ = ["AttentionMetadata", "apply_rope", "attention", "contiguous_pad_mask"]
+__all__ = ["AttentionMetadata", "apply_rope", "attention", "contiguous_pad_mask", "rope_attention"]

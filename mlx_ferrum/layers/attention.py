@@ -1,8 +1,8 @@
 """AttentionMetadata and the one attention call every model layer makes.
 
 The executor builds one :class:`AttentionMetadata` per forward pass and hands it to
-the model; each attention layer calls :func:`apply_rope` and :func:`attention` with
-it. Nothing is global: the metadata carries the positions, the cache of whichever
+the model; each attention layer hands its projected q/k/v to :func:`rope_attention`
+(RoPE, then :func:`attention`) with it. Nothing is global: the metadata carries the positions, the cache of whichever
 layout is in use, and (paged) the ``slot_mapping``, ``block_tables`` and
 ``context_lens`` the kernels need. This mirrors nano-vllm's context object and vLLM's
 ``AttentionMetadata``.
@@ -88,6 +88,17 @@ class AttentionMetadata:
     group_block_tables: Optional[list] = None
     group_slot_indices: Optional[dict] = None
     metal_kernels: Optional[bool] = None
+    rope_tables: Optional[dict] = None
+
+    def rope_table(self, rope) -> tuple[mx.array, mx.array]:
+        """Paged: ``rope.table(positions)``, computed on the first call of a pass for each
+        distinct rope and shared by every layer after it (per-step RoPE angles, once)."""
+        if self.rope_tables is None:
+            self.rope_tables = {}
+        key = id(rope)
+        if key not in self.rope_tables:
+            self.rope_tables[key] = (rope, rope.table(self.positions))
+        return self.rope_tables[key][1]
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -144,8 +155,48 @@ def attention(
     if meta.layout == "contiguous":
         return _contiguous(q, k, v, meta, layer, scale, window, sinks)
     if meta.layout == "paged":
-        return _paged(q, k, v, meta, layer, scale, window, sinks)
+        # packed: [1, H, T, D] -> [T, H, D] and back
+        out = _paged(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
+                     meta, layer, scale, window, sinks)
+        return out.transpose(1, 0, 2)[None]
     raise ValueError(f"unknown KV layout {meta.layout!r}")
+
+
+def rope_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    rope,
+    meta: Optional[AttentionMetadata],
+    layer: int,
+    scale: float,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """RoPE on q and k, then :func:`attention`, from and to the projections' layout.
+
+    Args:
+        q: ``[B, L, num_heads, head_dim]``; k, v: ``[B, L, num_kv_heads, head_dim]``
+            (the q/k/v projections reshaped, before RoPE).
+        rope: the layer's :class:`~mlx_ferrum.layers.rope.Rope`.
+        meta, layer, scale, window, sinks: as for :func:`attention`.
+
+    Returns:
+        ``[B, L, num_heads * head_dim]`` in q's dtype, ready for ``o_proj``.
+
+    The paged layout packs every token into one row, so it works on ``[T, H, D]``
+    directly: RoPE from one cos/sin table per pass (:meth:`AttentionMetadata.rope_table`)
+    and no transposes. The other layouts rotate ``[B, H, L, D]`` with ``mx.fast.rope``.
+    """
+    b, l = q.shape[0], q.shape[1]
+    if meta is not None and meta.layout == "paged" and rope.has_table:
+        table = meta.rope_table(rope)
+        out = _paged(rope.apply_table(q[0], table), rope.apply_table(k[0], table), v[0], meta, layer, scale, window, sinks)
+        return out.reshape(b, l, -1)
+    q = apply_rope(rope, q.transpose(0, 2, 1, 3), meta)
+    k = apply_rope(rope, k.transpose(0, 2, 1, 3), meta)
+    out = attention(q, k, v.transpose(0, 2, 1, 3), meta, layer, scale, window=window, sinks=sinks)
+    return out.transpose(0, 2, 1, 3).reshape(b, l, -1)
 
 
 def _sdpa(q, k, v, scale: float, mask, sinks: Optional[mx.array]) -> mx.array:
@@ -209,11 +260,8 @@ def contiguous_pad_mask(cache_lens_after: list[int], new_tokens: int, dtype) -> 
     return mx.where(kpos <= qpos, 0.0, _NEG_INF).astype(dtype)
 
 
-def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=None, sinks=None) -> mx.array:
-    # packed: q [1, H, T, D] -> [T, H, D]
-    qt = q[0].transpose(1, 0, 2)
-    kt = k[0].transpose(1, 0, 2)
-    vt = v[0].transpose(1, 0, 2)
+def _paged(qt, kt, vt, meta: AttentionMetadata, layer: int, scale: float, window=None, sinks=None) -> mx.array:
+    """Packed tokens ``qt`` ``[T, H, D]``, ``kt``/``vt`` ``[T, KVH, D]`` -> ``[T, H, D]``."""
     pool = meta.pool
     if meta.layer_groups is not None:
         # this layer's group has its own block ids (sliding groups free old blocks)
@@ -263,5 +311,4 @@ def _paged(q, k, v, meta: AttentionMetadata, layer: int, scale: float, window=No
                 metal_kernels=meta.metal_kernels,
             )
         )
-    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-    return out.transpose(1, 0, 2)[None]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -127,6 +127,42 @@ class Rope(nn.Module):
             )
         if self._freqs is not None:
             self.base = None
+        # angle of feature pair i at position p: p * scale * inv_freq[i] (what mx.fast.rope computes)
+        half = mx.arange(0, d, 2, dtype=mx.float32) / d
+        self._inv_freq = 1.0 / self._freqs if self._freqs is not None else 1.0 / (base ** half)
+        # evaluated here: a lazy array keeps the stream of the thread that built it, and the
+        # engine's steps may run on another thread
+        mx.eval(self._inv_freq)
+
+    @property
+    def has_table(self) -> bool:
+        """True when :meth:`table` / :meth:`apply_table` reproduce this rope (every kind but
+        a ``longrope`` whose long factors switch in on the pass's last position)."""
+        return self._long_freqs is None
+
+    def table(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """``(cos, sin)`` float32 ``[T, 1, dims // 2]`` for ``positions`` ``[T]`` int32.
+
+        Computed once per forward pass and shared by every layer using this rope (the
+        same angles ``mx.fast.rope`` computes in each call; on MLX's CPU backend that call
+        is an unfused composition that rebuilds them per layer, for q and for k).
+        """
+        angles = (positions.astype(mx.float32) * self.scale)[:, None] * self._inv_freq[None, :]
+        return mx.cos(angles)[:, None, :], mx.sin(angles)[:, None, :]
+
+    def apply_table(self, x: mx.array, table: tuple[mx.array, mx.array]) -> mx.array:
+        """Rotate packed tokens ``x`` ``[T, H, D]`` by :meth:`table` ``(cos, sin)``, in the
+        rotate-half convention (transformers' ``rotate_half``); returns ``x``'s shape and dtype."""
+        cos, sin = table
+        half = self.dims // 2
+        x1, x2 = x[..., :half], x[..., half : self.dims]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.dims < x.shape[-1]:
+            parts.append(x[..., self.dims :])
+        y = mx.concatenate(parts, axis=-1)
+        if self.attention_factor != 1.0:
+            y = y * self.attention_factor
+        return y.astype(x.dtype)
 
     def _rotate(self, x: mx.array, offset, freqs) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offset, freqs=freqs)

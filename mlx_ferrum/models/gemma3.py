@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
-from ..layers.attention import AttentionMetadata, apply_rope, attention
+from ..layers.attention import AttentionMetadata, rope_attention
 from ..layers.mlp import GatedMLP
 from ..layers.norms import GemmaRMSNorm
 from ..layers.rope import Rope, rope_parameters
@@ -164,13 +164,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
         b, l, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, l, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = apply_rope(self.rope, q, meta)
-        k = apply_rope(self.rope, k, meta)
-        o = attention(q, k, v, meta, self.layer_idx, self.scale, window=self.window)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, l, -1))
+        q = self.q_norm(self.q_proj(x).reshape(b, l, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim)
+        return self.o_proj(rope_attention(q, k, v, self.rope, meta, self.layer_idx, self.scale, window=self.window))
 
 
 class DecoderLayer(nn.Module):

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
-from ..layers.attention import AttentionMetadata, apply_rope, attention
+from ..layers.attention import AttentionMetadata, rope_attention
 from .config_validation import validate_config
 from ..layers.mlp import GatedMLP
 from ..layers.rope import Rope, rope_parameters
@@ -191,13 +191,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = q.transpose(0, 2, 1, 3)
-        k = k.transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
-        q = apply_rope(self.rope, q, meta)
-        k = apply_rope(self.rope, k, meta)
-        o = attention(q, k, v, meta, self.layer_idx, self.scale, window=self.window)  # [B, H, L, D]
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, l, -1))
+        return self.o_proj(rope_attention(q, k, v, self.rope, meta, self.layer_idx, self.scale, window=self.window))
 
 
 def _legacy_rope(args: ModelArgs) -> dict:
