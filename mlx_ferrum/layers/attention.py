@@ -92,13 +92,12 @@ class AttentionMetadata:
 
     def rope_table(self, rope) -> tuple[mx.array, mx.array]:
         """Paged: ``rope.table(positions)``, computed on the first call of a pass for each
-        distinct rope and shared by every layer after it (per-step RoPE angles, once)."""
+        distinct rope setting (``rope.table_key``) and shared by every layer after it."""
         if self.rope_tables is None:
             self.rope_tables = {}
-        key = id(rope)
-        if key not in self.rope_tables:
-            self.rope_tables[key] = (rope, rope.table(self.positions))
-        return self.rope_tables[key][1]
+        if rope.table_key not in self.rope_tables:
+            self.rope_tables[rope.table_key] = rope.table(self.positions)
+        return self.rope_tables[rope.table_key]
 
 
 def apply_rope(rope, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
@@ -199,10 +198,59 @@ def rope_attention(
     return out.transpose(0, 2, 1, 3).reshape(b, l, -1)
 
 
+_LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))
+
+
 def _sdpa(q, k, v, scale: float, mask, sinks: Optional[mx.array]) -> mx.array:
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return sdpa_base2(q, k, v, scale, mask, sinks)
     if sinks is None:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks.astype(q.dtype))
+
+
+def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: Optional[mx.array] = None) -> mx.array:
+    """Scaled dot-product attention with the softmax in base 2 (log2(e) folded into the scale).
+
+    What attention runs on MLX's CPU backend, where ``mx.fast.scaled_dot_product_attention``
+    is itself an unfused composition of these ops, computing ``exp``; ``2 ** x`` costs a
+    fraction of it there (FlashAttention-2 kernels fold log2(e) the same way). GPUs keep
+    the fused kernel.
+
+    Args:
+        q: ``[B, num_heads, L_q, head_dim]``; k, v: ``[B, num_kv_heads, L_k, head_dim]``
+            (grouped-query attention when ``num_heads > num_kv_heads``).
+        scale: softmax scale.
+        mask: None, ``"causal"`` (query ``i`` sees keys ``0 .. L_k - L_q + i``), or an
+            additive float mask broadcastable to ``[B, num_heads, L_q, L_k]``.
+        sinks: ``[num_heads]`` attention-sink logits, or None.
+
+    Returns:
+        ``[B, num_heads, L_q, head_dim]`` in q's dtype; the softmax is taken in float32.
+    """
+    b, num_heads, lq, head_dim = q.shape
+    num_kv_heads, lk = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = (q * (scale * _LOG2_E)).reshape(b, num_kv_heads, group * lq, head_dim)
+    scores = (qg @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(b, num_kv_heads, group, lq, lk)
+    if isinstance(mask, str):
+        allowed = mx.arange(lk)[None, :] <= (mx.arange(lq) + (lk - lq))[:, None]
+        scores = mx.where(allowed, scores, _NEG_INF)
+    elif mask is not None:
+        if mask.ndim == 4:  # [B or 1, H or 1, L_q, L_k] -> the grouped layout
+            mask = mask.reshape(mask.shape[0], -1, 1, lq, lk) if mask.shape[1] == 1 else mask.reshape(
+                mask.shape[0], num_kv_heads, group, lq, lk)
+        scores = scores + mask.astype(mx.float32) * _LOG2_E
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = (sinks.astype(mx.float32) * _LOG2_E).reshape(1, num_kv_heads, group, 1, 1)
+        top = mx.maximum(top, sink)
+    weights = mx.power(2.0, scores - top)
+    denom = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + mx.power(2.0, sink - top)
+    weights = (weights / denom).astype(v.dtype).reshape(b, num_kv_heads, group * lq, lk)
+    return (weights @ v).reshape(b, num_heads, lq, head_dim).astype(q.dtype)
 
 
 def _window_mask(qpos: mx.array, kpos: mx.array, window: Optional[int], dtype) -> mx.array:
@@ -293,22 +341,51 @@ def _paged(qt, kt, vt, meta: AttentionMetadata, layer: int, scale: float, window
             )
         )
     if nd < n_seqs:
-        qsl = meta.host_query_start_loc
-        base = qsl[nd]
-        rel = [x - base for x in qsl[nd:]]
-        parts.append(
-            kernels.paged_prefill_attention(
-                qt[base:],
-                kp,
-                vp,
-                block_tables[nd:],
-                meta.context_lens[nd:],
-                mx.array(rel, dtype=mx.int32),
-                scale,
-                host_context_lens=meta.host_context_lens[nd:],
-                host_query_start_loc=rel,
-                window=window, sinks=sinks,
-                metal_kernels=meta.metal_kernels,
-            )
-        )
+        for first, last, fresh in _prefill_runs(meta, nd, window):
+            parts.append(_prefill_run(qt, kt, vt, kp, vp, block_tables, meta, first, last, fresh, scale, window, sinks))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _prefill_runs(meta: AttentionMetadata, first_prefill: int, window: Optional[int]) -> list[tuple[int, int, bool]]:
+    """Split the prefill sequences ``first_prefill ..`` into runs ``(first, last, fresh)``
+    of consecutive sequences (``last`` exclusive).
+
+    A fresh run holds sequences with no cached tokens before this pass and the same
+    number of new tokens (more than one, and within the window): they attend only to
+    their own new K/V, so one batched causal SDPA serves the run without reading the
+    pool (the usual case of a burst of new prompts). Every other run goes to
+    :func:`~mlx_ferrum.kernels.paged_prefill_attention`, and so does everything when the
+    Metal kernels are in use (their prefill kernel takes a whole varlen batch in one launch).
+    """
+    context_lens, starts = meta.host_context_lens, meta.host_query_start_loc
+    batch_fresh = not kernels.metal_path_enabled(meta.metal_kernels)
+    runs: list[tuple[int, int, bool]] = []
+    for i in range(first_prefill, len(context_lens)):
+        new = starts[i + 1] - starts[i]
+        fresh = batch_fresh and new > 1 and context_lens[i] == new and (window is None or new <= window)
+        if runs and runs[-1][1] == i and runs[-1][2] == fresh and (
+            not fresh or starts[i] - starts[i - 1] == new
+        ):
+            runs[-1] = (runs[-1][0], i + 1, fresh)
+        else:
+            runs.append((i, i + 1, fresh))
+    return runs
+
+
+def _prefill_run(qt, kt, vt, kp, vp, block_tables, meta: AttentionMetadata, first: int, last: int, fresh: bool,
+                 scale: float, window, sinks) -> mx.array:
+    """Attention of the packed rows of prefill sequences ``first .. last - 1`` -> ``[rows, H, D]``."""
+    starts = meta.host_query_start_loc
+    row0, row1 = starts[first], starts[last]
+    if fresh:
+        seqs, new = last - first, (row1 - row0) // (last - first)
+        as_batch = lambda x: x[row0:row1].reshape(seqs, new, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)  # noqa: E731
+        out = _sdpa(as_batch(qt), as_batch(kt), as_batch(vt), scale, "causal", sinks)  # [S, H, L, D]
+        return out.transpose(0, 2, 1, 3).reshape(row1 - row0, qt.shape[1], qt.shape[2])
+    rel = [x - row0 for x in starts[first : last + 1]]
+    return kernels.paged_prefill_attention(
+        qt[row0:row1], kp, vp, block_tables[first:last], meta.context_lens[first:last],
+        mx.array(rel, dtype=mx.int32), scale,
+        host_context_lens=meta.host_context_lens[first:last], host_query_start_loc=rel,
+        window=window, sinks=sinks, metal_kernels=meta.metal_kernels,
+    )

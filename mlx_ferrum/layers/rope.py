@@ -133,6 +133,8 @@ class Rope(nn.Module):
         # evaluated here: a lazy array keeps the stream of the thread that built it, and the
         # engine's steps may run on another thread
         mx.eval(self._inv_freq)
+        # layers with equal settings share one table per pass (each layer has its own Rope)
+        self.table_key = (self.dims, self.scale, tuple(self._inv_freq.tolist()))
 
     @property
     def has_table(self) -> bool:

@@ -1,0 +1,105 @@
+"""The attention shortcuts the CPU backend takes, against independent references.
+
+- ``sdpa_base2`` (the softmax in base 2) against MLX's ``mx.fast.scaled_dot_product_attention``
+  and a numpy softmax, for every mask kind, GQA and attention sinks.
+- Batched "fresh" prefill runs (new prompts of equal length attend to their own K/V in
+  one SDPA) against the model's own no-cache forward pass, in batches that mix fresh
+  runs of several lengths, a chunk continuing a cached prompt, and decodes.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_ferrum.config import RuntimeConfig
+from mlx_ferrum.executor import LlmExecutor, SeqWork
+from mlx_ferrum.layers.attention import _prefill_runs, sdpa_base2, AttentionMetadata
+
+from tiny_models import tiny_model
+
+SHAPES = [(2, 8, 4, 5, 9), (1, 4, 1, 7, 7), (3, 6, 6, 1, 10)]  # B, heads, kv heads, L_q, L_k
+
+
+def _numpy_attention(q, k, v, scale, additive, sinks):
+    """Plain softmax attention in float64 (numpy), GQA by repeating K/V heads."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale + additive
+    top = scores.max(-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, np.asarray(sinks, dtype=np.float64)[None, :, None, None])
+    weights = np.exp(scores - top)
+    denom = weights.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(np.asarray(sinks, dtype=np.float64)[None, :, None, None] - top)
+    return (weights / denom) @ v
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "additive_4d", "additive_2d"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_sdpa_base2_equals_fused_sdpa_and_numpy(shape, mask_kind, with_sinks):
+    b, heads, kv_heads, lq, lk = shape
+    rng = np.random.default_rng(sum(shape))
+    q, k, v = (mx.array(rng.normal(size=s).astype(np.float32))
+               for s in ((b, heads, lq, 8), (b, kv_heads, lk, 8), (b, kv_heads, lk, 8)))
+    sinks = mx.array(rng.normal(size=heads).astype(np.float32)) if with_sinks else None
+    allowed = rng.uniform(size=(b, 1, lq, lk)) > 0.3
+    allowed[..., 0] = True
+    additive = np.where(allowed, 0.0, -np.inf).astype(np.float32)
+    if mask_kind == "none":
+        mask, ref_add = None, np.zeros((1, 1, lq, lk))
+    elif mask_kind == "causal":
+        mask = "causal"
+        ref_add = np.where(np.arange(lk)[None, :] <= np.arange(lq)[:, None] + lk - lq, 0.0, -np.inf)
+    elif mask_kind == "additive_4d":
+        mask, ref_add = mx.array(additive), additive
+    else:
+        mask, ref_add = mx.array(additive[0, 0]), additive[0, 0]
+    got = sdpa_base2(q, k, v, 0.3, mask, sinks)
+    extra = {} if sinks is None else {"sinks": sinks}
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, **extra)
+    np.testing.assert_allclose(np.array(got), np.array(fused), rtol=1e-5, atol=1e-6)
+    expect = _numpy_attention(q, k, v, 0.3, ref_add, None if sinks is None else np.array(sinks))
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-5, atol=1e-6)
+
+
+def _meta(context_lens, query_lens, num_decode):
+    starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    return AttentionMetadata(layout="paged", host_context_lens=list(context_lens), host_query_start_loc=starts,
+                             num_decode_seqs=num_decode, metal_kernels=False)
+
+
+def test_prefill_runs_group_only_fresh_prompts_of_equal_length():
+    # decode, then fresh 4, fresh 4, fresh 6, a chunk continuing a cached prompt (ctx 9, new 3), fresh 4
+    meta = _meta([10, 4, 4, 6, 9, 4], [1, 4, 4, 6, 3, 4], num_decode=1)
+    assert _prefill_runs(meta, 1, None) == [(1, 3, True), (3, 4, True), (4, 5, False), (5, 6, True)]
+    # a window shorter than the prompt sends it to the paged path
+    assert _prefill_runs(meta, 1, 5) == [(1, 3, True), (3, 5, False), (5, 6, True)]
+
+
+def _no_cache_last_logits(model, ids):
+    return np.array(model(mx.array([ids]))[0, -1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3"])
+def test_mixed_prefill_batch_equals_the_no_cache_forward(family):
+    from tiny_models import CONFIGS
+
+    if family not in CONFIGS:
+        pytest.skip(f"no tiny {family} config")
+    model = tiny_model(family)
+    rng = np.random.default_rng(3)
+    ex = LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=128))
+    old = rng.integers(0, 97, size=12).tolist()
+    ex.run([SeqWork("old", old[:9])])  # continues below with a 3-token chunk
+    decoding = rng.integers(0, 97, size=6).tolist()
+    ex.run([SeqWork("dec", decoding[:5])])
+    prompts = {f"fresh{i}": rng.integers(0, 97, size=n).tolist() for i, n in enumerate((5, 5, 5, 9, 5))}
+    work = [SeqWork("dec", decoding[5:]), SeqWork("old", old[9:])] + [SeqWork(c, p) for c, p in prompts.items()]
+    out = ex.run(work)
+    expect = [_no_cache_last_logits(model, decoding), _no_cache_last_logits(model, old)] + [
+        _no_cache_last_logits(model, p) for p in prompts.values()]
+    for got, want in zip(out, expect):
+        np.testing.assert_allclose(np.array(got[0]), want, rtol=1e-5, atol=1e-5)
