@@ -183,6 +183,11 @@ class Lockstep:
                 self.handles[side][w.cache_id] = ex._handle(w.cache_id)
         self._take(list(prompts) + decoding, rows, "mixed")
 
+    def fork(self, cid: str, new_cid: str) -> None:
+        for side, ex in self.ex.items():
+            self.handles[side][new_cid] = ex.fork_cache(self.handles[side][cid], new_cid)
+        self.next_token[new_cid] = self.next_token[cid]
+
     def release(self, cid: str) -> None:
         for side, ex in self.ex.items():
             ex.release_cache(cid)
@@ -223,6 +228,23 @@ def test_block_size_16(family_model, family):
     for _ in range(STEPS):
         run.decode(cids)
     assert run.compiled_calls[0] == STEPS and run.ex[True].compiled_decode
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_moe_batch_past_the_expert_sort_threshold(family_model, family):
+    """36 sequences x 2 experts each = 72 (token, expert) pairs: the MoE layer sorts
+    tokens by expert (``layers.moe._SORT_THRESHOLD`` is 64) inside the compiled step."""
+    from mlx_ferrum.layers import moe
+
+    model = family_model(family)
+    n = 36
+    assert 2 * n >= moe._SORT_THRESHOLD
+    run = Lockstep(model, block_size=8)
+    cids = [f"s{i}" for i in range(n)]
+    run.prefill(dict(zip(cids, prompts_for(model, [1 + i % 17 for i in range(n)], seed=13))))
+    for _ in range(4):
+        run.decode(cids)
+    assert run.compiled_calls[0] == 4 and run.ex[True].compiled_decode
 
 
 # ----------------------------------------------------------------------------- 2. changing batches
@@ -297,6 +319,26 @@ def test_layer_groups_with_different_block_ids_equal_eager(family_model, family)
     assert run.compiled_calls[0] == STEPS and run.ex[True].compiled_decode
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_forked_sequences_copy_on_write_inside_compiled_steps(family_model, family):
+    """Forks share a half-full last block; the copy made before the first write of each
+    child lands in the pool that the compiled step gets as input."""
+    model = family_model(family)
+    run = Lockstep(model, block_size=8)
+    run.prefill({"p": prompts_for(model, [13], seed=51)[0]})
+    run.decode(["p"])
+    run.fork("p", "c1")
+    run.fork("p", "c2")
+    run.next_token["c2"] = (run.next_token["p"] + 1) % model.args.vocab_size  # the children diverge
+    for _ in range(12):
+        run.decode(["p", "c1", "c2"])
+    assert run.compiled_calls[0] == 13 and run.ex[True].compiled_decode
+    for side, ex in run.ex.items():
+        for c in ("p", "c1", "c2"):
+            ex.release_cache(c)
+        assert ex.manager.allocator.num_in_use == 0, side
+
+
 # ----------------------------------------------------------------------------- 3. engine
 
 
@@ -359,6 +401,35 @@ def test_engine_with_preemption_and_prefix_cache_equals_eager(family_model):
     assert eng_c.executor.compiled_decode and calls[0] > 0
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_engine_equals_eager(family_model, proposer):
+    """Speculative steps mix verify passes (eager) with plain decode passes (compiled);
+    a draft model's executor compiles its own decode passes too."""
+    from mlx_ferrum.engine.speculative import DraftModelProposer
+
+    model = family_model("llama")
+    vocab = model.args.vocab_size
+    r = random.Random(9)
+    reqs = [([r.randrange(3, 12) for _ in range(r.randint(8, 24))],  # repetitive: n-grams find drafts
+             SamplingParams(max_tokens=r.randint(8, 20), temperature=0.0, ignore_eos=True)) for _ in range(6)]
+    outs, calls = {}, {}
+    for compiled in (False, True):
+        cfg = paged(compiled, max_num_seqs=8, speculative="ngram", prompt_lookup_min=1, num_speculative_tokens=3)
+        prop = DraftModelProposer(model, cfg, vocab) if proposer == "draft" else None
+        eng = mf.Engine(model, None, cfg, proposer=prop)
+        if compiled:
+            calls["target"] = count_compiled_calls(eng.executor)
+            if prop is not None:
+                calls["draft"] = count_compiled_calls(prop.executor)
+        outs[compiled] = [(o.token_ids, o.finish_reason) for o in eng.generate([p for p, _ in reqs],
+                                                                            [sp for _, sp in reqs])]
+        assert eng.stats()["spec_proposed_tokens"] > 0, "nothing was speculated: the test is too easy"
+    assert outs[True] == outs[False]
+    # with a draft every row is verified (all logits: eager), so only the draft's passes compile
+    compiled_side = "draft" if proposer == "draft" else "target"
+    assert calls[compiled_side][0] > 0, {k: c[0] for k, c in calls.items()}
+
+
 # ----------------------------------------------------------------------------- 4. fallback
 
 
@@ -396,6 +467,26 @@ def test_a_model_reading_the_host_falls_back_to_eager_once(caplog):
     p = PrefillInput(input_ids=mx.array([prompts_for(model, [6], seed=32)[0]]))
     q = PrefillInput(input_ids=p.input_ids)
     assert mx.array_equal(plain.prefill(p).logits, run.ex[True].prefill(q).logits)
+    # the failed trace leaves nothing behind: a new executor over a traceable model still compiles
+    fresh = Lockstep(base, block_size=8)
+    fresh.prefill({"a": prompts_for(base, [5], seed=33)[0]})
+    for _ in range(3):
+        fresh.decode(["a"])
+    assert fresh.compiled_calls[0] == 3 and fresh.ex[True].compiled_decode
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["pipelined", "synchronous"])
+def test_engine_over_a_host_reading_model_falls_back_and_equals_eager(async_scheduling, caplog):
+    base = tiny_model("llama", seed=4)
+    model = HostReadingModel(base.args)
+    model.update(base.parameters())
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    reqs = engine_requests(6, 5, model.args.vocab_size)
+    eager, _, _ = run_engine(model, False, async_scheduling, reqs)
+    fallen_back, eng, calls = run_engine(model, True, async_scheduling, reqs)
+    assert fallen_back == eager
+    assert not eng.executor.compiled_decode and calls[0] == 1
+    assert len([r for r in caplog.records if r.name == LOGGER]) == 1
 
 
 # ----------------------------------------------------------------------------- 5. configuration
