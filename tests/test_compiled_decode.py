@@ -339,6 +339,48 @@ def test_forked_sequences_copy_on_write_inside_compiled_steps(family_model, fami
         assert ex.manager.allocator.num_in_use == 0, side
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_one_token_prompts_join_a_decode_pass_compiled(family_model, family):
+    """A new sequence whose prompt is one token makes a pass of one token per sequence:
+    it is created and prefilled inside the compiled step."""
+    model = family_model(family)
+    run = Lockstep(model, block_size=8)
+    run.prefill({"a": prompts_for(model, [9], seed=61)[0]})
+    run.decode(["a"])
+    run.mixed(["a"], {"b": [7]})  # b's whole prompt, with a's next token: every item brings one token
+    assert run.compiled_calls[0] == 2, "a pass of one-token items did not compile"
+    for _ in range(10):
+        run.decode(["b", "a"])
+    assert run.compiled_calls[0] == 12
+
+
+def test_prefix_cache_hit_leaving_one_token_equals_eager(family_model):
+    """Identical 17-token prompts with block_size 8: later requests find 16 tokens cached
+    and compute one, in a pass shaped like a decode."""
+    model = family_model("llama")
+    prompt = prompts_for(model, [17], seed=71)[0]
+    reqs = [(prompt, SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    reqs += [(prompt[:9] + [5], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
+    outs = {}
+    for compiled in (False, True):
+        cfg = paged(compiled, max_num_seqs=1, prefix_cache=True)  # one at a time: each later one hits the cache
+        eng = mf.Engine(model, None, cfg)
+        calls = count_compiled_calls(eng.executor) if compiled else None
+        ex, one_token_prefills = eng.executor, []
+        forward = ex.forward
+
+        def spy(work, prev=None):
+            one_token_prefills.extend(w for w in work if len(w.tokens) == 1 and ex.num_tokens(w.cache_id) == 16)
+            return forward(work, prev)
+
+        ex.forward = spy
+        outs[compiled] = [o.token_ids for o in eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])]
+        assert eng.stats()["prefix_cache_hit_rate"] > 0
+        assert len(one_token_prefills) >= 2, "no cache hit left one prompt token to compute"
+    assert outs[True] == outs[False]
+    assert calls[0] > 0
+
+
 # ----------------------------------------------------------------------------- 3. engine
 
 
