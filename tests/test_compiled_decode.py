@@ -247,6 +247,20 @@ def test_moe_batch_past_the_expert_sort_threshold(family_model, family):
     assert run.compiled_calls[0] == 4 and run.ex[True].compiled_decode
 
 
+def test_phi3_longrope_switch_inside_the_compiled_step(family_model):
+    """Phi-3's LongRoPE switches to its long factors once a pass reaches past
+    ``original_max_position_embeddings`` (256 here), a device-side choice that the
+    compiled step must make as the eager one does."""
+    model = family_model("phi3")
+    rope = model.model.layers[0].self_attn.rope
+    assert rope._long_freqs is not None and rope._switch_at == 256
+    run = Lockstep(model, block_size=16, kv_capacity=512)
+    run.prefill(dict(zip(["long", "short"], prompts_for(model, [248, 5], seed=81))))
+    for _ in range(16):  # the long sequence's positions go 248 .. 263
+        run.decode(["long", "short"])
+    assert run.compiled_calls[0] == 16 and run.ex[True].compiled_decode
+
+
 # ----------------------------------------------------------------------------- 2. changing batches
 
 
