@@ -545,6 +545,32 @@ def test_engine_over_a_host_reading_model_falls_back_and_equals_eager(async_sche
     assert len([r for r in caplog.records if r.name == LOGGER]) == 1
 
 
+class BufferReadingModel(Model):
+    """A llama model whose forward reads its input through the buffer protocol
+    (``memoryview``, as ``np.frombuffer`` or a zero-copy hand-off to another library would)."""
+
+    def __call__(self, input_ids, meta=None):
+        if memoryview(input_ids).nbytes < 0:  # never true: only the read matters
+            raise AssertionError("unreachable")
+        return super().__call__(input_ids, meta)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a host read through the buffer protocol (memoryview, np.frombuffer) makes MLX raise RuntimeError, "
+    "not ValueError, while tracing; LlmExecutor._decode_pass only catches ValueError, so the decode pass "
+    "fails (and every later one) instead of falling back to eager"))
+def test_a_model_reading_the_host_through_a_buffer_falls_back_too(caplog):
+    base = tiny_model("llama", seed=4)
+    model = BufferReadingModel(base.args)
+    model.update(base.parameters())
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    run = Lockstep(model, block_size=8)
+    run.prefill({"a": prompts_for(model, [6], seed=34)[0]})
+    for _ in range(3):
+        run.decode(["a"])
+    assert not run.ex[True].compiled_decode
+
+
 # ----------------------------------------------------------------------------- 5. configuration
 
 
