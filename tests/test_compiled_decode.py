@@ -116,7 +116,7 @@ def prompts_for(model, lengths, seed):
 
 
 def as_rows(logits: list[mx.array]) -> np.ndarray:
-    return np.concatenate([np.array(l.astype(mx.float32)).reshape(1, -1) for l in logits])
+    return np.concatenate([np.array(row.astype(mx.float32)).reshape(1, -1) for row in logits])
 
 
 def assert_same(compiled: np.ndarray, eager: np.ndarray, what: str) -> None:
@@ -174,7 +174,7 @@ class Lockstep:
         self._take(cids, rows, "decode")
 
     def mixed(self, decoding: list[str], prompts: dict[str, list[int]]) -> None:
-        """One pass mixing new prompts with one-token decodes (it runs op by op on both sides)."""
+        """One pass of new prompts and one-token decodes (op by op, unless every item brings one token)."""
         rows = {}
         for side, ex in self.ex.items():
             work = [SeqWork(c, p) for c, p in prompts.items()] + [SeqWork(c, [self.next_token[c]]) for c in decoding]
@@ -219,7 +219,7 @@ def test_ragged_batch_decode_equals_eager_for_every_family(family_model, family)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_block_size_16(family_model, family):
+def test_block_size_16_equals_eager(family_model, family):
     model = family_model(family)
     lengths = [1, 15, 16, 30]  # 20 steps cross 16 and 32
     run = Lockstep(model, block_size=16)
