@@ -478,7 +478,7 @@ class LlmExecutor:
             step = self._compiled_decode[threading.get_ident()] = mx.compile(self._decode_graph)
         try:
             logits, k_pools, v_pools = step(input_ids, arrays, pool.k, pool.v)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise
             logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
