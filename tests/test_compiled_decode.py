@@ -100,13 +100,18 @@ def paged(compiled: bool, block_size: int = 8, **kw) -> RuntimeConfig:
 def count_compiled_calls(ex: LlmExecutor) -> list[int]:
     """Wrap the executor's compiled step; the returned one-item list counts its calls."""
     assert ex.compiled_decode, "the executor does not compile decode passes"
-    inner, calls = ex._compiled_decode, [0]
+    make_step, calls = ex._compiled_step, [0]
 
-    def counted(*args):
-        calls[0] += 1
-        return inner(*args)
+    def counted_step():
+        step = make_step()
 
-    ex._compiled_decode = counted
+        def counted(*args):
+            calls[0] += 1
+            return step(*args)
+
+        return counted
+
+    ex._compiled_step = counted_step
     return calls
 
 

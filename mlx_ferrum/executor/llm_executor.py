@@ -473,11 +473,8 @@ class LlmExecutor:
             for k in self._GROUP_ARRAYS:
                 arrays[k] = [mx.array(x) for x in f[k]]
         pool = self.pool
-        step = self._compiled_decode.get(threading.get_ident())
-        if step is None:
-            step = self._compiled_decode[threading.get_ident()] = mx.compile(self._decode_graph)
         try:
-            logits, k_pools, v_pools = step(input_ids, arrays, pool.k, pool.v)
+            logits, k_pools, v_pools = self._compiled_step()(input_ids, arrays, pool.k, pool.v)
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise
@@ -486,6 +483,13 @@ class LlmExecutor:
             return None
         pool.k, pool.v = list(k_pools), list(v_pools)
         return logits
+
+    def _compiled_step(self):
+        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use)."""
+        step = self._compiled_decode.get(threading.get_ident())
+        if step is None:
+            step = self._compiled_decode[threading.get_ident()] = mx.compile(self._decode_graph)
+        return step
 
     def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
         """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
