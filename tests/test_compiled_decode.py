@@ -102,8 +102,8 @@ def count_compiled_calls(ex: LlmExecutor) -> list[int]:
     assert ex.compiled_decode, "the executor does not compile decode passes"
     make_step, calls = ex._compiled_step, [0]
 
-    def counted_step():
-        step = make_step()
+    def counted_step(shape):
+        step = make_step(shape)
 
         def counted(*args):
             calls[0] += 1

@@ -190,5 +190,5 @@ def test_pool_sizing_default_and_env(monkeypatch):
     monkeypatch.setenv("FERRUM_KV_MAX_BLOCKS", "37")
     monkeypatch.setenv("FERRUM_PAGED_BLOCK_SIZE", "32")
     ex = mf.LlmExecutor(model)
-    assert ex.layout == "paged" and ex.manager.num_blocks == 37 and ex.pool.k[0].shape == (37, 2, 32, 8)
+    assert ex.layout == "paged" and ex.manager.num_blocks == 37 and ex.pool.k[0].shape == (38, 2, 32, 8)  # +1: the scratch block of padded decode rows
     assert ex.pool.k[0].dtype == mx.float32  # the model's dtype

@@ -85,6 +85,45 @@ class SeqWork:
         return 1 if self.return_logits else 0
 
 
+#: traces of the compiled decode step kept per executor and thread (see ``_compiled_step``)
+MAX_DECODE_TRACES = 64
+
+
+def shape_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) >= ``n``.
+
+    Compiled decode steps pad their sequences and block tables to these sizes, so a
+    batch that grows or shrinks by a few rows, or a context that crosses a block
+    boundary, reuses a trace instead of tracing anew (at most a third of the padded
+    work is waste). The same idea as vLLM's CUDA-graph capture sizes.
+    """
+    size = 1
+    while size < n:
+        if size == 1:
+            size = 2
+        elif size & (size - 1) == 0:  # a power of two: 1.5x it
+            size = size * 3 // 2
+        else:  # 1.5x a power of two: the next power
+            size = size * 4 // 3
+    return size
+
+
+def _pad_rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
+    """``values`` ``[n]`` int32 padded to ``[rows]`` with ``fill``."""
+    if values.shape[0] == rows:
+        return values
+    return np.concatenate([values, np.full(rows - values.shape[0], fill, dtype=values.dtype)])
+
+
+def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> np.ndarray:
+    """A ``[n, m]`` block table padded to ``[rows, cols]``: extra columns point at block 0
+    (masked by ``context_lens``), extra rows at the scratch block."""
+    out = np.zeros((rows, cols), dtype=np.int32)
+    out[: table.shape[0], : table.shape[1]] = table
+    out[table.shape[0] :, 0] = scratch_block
+    return out
+
+
 def model_dtype(model: nn.Module) -> mx.Dtype:
     """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
     (the scales' dtype if quantized)."""
@@ -200,10 +239,13 @@ class LlmExecutor:
                         prefix_cache=self.config.prefix_cache, sliding_window=windows[0],
                     )
             self.manager = manager
+            # one block past the manager's: the scratch block that the pad rows of a
+            # compiled decode step write to (the manager never hands it out)
             self.pool = PagedKvPool(
-                args.num_hidden_layers, manager.num_blocks, args.num_key_value_heads, manager.block_size,
+                args.num_hidden_layers, manager.num_blocks + 1, args.num_key_value_heads, manager.block_size,
                 args.head_dim, self.dtype,
             )
+            self._scratch_block = manager.num_blocks
             self.store: KvStore = PagedKvStore(manager, self.pool, per_token)
         else:
             self.store = ContiguousKvStore(self._new_contiguous, per_token)
@@ -454,7 +496,9 @@ class LlmExecutor:
         stays eager for good, and the caller runs the pass op by op.
         """
         f = kv_pass.fields
-        ids = np.empty(len(kv_pass.items), dtype=np.int32)
+        n = len(kv_pass.items)
+        rows, cols = shape_bucket(n), shape_bucket(f["block_tables"].shape[1])
+        ids = np.zeros(rows, dtype=np.int32)
         patch_at: list[int] = []
         patch_rows: list[int] = []
         for r, i in enumerate(kv_pass.items):
@@ -463,18 +507,24 @@ class LlmExecutor:
             if w.prev_row >= 0:
                 patch_at.append(r)
                 patch_rows.append(w.prev_row)
-        if len(patch_at) == len(ids) and prev is not None and prev.shape[0] == len(ids) and patch_rows == patch_at:
+        if rows == n and len(patch_at) == n and prev is not None and prev.shape[0] == n and patch_rows == patch_at:
             input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
         else:
             input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
-        arrays = {k: mx.array(f[k]) for k in self._DECODE_ARRAYS}
-        groups = f.get("layer_groups")
-        if groups is not None:
-            for k in self._GROUP_ARRAYS:
-                arrays[k] = [mx.array(x) for x in f[k]]
+        scratch_slot = self._scratch_block * self.manager.block_size
+        arrays = {
+            "positions": mx.array(_pad_rows(f["positions"], rows, 0)),
+            "slot_mapping": mx.array(_pad_rows(f["slot_mapping"], rows, scratch_slot)),
+            "block_tables": mx.array(_pad_table(f["block_tables"], rows, cols, self._scratch_block)),
+            "context_lens": mx.array(_pad_rows(f["context_lens"], rows, 1)),
+        }
+        if f.get("layer_groups") is not None:
+            arrays["group_slot_mappings"] = [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f["group_slot_mappings"]]
+            arrays["group_block_tables"] = [
+                mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f["group_block_tables"]]
         pool = self.pool
         try:
-            logits, k_pools, v_pools = self._compiled_step()(input_ids, arrays, pool.k, pool.v)
+            logits, k_pools, v_pools = self._compiled_step((rows, cols))(input_ids, arrays, pool.k, pool.v)
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise
@@ -482,14 +532,22 @@ class LlmExecutor:
             self._compiled_decode = None
             return None
         pool.k, pool.v = list(k_pools), list(v_pools)
-        return logits
+        return logits if rows == n else logits[:n]
 
-    def _compiled_step(self):
-        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use)."""
-        step = self._compiled_decode.get(threading.get_ident())
-        if step is None:
-            step = self._compiled_decode[threading.get_ident()] = mx.compile(self._decode_graph)
-        return step
+    def _compiled_step(self, shape: tuple[int, int]):
+        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use).
+
+        ``mx.compile`` keeps one trace per input shape; once more than
+        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table) were
+        seen the function is dropped with its traces and compiled anew, so a
+        long-running server holds a bounded number of graphs.
+        """
+        key = threading.get_ident()
+        entry = self._compiled_decode.get(key)
+        if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
+            entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
+        entry[1].add(shape)
+        return entry[0]
 
     def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
         """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
