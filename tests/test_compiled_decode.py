@@ -600,3 +600,60 @@ def test_the_contiguous_layout_never_compiles(monkeypatch):
     for _ in range(3):
         out = ex.decode(DecodeInput(input_ids=mx.array([[int(mx.argmax(out.logits.reshape(-1)))]]), kv_cache=out.kv_cache))
     assert not ex.compiled_decode
+
+
+# ----------------------------------------------------------------------------- 6. shape buckets
+
+
+def test_shape_buckets_cover_every_size_with_at_most_a_third_wasted():
+    from mlx_ferrum.executor.llm_executor import shape_bucket
+
+    sizes = [shape_bucket(n) for n in range(1, 1025)]
+    assert all(b >= n for n, b in zip(range(1, 1025), sizes))
+    assert all(b <= max(n * 3 // 2, 2) for n, b in zip(range(1, 1025), sizes))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) == 20  # 1, 2, 3, 4, 6, 8, ..., 768, 1024: logarithmically many traces
+
+
+def test_padded_rows_write_only_the_scratch_block():
+    """Five sequences run as a padded batch of six: the pad row writes the scratch block
+    past the manager's blocks, so every live block holds what the eager side holds."""
+    model = tiny_model("llama", seed=6)
+    run = Lockstep(model, block_size=8)
+    cids = [f"s{i}" for i in range(5)]
+    run.prefill(dict(zip(cids, prompts_for(model, [4, 9, 2, 12, 7], seed=41))))
+    for _ in range(6):
+        run.decode(cids)
+    compiled, eager = run.ex[True], run.ex[False]
+    scratch = compiled.manager.num_blocks
+    assert compiled.pool.num_blocks == scratch + 1
+    live = sorted({b for c in cids for b in compiled.manager.block_table(c)})
+    assert scratch not in live
+    assert sorted({b for c in cids for b in eager.manager.block_table(c)}) == live
+    for layer in range(len(model.layers)):
+        for pools in ("k", "v"):
+            got = np.array(getattr(compiled.pool, pools)[layer][mx.array(live)])
+            want = np.array(getattr(eager.pool, pools)[layer][mx.array(live)])
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_traces_are_bounded_and_results_survive_a_reset(monkeypatch):
+    """Past MAX_DECODE_TRACES shapes the compiled step is rebuilt (its traces dropped);
+    the passes before and after stay equal to eager."""
+    import threading
+
+    from mlx_ferrum.executor import llm_executor
+
+    monkeypatch.setattr(llm_executor, "MAX_DECODE_TRACES", 2)
+    model = tiny_model("llama", seed=7)
+    run = Lockstep(model, block_size=8)
+    cids = [f"s{i}" for i in range(9)]
+    run.prefill(dict(zip(cids, prompts_for(model, [5] * 9, seed=42))))
+    functions = []  # kept alive, so identity tells them apart
+    for size in (1, 2, 3, 4, 6, 9, 1, 2):  # buckets 1, 2, 3, 4, 6, 12, 1, 2
+        run.decode(cids[:size])
+        function, shapes = run.ex[True]._compiled_decode[threading.get_ident()]
+        if not any(function is f for f in functions):
+            functions.append(function)
+        assert len(shapes) <= 2
+    assert len(functions) >= 4  # rebuilt as the shapes went past the limit
