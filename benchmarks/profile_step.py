@@ -8,7 +8,9 @@ For N sequences that have each prefilled ``--prompt-tokens`` tokens, one greedy 
 step is built and evaluated ``--steps`` times per side:
 
 - mlx_ferrum: ``LlmExecutor.forward`` (metadata, input ids, the lazy model call) plus the
-  batched on-device sampler, for the paged and the contiguous layout;
+  batched on-device sampler, for the paged layout (its decode pass one ``mx.compile``'d
+  step), the paged layout with ``enforce_eager`` (the same pass op by op) and the
+  contiguous layout;
 - mlx-lm: its model called on ``[N, 1]`` tokens with ``make_prompt_cache`` caches (all
   prompts have the same length, so one plain batched ``KVCache`` serves them) and an argmax.
 
@@ -50,13 +52,14 @@ def count_ops(*arrays: mx.array) -> int:
     return len(re.findall(r"shape=rectangle", text))
 
 
-def profile_ferrum(model, layout: str, n: int, prompt_tokens: int, steps: int, prompts) -> list:
+def profile_ferrum(model, layout: str, n: int, prompt_tokens: int, steps: int, prompts, eager: bool = False) -> list:
     import mlx_ferrum as mf
     from mlx_ferrum.config import RuntimeConfig
     from mlx_ferrum.engine.sampling import SamplerState, SamplingParams, sample
     from mlx_ferrum.executor import SeqWork
 
-    cfg = RuntimeConfig(kv_layout=layout, block_size=16, max_num_blocks=n * (-(-(prompt_tokens + steps + 8) // 16)) + 8)
+    cfg = RuntimeConfig(kv_layout=layout, block_size=16, max_num_blocks=n * (-(-(prompt_tokens + steps + 8) // 16)) + 8,
+                        enforce_eager=eager)
     ex = mf.LlmExecutor(model, cfg)
     ids = [f"p{i}" for i in range(n)]
     ex.run([SeqWork(c, p) for c, p in zip(ids, prompts)])
@@ -78,7 +81,8 @@ def profile_ferrum(model, layout: str, n: int, prompt_tokens: int, steps: int, p
         total.append(t2 - t0)
     for c in ids:
         ex.release_cache(c)
-    return [f"mlx_ferrum {layout}", n, f"{statistics.median(build) * 1e6:.0f}", f"{statistics.median(total) * 1e3:.2f}", ops]
+    name = f"mlx_ferrum {layout}" + (" (enforce_eager)" if eager and layout == "paged" else "")
+    return [name, n, f"{statistics.median(build) * 1e6:.0f}", f"{statistics.median(total) * 1e3:.2f}", ops]
 
 
 def profile_mlx_lm(lm, n: int, steps: int, prompts) -> list:
@@ -143,8 +147,9 @@ def main(argv=None) -> int:
     for n in [int(x) for x in args.concurrency.split(",")]:
         prompts = bench.make_prompts(model.args.vocab_size, n, args.prompt_tokens, 0)
         rows.append(profile_mlx_lm(lm, n, args.steps, prompts))
-        for layout in ("paged", "contiguous"):
-            rows.append(profile_ferrum(model, layout, n, args.prompt_tokens, args.steps, prompts))
+        rows.append(profile_ferrum(model, "paged", n, args.prompt_tokens, args.steps, prompts))
+        rows.append(profile_ferrum(model, "paged", n, args.prompt_tokens, args.steps, prompts, eager=True))
+        rows.append(profile_ferrum(model, "contiguous", n, args.prompt_tokens, args.steps, prompts))
     print_table(["side", "sequences", "build us", "step ms", "graph ops"], rows)
     print()
     print_table(["chain ops", "async_eval returned after ms", "result ready after ms"], async_eval_overlap())

@@ -87,31 +87,31 @@ def paged_attention_decode(
         values = _gather(v_pool, block_tables)[:, :, start:n]
         extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
         return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, **extra)[:, :, 0, :]
-    # Scores are taken block by block in the pool's own layout ([S, nb, KVH, bs, D]),
-    # so the gathered K/V are never transposed into a dense [S, KVH, T, D] copy; only
-    # the small score tensor is masked. Masking is exact because pools stay finite.
-    # The softmax runs in base 2 with log2(e) folded into the scale, as FlashAttention-2
-    # kernels do: 2**x costs a fraction of exp(x) on MLX's CPU backend and the same on a GPU.
+    # The gathered blocks are laid out densely ([S, KVH, T, D]), so each score and
+    # output product is one matrix product per (sequence, kv head) rather than per
+    # block; only the small score tensor is masked, which is exact because pools stay
+    # finite. The softmax runs in base 2 with log2(e) folded into the scale, as
+    # FlashAttention-2 kernels do: 2**x costs a fraction of exp(x) on MLX's CPU backend.
     f32 = mx.float32
-    keys = k_pool[block_tables].astype(f32)
-    values = v_pool[block_tables].astype(f32)
-    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, 1, kvh, g, head_dim)
-    scores = qg @ keys.swapaxes(-1, -2)  # [S, nb, KVH, g, bs]
-    pos = mx.arange(nb)[:, None] * bs + mx.arange(bs)[None, :]
-    valid = pos[None] < context_lens[:, None, None]  # [S, nb, bs]
+    tokens = nb * bs
+    keys = k_pool[block_tables].swapaxes(1, 2).reshape(num_seqs, kvh, tokens, head_dim).astype(f32)
+    values = v_pool[block_tables].swapaxes(1, 2).reshape(num_seqs, kvh, tokens, head_dim).astype(f32)
+    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
+    scores = qg @ keys.swapaxes(-1, -2)  # [S, KVH, g, T]
+    pos = mx.arange(tokens)
+    valid = pos[None] < context_lens[:, None]  # [S, T]
     if window is not None:
-        valid = valid & (pos[None] >= context_lens[:, None, None] - window)
-    scores = mx.where(valid[:, :, None, None, :], scores, _NEG_INF)
-    m = scores.max(axis=(1, 4), keepdims=True)
+        valid = valid & (pos[None] >= context_lens[:, None] - window)
+    scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
+    m = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
-        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, 1, kvh, g, 1)
+        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
         m = mx.maximum(m, sink)
     p = mx.power(2.0, scores - m)
-    denom = p.sum(axis=(1, 4))  # [S, KVH, g]
+    denom = p.sum(axis=-1, keepdims=True)  # [S, KVH, g, 1]
     if sinks is not None:
-        denom = denom + mx.power(2.0, sink - m).reshape(num_seqs, kvh, g)
-    out = (p @ values).sum(axis=1)  # [S, KVH, g, D]
-    out = out / denom[..., None]
+        denom = denom + mx.power(2.0, sink - m)
+    out = (p @ values) / denom  # [S, KVH, g, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
