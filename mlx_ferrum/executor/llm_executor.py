@@ -90,22 +90,18 @@ MAX_DECODE_TRACES = 64
 
 
 def shape_bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) >= ``n``.
+    """``n`` rounded up to a size a compiled decode step is traced for.
 
-    Compiled decode steps pad their sequences and block tables to these sizes, so a
-    batch that grows or shrinks by a few rows, or a context that crosses a block
-    boundary, reuses a trace instead of tracing anew (at most a third of the padded
-    work is waste). The same idea as vLLM's CUDA-graph capture sizes.
+    Sizes up to 8 are kept; above, ``n`` is rounded up to a multiple of a quarter of
+    its power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): four sizes per
+    octave, so less than a quarter of the padded work is waste, and a batch that
+    changes by a row or a context that crosses a block boundary mostly reuses a
+    trace. The idea of vLLM's CUDA-graph capture sizes.
     """
-    size = 1
-    while size < n:
-        if size == 1:
-            size = 2
-        elif size & (size - 1) == 0:  # a power of two: 1.5x it
-            size = size * 3 // 2
-        else:  # 1.5x a power of two: the next power
-            size = size * 4 // 3
-    return size
+    if n <= 8:
+        return max(n, 1)
+    granule = 1 << (n.bit_length() - 3)
+    return -(-n // granule) * granule
 
 
 def _pad_rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
