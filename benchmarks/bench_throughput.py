@@ -5,6 +5,7 @@ Usage::
     python benchmarks/bench_throughput.py --model ../shared/models/stories260K --concurrency 1,8,32 --max-tokens 128
     python benchmarks/bench_throughput.py --qwen-shape --concurrency 32 --max-tokens 32   # fp32 random Qwen2.5-0.5B shape
     python benchmarks/bench_throughput.py ... --with-sync    # also the engine with async_scheduling=False
+    python benchmarks/bench_throughput.py ... --with-eager   # also the engine with enforce_eager=True (no mx.compile)
 
 Both sides get the same work and the same admission: N requests of ``--prompt-tokens``
 random token ids (seeded, identical on both sides) arrive at once, all are prefilled
@@ -52,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--with-sync", action="store_true", help="also run the engine with async_scheduling=False")
+    ap.add_argument("--with-eager", action="store_true",
+                    help="also run the engine with enforce_eager=True (decode passes op by op, no mx.compile)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
     dtype = bench.model_dtype_of(model)
     lm = bench.load_mlx_lm_model(path, dtype)
     vocab = model.args.vocab_size
-    sides = ["ferrum"] + (["ferrum-sync"] if args.with_sync else []) + ["mlx-lm"]
+    sides = (["ferrum"] + (["ferrum-sync"] if args.with_sync else []) + (["ferrum-eager"] if args.with_eager else [])
+             + ["mlx-lm"])
     summary_rows = []
     detail_rows = []
     for n in levels:
@@ -95,7 +99,8 @@ def main(argv=None) -> int:
         for side in sides:
             if side.startswith("ferrum"):
                 cfg = bench.bench_config(n, args.prompt_tokens, args.max_tokens)
-                cfg.async_scheduling = side == "ferrum"
+                cfg.async_scheduling = side != "ferrum-sync"
+                cfg.enforce_eager = side == "ferrum-eager"
                 engines[side] = Engine(model, None, cfg)
                 bench._run_engine(engines[side], warm, wt)
             else:
@@ -117,6 +122,9 @@ def main(argv=None) -> int:
         if args.with_sync:
             sync_ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["ferrum"], runs["ferrum-sync"])]
             row.append(_spread(sync_ratios))
+        if args.with_eager:
+            eager_ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["ferrum"], runs["ferrum-eager"])]
+            row.append(_spread(eager_ratios))
         row.append(f"{agree:.3f}")
         summary_rows.append(row)
         for side in sides:
@@ -130,7 +138,8 @@ def main(argv=None) -> int:
             ])
         print(f"-- {n} requests done", flush=True)
     print()
-    headers = ["requests", "wall ratio mlx-lm/ferrum"] + (["ferrum pipelined/sync"] if args.with_sync else []) + [
+    headers = ["requests", "wall ratio mlx-lm/ferrum"] + (["ferrum pipelined/sync"] if args.with_sync else []) + (
+        ["ferrum compiled/eager"] if args.with_eager else []) + [
         "token agreement"]
     print_table(headers, summary_rows)
     print()
