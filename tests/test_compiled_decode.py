@@ -656,3 +656,26 @@ def test_traces_are_bounded_and_results_survive_a_reset(monkeypatch):
             functions.append(function)
         assert len(shapes) <= 2
     assert len(functions) >= 4  # rebuilt as the shapes went past the limit
+
+
+def test_pipelined_compiled_steps_update_the_pool_in_place():
+    """Steps queued with mx.async_eval before the previous one finished (the engine's
+    pipelined loop) must not copy the pool: given pool arrays still pending from the
+    previous step, a compiled step used to copy every layer's K and V (peak memory up by
+    whole pools, tens of ms per step on a large pool)."""
+    model = tiny_model("llama", seed=1)
+    ex = LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=40000))
+    pool_bytes = ex.pool.k[0].nbytes  # ~20 MB per layer's K (or V)
+    cids = [f"s{i}" for i in range(4)]
+    ex.run([SeqWork(c, [1, 2, 3, 4, 5]) for c in cids])
+    tokens = mx.zeros((4,), mx.int32)
+    mx.eval(tokens)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(40):
+        logits, state = ex.forward([SeqWork(c, [0], prev_row=i) for i, c in enumerate(cids)], tokens)
+        tokens = mx.argmax(logits, -1).astype(mx.int32)
+        mx.async_eval(tokens, *state)
+    mx.eval(tokens, state)
+    assert ex.compiled_decode
+    assert mx.get_peak_memory() - base < pool_bytes / 2, "a pipelined compiled step copied a pool"

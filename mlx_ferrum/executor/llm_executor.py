@@ -519,6 +519,12 @@ class LlmExecutor:
             arrays["group_block_tables"] = [
                 mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f["group_block_tables"]]
         pool = self.pool
+        # The pools must be computed before they enter the compiled step: given a pool
+        # still pending from the previous (pipelined) step, MLX cannot update it in
+        # place and copies the whole pool, every layer (peak memory + pool size, tens
+        # of ms per step on a large pool). The previous step's writes are near its
+        # end, and on the CPU backend mx.async_eval has already waited for them.
+        mx.eval(pool.k, pool.v)
         try:
             logits, k_pools, v_pools = self._compiled_step((rows, cols))(input_ids, arrays, pool.k, pool.v)
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
