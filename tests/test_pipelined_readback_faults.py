@@ -35,6 +35,9 @@ Two ways the fault reaches the read-back:
 """
 
 import asyncio
+import random
+import signal
+import time
 import traceback
 
 import mlx.core as mx
@@ -121,8 +124,8 @@ class ReadBackFault:
     queued at that moment (``eng._inflight`` is it); the test records it.
     """
 
-    def __init__(self, eng, exc, target=None):
-        self.eng, self.exc, self.target = eng, exc, target
+    def __init__(self, eng, exc, target=None, when=None):
+        self.eng, self.exc, self.target, self.when = eng, exc, target, when
         self.armed = False
         self.step_requests = None  # request ids of the failed step's rows
         self.queued_behind = None  # request ids of the step queued behind it
@@ -130,7 +133,9 @@ class ReadBackFault:
         real = eng._resolve
 
         def resolve(flight):
-            if self.armed and (self.target is None or self.target in flight.row_of):
+            chosen = self.when(flight) if self.when is not None else (
+                self.target is None or self.target in flight.row_of)
+            if self.armed and chosen:
                 self.armed = False
                 self.step_requests = [s.request_id for s, _, _ in flight.rows]
                 behind = eng._inflight if eng._inflight is not flight else None
@@ -586,4 +591,142 @@ def test_ctrl_c_while_async_eval_waits_ends_that_steps_sampled_requests(model, l
     assert_clean(eng)
     again = eng.generate([PROMPTS[0]], SEEDED)
     assert again[0].token_ids == solo(model, PROMPTS[0], SEEDED)
+    assert_clean(eng)
+
+
+@pytest.mark.parametrize("pipelined", MODES, ids=["pipelined", "synchronous"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_async_engine_serves_on_after_an_evaluation_failure(model, layout, pipelined, monkeypatch):
+    """:class:`FailingSampler` under :class:`AsyncEngine`: one step's evaluation fails
+    on the device while the stepping thread runs. The clients of that step (and, when
+    MLX reported it at the next launch, of the step launched then) get one final
+    ``"error"`` output naming it, with no token from the failed evaluation; every other
+    client's stream equals its solo run; the thread keeps serving."""
+    eng = Engine(model, None, config(layout, pipelined, max_num_seqs=3))
+    faulty = FailingSampler(engine_module.sample)
+    monkeypatch.setattr(engine_module, "sample", faulty)
+    real_step = eng.step
+    steps = {"n": 0}
+
+    def step():
+        steps["n"] += 1
+        if steps["n"] == 4:
+            faulty.armed = True
+        return real_step()
+
+    eng.step = step
+    aeng = AsyncEngine(eng)
+
+    async def collect(prompt, params):
+        return [o async for o in aeng.astream(prompt, params)]
+
+    async def main():
+        first = await asyncio.wait_for(asyncio.gather(*(collect(p, params_of(i)) for i, p in enumerate(PROMPTS[:5]))), 60)
+        later = await asyncio.wait_for(asyncio.gather(collect(PROMPTS[5], SEEDED), collect(PROMPTS[0], GREEDY)), 60)
+        return first, later
+
+    try:
+        first, later = asyncio.run(main())
+        alive = aeng._thread.is_alive()
+    finally:
+        aeng.shutdown()
+    assert alive, "the stepping thread died"
+    assert faulty.fired == 1
+    errors = 0
+    for i, outs in enumerate(first):
+        final = outs[-1]
+        assert final.finished and sum(o.finished for o in outs) == 1
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+        ref = solo(model, PROMPTS[i], params_of(i))
+        if final.finish_reason == "error":
+            errors += 1
+            assert "LU factorization failed" in final.error
+            assert final.token_ids == ref[: len(final.token_ids)], "a token from the failed evaluation reached a client"
+        else:
+            assert (final.finish_reason, final.token_ids) == ("length", ref)
+    assert 1 <= errors <= 3, "the failure ended requests beyond the steps it touched"
+    assert [o[-1].token_ids for o in later] == [solo(model, PROMPTS[5], SEEDED), solo(model, PROMPTS[0], GREEDY)]
+    assert_clean(eng)
+
+
+@pytest.mark.parametrize("pipelined", MODES, ids=["pipelined", "synchronous"])
+def test_ctrl_c_in_the_client_thread_of_an_async_engine_releases_everything(model, pipelined):
+    """Ctrl-C reaches the main thread (signals go there), not :class:`AsyncEngine`'s
+    stepping thread, which may be inside a read-back at that moment. ``asyncio.run``
+    cancels the clients; each ``astream`` aborts its request, the stepping thread ends
+    them between its steps (a step in flight is read back and dropped), every block is
+    released, and the same engine serves the next ``asyncio.run`` identically to a solo
+    run."""
+    eng = Engine(model, None, config("paged", pipelined, max_num_seqs=4))
+    aeng = AsyncEngine(eng)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def stream_until_interrupted():
+        seen = {"n": 0}
+
+        async def client(prompt):
+            async for _ in aeng.astream(prompt, long):
+                seen["n"] += 1
+                if seen["n"] == 12:  # mid-stream: several steps in, one in flight
+                    signal.raise_signal(signal.SIGINT)
+
+        await asyncio.gather(*(client(p) for p in PROMPTS[:4]))
+
+    async def later():
+        return await asyncio.wait_for(aeng.generate(PROMPTS[1], SEEDED), 60)
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(stream_until_interrupted())
+        for _ in range(2000):  # the stepping thread ends the aborted requests between steps
+            if not eng.has_unfinished_requests():
+                break
+            time.sleep(0.005)
+        assert aeng._thread.is_alive(), "the stepping thread died"
+        assert_clean(eng)
+        out = asyncio.run(later())
+    finally:
+        aeng.shutdown()
+    assert (out.finish_reason, out.token_ids) == ("length", solo(model, PROMPTS[1], SEEDED))
+    assert_clean(eng)
+
+
+@pytest.mark.parametrize("exc", [InjectedReadBackFault("injected read-back fault"), KeyboardInterrupt()],
+                         ids=["error", "ctrl-c"])
+def test_read_back_fault_of_a_step_whose_request_was_preempted_inside_the_lag(model, exc):
+    """Pipelined, paged, a pool small enough to preempt: the read-back of step t fails
+    after step t+1's schedule preempted one of step t's requests (its blocks were freed,
+    its in-flight token not read yet). That request ends with the step's error like the
+    others of the step, exactly once; every request outside the step matches its solo
+    run; no block leaks."""
+    r = random.Random(5)
+    reqs = []
+    for i in range(40):
+        prompt = [r.randrange(97) for _ in range(r.randint(4, 30))]
+        reqs.append((prompt, GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=0.8, seed=300 + i,
+                                                               ignore_eos=True)))
+    eng = Engine(model, None, config("paged", True, max_num_blocks=20, max_num_seqs=12, max_num_batched_tokens=96))
+
+    def preempted_row(flight):
+        return any(s.status.value == "waiting" for s, _, _ in flight.rows)
+
+    fault = ReadBackFault(eng, exc, when=preempted_row)
+    fault.armed = True
+    ids = [eng.add_request(p, sp) for p, sp in reqs]
+    finals, interrupts = drive(eng)
+    assert fault.step_requests is not None, "no request was preempted inside the lag: the test is too easy"
+    assert interrupts == (1 if isinstance(exc, KeyboardInterrupt) else 0)
+    assert set(finals) == set(ids)
+    hit = set(fault.step_requests)
+    name = type(exc).__name__
+    for rid, (prompt, params) in zip(ids, reqs):
+        out = finals[rid]
+        ref = solo(model, prompt, params)
+        assert -1 not in out.token_ids
+        if rid in hit:
+            assert out.finish_reason == "error" and out.error.startswith(name)
+            assert out.token_ids == ref[: len(out.token_ids)]
+        else:
+            assert (out.finish_reason, out.token_ids) == ("length", ref), f"{rid} was harmed by another's fault"
+    assert eng.stats()["num_preemptions"] > 0
     assert_clean(eng)

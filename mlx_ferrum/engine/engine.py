@@ -374,6 +374,7 @@ class Engine:
         cache first), a ``BaseException`` propagates after the executor's rollback; a
         sampler failure ends only its row's request (:meth:`_sample_flight`), and a
         ``BaseException`` while sampling ends this step's sampled requests, then propagates.
+        When ``mx.async_eval`` raises, see :meth:`_evaluation_failed`.
         """
         prev = self._inflight.tokens if self._inflight is not None else None
         try:
@@ -492,8 +493,9 @@ class Engine:
 
         Isolation: NaN/Inf logits end their request with :class:`NonFiniteLogitsError`;
         a failure emitting one token (e.g. the detokenizer) ends only that request; a
-        failure reading the step back ends only this step's requests; a ``BaseException``
-        ends this step's requests, then propagates.
+        failure reading the step back (its evaluation failed) ends only this step's
+        requests, prompt-chunk ones included (``flight.unsampled``); a ``BaseException``
+        ends this step's sampled requests, then propagates.
         """
         outs: list[RequestOutput] = []
         try:
