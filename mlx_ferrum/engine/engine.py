@@ -51,6 +51,8 @@ class _InFlight:
             for a row whose sampling failed).
         rows: ``(sequence, row, output index)`` per sampled request still running.
         row_of: request id -> row.
+        unsampled: the step's other sequences (a prompt chunk short of the last token):
+            their KV came from the same evaluation, so they end too when it failed.
     """
 
     tokens: mx.array
@@ -58,6 +60,7 @@ class _InFlight:
     results: list
     rows: list = field(default_factory=list)
     row_of: dict = field(default_factory=dict)
+    unsampled: list = field(default_factory=list)
 
 
 def _non_finite_error() -> str:
@@ -371,6 +374,7 @@ class Engine:
         cache first), a ``BaseException`` propagates after the executor's rollback; a
         sampler failure ends only its row's request (:meth:`_sample_flight`), and a
         ``BaseException`` while sampling ends this step's sampled requests, then propagates.
+        When ``mx.async_eval`` raises, see :meth:`_evaluation_failed`.
         """
         prev = self._inflight.tokens if self._inflight is not None else None
         try:
@@ -399,7 +403,11 @@ class Engine:
                 r += w.num_logit_rows
             rows = [row_of_item[i] for i, it in enumerate(items) if samples[i] and not it.seq.finished]
             if not sampled:
-                mx.async_eval(state)
+                try:
+                    mx.async_eval(state)
+                except BaseException as e:
+                    self._evaluation_failed([], e)
+                    raise
                 return None
             take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
             try:
@@ -409,10 +417,35 @@ class Engine:
                 # than stall; then it propagates
                 self._pending.extend(self._fail_seqs(sampled, e))
                 raise
+            sampled_ids = {id(s) for s in sampled}
+            flight.unsampled = [it.seq for it in items if not it.seq.finished and id(it.seq) not in sampled_ids]
             extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
                      for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
-            mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+            try:
+                mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+            except BaseException as e:
+                self._evaluation_failed(sampled, e)
+                raise
             return flight if flight.rows else None
+
+    def _evaluation_failed(self, sampled: list, exc: BaseException) -> None:
+        """``mx.async_eval`` of the step being launched raised. Call with the lock held.
+
+        MLX reports a failed evaluation once, at the first host wait after it (on the CPU
+        ``async_eval`` waits for most of the queued work), and computes what depends on
+        the failed op from an unwritten buffer without a word. So an ``Exception`` here
+        may be the failure of the step still in flight, whose tokens and KV this step
+        reads: that step's requests end too (their next read-back would return garbage
+        as if it were tokens); the caller ends this step's. A ``BaseException`` (Ctrl-C
+        while it waited) ends this step's sampled requests, whose tokens no flight
+        would ever read back; then it propagates.
+        """
+        previous = self._inflight
+        if isinstance(exc, Exception):
+            if previous is not None:
+                self._pending.extend(self._fail_seqs([s for s, _, _ in previous.rows] + previous.unsampled, exc))
+        else:
+            self._pending.extend(self._fail_seqs(sampled, exc))
 
     def _sample_flight(self, take: mx.array, seqs: list[Sequence]) -> "_InFlight":
         """Sample every row of ``take`` at once (lazily); when that raises, row by row with
@@ -460,8 +493,9 @@ class Engine:
 
         Isolation: NaN/Inf logits end their request with :class:`NonFiniteLogitsError`;
         a failure emitting one token (e.g. the detokenizer) ends only that request; a
-        failure reading the step back ends only this step's requests; a ``BaseException``
-        ends this step's requests, then propagates.
+        failure reading the step back (its evaluation failed) ends only this step's
+        requests, prompt-chunk ones included (``flight.unsampled``); a ``BaseException``
+        ends this step's sampled requests, then propagates.
         """
         outs: list[RequestOutput] = []
         try:
@@ -469,7 +503,7 @@ class Engine:
                 tokens = flight.tokens.tolist()
                 finite = flight.finite.tolist()
             except Exception as e:  # noqa: BLE001 - the step's evaluation failed: its requests only
-                return self._fail_seqs([s for s, _, _ in flight.rows], e)
+                return self._fail_seqs([s for s, _, _ in flight.rows] + flight.unsampled, e)
             host: dict[int, tuple] = {}
             now = time.time()
             cap = self.executor.kv_capacity()
