@@ -78,26 +78,33 @@ def context_full_message(num_tokens: int, capacity: int, max_position_embeddings
 
 def apply_kv_plan(executor, plan: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
     """Apply the KV-cache changes the scheduler planned (it only reads the manager):
-    free the caches of the preempted sequences, in order, then create the admitted
-    sequences' caches sharing their cached prefixes (``executor.claim_prefix``).
+    free the caches of the preempted sequences, in order, then perform the prefix-cache
+    lookups in order (``executor.claim_prefix``; a lookup whose sequence was not admitted
+    is released at once, see :class:`~mlx_ferrum.engine.scheduler.PrefixLookup`).
 
     Called right after :meth:`Scheduler.schedule`, before the step is built, so the
-    manager then holds what the scheduler counted on. Releases come first, as the
-    scheduler planned them: a prefix claim may revive blocks a preempted sequence held.
+    manager then holds what the scheduler counted on, changed exactly as when the
+    scheduler wrote it itself: releases first (a claim may revive blocks a preempted
+    sequence held), then the lookups in the scheduler's order.
 
     Returns:
-        ``(sequence, error)`` for each claim that failed (the engine fails that request);
-        empty when the manager agreed with the plan, which it always should.
+        ``(sequence, error)`` for each admitted claim that failed (the engine fails that
+        request); empty when the manager agreed with the plan, which it always should.
     """
     for seq in plan.preempted:
         if executor.has_cache(seq.request_id):
             executor.release_cache(seq.request_id)
     failed = []
-    for seq, num_tokens in plan.prefix_claims:
+    for lookup in plan.prefix_lookups:
+        seq = lookup.seq
         try:
-            executor.claim_prefix(seq.request_id, seq.token_at(0, seq.num_tokens), num_tokens)
+            executor.claim_prefix(seq.request_id, seq.token_at(0, seq.num_tokens), lookup.num_tokens)
         except Exception as e:  # noqa: BLE001 - this request only
-            failed.append((seq, e))
+            if lookup.admitted:
+                failed.append((seq, e))
+            continue
+        if not lookup.admitted:
+            executor.release_cache(seq.request_id)
     return failed
 
 

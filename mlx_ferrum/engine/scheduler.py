@@ -8,7 +8,7 @@ First come, first served, in the style of vLLM's unified scheduler (and nano-vll
 - Then waiting sequences are admitted while there are sequence slots
   (``max_num_seqs``), token budget (``max_num_batched_tokens``) and free blocks. With
   prefix caching, an admitted sequence first takes the cached blocks of its prompt
-  (``SchedulerOutput.prefix_claims``).
+  (``SchedulerOutput.prefix_lookups``).
 - Preemption by recompute: when the pool cannot grow a running sequence, the most
   recently admitted running sequence is preempted: its blocks are to be freed
   (``SchedulerOutput.preempted``) and it returns to the front of the waiting queue, to
@@ -49,6 +49,27 @@ class ScheduledItem:
 
 
 @dataclass
+class PrefixLookup:
+    """A prefix-cache lookup the scheduler made for a waiting sequence; the engine performs
+    it (``executor.claim_prefix``) after the step is planned, in the scheduler's order.
+
+    Attributes:
+        seq: the sequence (its cache does not exist yet).
+        num_tokens: cached prompt tokens found (a multiple of ``block_size``, at most
+            ``num_tokens - 1`` of the prompt).
+        admitted: True: ``seq`` was admitted and its cache starts with those tokens
+            (``seq.num_computed`` counts them). False: it did not fit this step; the
+            lookup is claimed and released at once, so it still counts as a prefix-cache
+            query and the blocks it found move to the back of the eviction order (they
+            are wanted again soon), as when the scheduler made the match itself.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    admitted: bool
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan: the items to run, and sequences preempted or refused.
 
@@ -57,16 +78,14 @@ class SchedulerOutput:
         preempted: sequences preempted this step, in order; the engine frees their
             caches (if they hold one) before anything else.
         rejected: sequences that can never run (the engine fails them).
-        prefix_claims: ``(sequence, num_tokens)`` for each sequence admitted with a
-            prefix-cache lookup, in admission order: the engine creates its cache sharing
-            the first ``num_tokens`` cached prompt tokens (0: an empty cache) after the
-            releases; ``sequence.num_computed`` already counts them.
+        prefix_lookups: the prefix-cache lookups of this step, in order (after the
+            preemptions' releases): :class:`PrefixLookup`.
     """
 
     items: list[ScheduledItem] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)
-    prefix_claims: list[tuple[Sequence, int]] = field(default_factory=list)
+    prefix_lookups: list[PrefixLookup] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -180,21 +199,22 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            claim = None
+            lookup = None
             plan = self._plan
             if plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache:
                 # counted as taken at once: the blocks it revives are no longer free
                 tokens = seq.token_at(0, seq.num_tokens)
                 cached = plan.longest_cached_prefix(tokens)
                 plan.claim(seq.request_id, tokens, cached)
-                claim = (seq, cached)
+                lookup = PrefixLookup(seq, cached, admitted=False)
+                out.prefix_lookups.append(lookup)
                 seq.num_computed = cached
                 if seq.metrics.num_preemptions == 0:
                     seq.metrics.num_cached_tokens = cached
             n = min(seq.remaining, chunk, budget)
             if not self._fits(seq, n):
-                if claim is not None:
-                    # leave the shared prefix blocks alone; they are looked up again next time
+                if lookup is not None:
+                    # give the shared prefix blocks back; they are looked up again next time
                     plan.cancel_claim(seq.request_id)
                     seq.num_computed = 0
                 if not self.running and not out.items:
@@ -209,8 +229,8 @@ class Scheduler:
             self._order += 1
             seq.order = self._order
             self.running.append(seq)
-            if claim is not None:
-                out.prefix_claims.append(claim)
+            if lookup is not None:
+                lookup.admitted = True
             self._reserve(seq, n)
             out.items.append(ScheduledItem(seq, n))
             budget -= n

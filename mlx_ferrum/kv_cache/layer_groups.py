@@ -199,17 +199,19 @@ class LayerGroupKvManager:
         return min(g.longest_cached_prefix(token_ids) for g in self.groups)
 
     def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> int:
-        """Share cached prefix blocks in every group; the shortest group match wins, and
-        every group shares exactly that many tokens (at most ``max_tokens``).
+        """Share cached prefix blocks in every group; the shortest group match wins (at
+        most ``max_tokens``), and the longer groups give their extra blocks back.
 
         Raises:
             KvCacheError: ``cache_id`` is not empty.
         """
-        common = self.longest_cached_prefix(token_ids)
+        hits = [g.match_prefix(cache_id, token_ids) for g in self.groups]
+        common = min(hits)
         if max_tokens is not None:
             common = min(common, max(0, max_tokens) // self.block_size * self.block_size)
-        for g in self.groups:
-            g.match_prefix(cache_id, token_ids, max_tokens=common)
+        for g, hit in zip(self.groups, hits):
+            if hit > common:
+                g.truncate(cache_id, common)
         return common
 
     def bytes_held(self, bytes_per_token_per_layer: int) -> int:
