@@ -55,8 +55,8 @@ class PrefixLookup:
 
     Attributes:
         seq: the sequence (its cache does not exist yet).
-        num_tokens: cached prompt tokens found (a multiple of ``block_size``, at most
-            ``num_tokens - 1`` of the prompt).
+        num_tokens: cached tokens found at the start of the sequence's tokens (a
+            multiple of ``block_size``; its last token is never among them).
         admitted: True: ``seq`` was admitted and its cache starts with those tokens
             (``seq.num_computed`` counts them). False: it did not fit this step; the
             lookup is claimed and released at once, so it still counts as a prefix-cache

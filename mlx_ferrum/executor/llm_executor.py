@@ -689,7 +689,7 @@ class LlmExecutor:
         """Create the paged cache ``cache_id`` holding the first ``num_tokens`` tokens of
         ``token_ids`` by sharing prefix-cached blocks (reference counts; no K/V is computed
         or copied). The engine calls this for what the scheduler planned
-        (``SchedulerOutput.prefix_claims``, from the manager's read-only
+        (``SchedulerOutput.prefix_lookups``, from the manager's read-only
         ``longest_cached_prefix``); the match itself is the manager's ``match_prefix``
         (chained SHA-256 block keys, as in vLLM's automatic prefix caching).
 
