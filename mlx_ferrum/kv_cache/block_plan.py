@@ -74,7 +74,9 @@ class BlockPlan:
     def blocks_needed(self, cache_id: Optional[Hashable], n: int) -> int:
         """New blocks an append of ``n`` tokens to ``cache_id`` would take (None or a
         sequence that will not exist: a new one). A claimed prefix is whole blocks, so
-        the append starts in a fresh block."""
+        the append starts in a fresh block. Copy-on-write of a shared partial last block
+        is judged on the current reference counts: a pending release of a ``fork``
+        partner is not seen (the engine never forks; the count is then one too high)."""
         if cache_id is None or cache_id in self.claims or not self.has(cache_id):
             return self.manager.blocks_needed(None, n)
         return self.manager.blocks_needed(cache_id, n)
