@@ -27,7 +27,7 @@ from ..executor import LlmExecutor, SeqWork
 from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
 from ..executor import KvCacheHandle
@@ -77,6 +77,38 @@ def context_full_message(num_tokens: int, capacity: int, max_position_embeddings
     if capacity < max_position_embeddings:
         return msg + f", or raise FERRUM_KV_CAPACITY (up to the model's max_position_embeddings={max_position_embeddings})"
     return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
+
+
+def apply_kv_plan(executor, plan: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
+    """Apply the KV-cache changes the scheduler planned (it only reads the manager):
+    free the caches of the preempted sequences, in order, then perform the prefix-cache
+    lookups in order (``executor.claim_prefix``; a lookup whose sequence was not admitted
+    is released at once, see :class:`~mlx_ferrum.engine.scheduler.PrefixLookup`).
+
+    Called right after :meth:`Scheduler.schedule`, before the step is built, so the
+    manager then holds what the scheduler counted on, changed exactly as when the
+    scheduler wrote it itself: releases first (a claim may revive blocks a preempted
+    sequence held), then the lookups in the scheduler's order.
+
+    Returns:
+        ``(sequence, error)`` for each admitted claim that failed (the engine fails that
+        request); empty when the manager agreed with the plan, which it always should.
+    """
+    for seq in plan.preempted:
+        if executor.has_cache(seq.request_id):
+            executor.release_cache(seq.request_id)
+    failed = []
+    for lookup in plan.prefix_lookups:
+        seq = lookup.seq
+        try:
+            executor.claim_prefix(seq.request_id, seq.token_at(0, seq.num_tokens), lookup.num_tokens)
+        except Exception as e:  # noqa: BLE001 - this request only
+            if lookup.admitted:
+                failed.append((seq, e))
+            continue
+        if not lookup.admitted:
+            executor.release_cache(seq.request_id)
+    return failed
 
 
 @dataclass
@@ -302,11 +334,15 @@ class Engine:
         """The scheduler's items for this step; requests the pool can never hold end here
         with ``"error"`` (their outputs are appended to ``outputs``). Call with the lock held."""
         plan = self.scheduler.schedule()
+        # the scheduler only reads the manager: its releases and prefix claims land here
+        for seq, exc in apply_kv_plan(self.executor, plan):
+            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            outputs.append(self._output(seq, "", []))
         for seq in plan.rejected:
             self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
                          "raise FERRUM_KV_MAX_BLOCKS or shorten it")
             outputs.append(self._output(seq, "", []))
-        return plan.items
+        return [it for it in plan.items if not it.seq.finished]
 
     def _step_body(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

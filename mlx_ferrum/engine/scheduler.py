@@ -7,13 +7,19 @@ First come, first served, in the style of vLLM's unified scheduler (and nano-vll
   Chunks and decode tokens of all sequences go into ONE forward pass.
 - Then waiting sequences are admitted while there are sequence slots
   (``max_num_seqs``), token budget (``max_num_batched_tokens``) and free blocks. With
-  prefix caching, an admitted sequence first takes the cached blocks of its prompt.
+  prefix caching, an admitted sequence first takes the cached blocks of its prompt
+  (``SchedulerOutput.prefix_lookups``).
 - Preemption by recompute: when the pool cannot grow a running sequence, the most
-  recently admitted running sequence is preempted: its blocks are freed and it returns
-  to the front of the waiting queue, to be recomputed (prompt + outputs so far) later.
+  recently admitted running sequence is preempted: its blocks are to be freed
+  (``SchedulerOutput.preempted``) and it returns to the front of the waiting queue, to
+  be recomputed (prompt + outputs so far) later.
 
-The scheduler reads and writes only the host-side
-:class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (block tables), never arrays. The
+The scheduler only READS the host-side
+:class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (block tables), never arrays, and
+never writes it: the releases and prefix claims it decides are recorded in a
+:class:`~mlx_ferrum.kv_cache.block_plan.BlockPlan` (so later decisions of the same step
+count with them) and applied by the engine, through the executor, right after
+:meth:`Scheduler.schedule` returns (:func:`mlx_ferrum.engine.engine.apply_kv_plan`). The
 executor appends the slots when it runs the step.
 """
 
@@ -25,6 +31,7 @@ from typing import Optional
 
 from ..config import RuntimeConfig
 from ..kv_cache import PagedKvCacheManager
+from ..kv_cache.block_plan import BlockPlan
 from .sequence import Sequence, SequenceStatus
 
 
@@ -42,12 +49,43 @@ class ScheduledItem:
 
 
 @dataclass
+class PrefixLookup:
+    """A prefix-cache lookup the scheduler made for a waiting sequence; the engine performs
+    it (``executor.claim_prefix``) after the step is planned, in the scheduler's order.
+
+    Attributes:
+        seq: the sequence (its cache does not exist yet).
+        num_tokens: cached tokens found at the start of the sequence's tokens (a
+            multiple of ``block_size``; its last token is never among them).
+        admitted: True: ``seq`` was admitted and its cache starts with those tokens
+            (``seq.num_computed`` counts them). False: it did not fit this step; the
+            lookup is claimed and released at once, so it still counts as a prefix-cache
+            query and the blocks it found move to the back of the eviction order (they
+            are wanted again soon), as when the scheduler made the match itself.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    admitted: bool
+
+
+@dataclass
 class SchedulerOutput:
-    """One step's plan: the items to run, and sequences preempted or refused."""
+    """One step's plan: the items to run, and sequences preempted or refused.
+
+    Attributes:
+        items: what runs this step, running sequences first, then admitted ones.
+        preempted: sequences preempted this step, in order; the engine frees their
+            caches (if they hold one) before anything else.
+        rejected: sequences that can never run (the engine fails them).
+        prefix_lookups: the prefix-cache lookups of this step, in order (after the
+            preemptions' releases): :class:`PrefixLookup`.
+    """
 
     items: list[ScheduledItem] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)
+    prefix_lookups: list[PrefixLookup] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,8 +98,8 @@ class Scheduler:
 
     Args:
         config: budgets (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_chunk_size``).
-        manager: the executor's paged manager, or None for the contiguous layout (no
-            block accounting then: admission is bounded by ``max_num_seqs`` only).
+        manager: the executor's paged manager (only read), or None for the contiguous
+            layout (no block accounting then: admission is bounded by ``max_num_seqs`` only).
         max_seq_len: most tokens per sequence.
     """
 
@@ -73,6 +111,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._order = 0
         self._reserved = 0
+        self._plan: Optional[BlockPlan] = None  # this step's pending releases and prefix claims
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -92,15 +131,13 @@ class Scheduler:
 
     def _fits(self, seq: Sequence, n: int) -> bool:
         """True when ``n`` more tokens of ``seq`` fit beside the blocks this step already reserved."""
-        if self.manager is None:
+        if self._plan is None:
             return True
-        cid = seq.request_id if self.manager.has(seq.request_id) else None
-        return self.manager.blocks_needed(cid, n) <= self.manager.allocator.num_free - self._reserved
+        return self._plan.blocks_needed(seq.request_id, n) <= self._plan.num_free - self._reserved
 
     def _reserve(self, seq: Sequence, n: int) -> None:
-        if self.manager is not None:
-            cid = seq.request_id if self.manager.has(seq.request_id) else None
-            self._reserved += self.manager.blocks_needed(cid, n)
+        if self._plan is not None:
+            self._reserved += self._plan.blocks_needed(seq.request_id, n)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """True when ``seq`` already holds its last token (``max_tokens`` or a full context)."""
@@ -116,8 +153,8 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        if self.manager is not None and self.manager.has(victim.request_id):
-            self.manager.release(victim.request_id)
+        if self._plan is not None and self._plan.has(victim.request_id):
+            self._plan.release(victim.request_id)  # the engine frees it (out.preempted)
         victim.num_computed = 0
         victim.status = SequenceStatus.WAITING
         victim.metrics.num_preemptions += 1
@@ -131,6 +168,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunk = self.config.prefill_chunk_size
         self._reserved = 0
+        self._plan = BlockPlan(self.manager) if self.manager is not None else None
 
         # running sequences, oldest first; preempt the youngest when blocks run out
         i = 0
@@ -161,18 +199,23 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            if self.manager is not None and not self.manager.has(seq.request_id):
-                self.manager.create(seq.request_id)
-                if seq.num_computed == 0 and self.manager.prefix_cache:
-                    cached = self.manager.match_prefix(seq.request_id, seq.token_at(0, seq.num_tokens))
-                    seq.num_computed = cached
-                    if seq.metrics.num_preemptions == 0:
-                        seq.metrics.num_cached_tokens = cached
+            lookup = None
+            plan = self._plan
+            if plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache:
+                # counted as taken at once: the blocks it revives are no longer free
+                tokens = seq.token_at(0, seq.num_tokens)
+                cached = plan.longest_cached_prefix(tokens)
+                plan.claim(seq.request_id, tokens, cached)
+                lookup = PrefixLookup(seq, cached, admitted=False)
+                out.prefix_lookups.append(lookup)
+                seq.num_computed = cached
+                if seq.metrics.num_preemptions == 0:
+                    seq.metrics.num_cached_tokens = cached
             n = min(seq.remaining, chunk, budget)
             if not self._fits(seq, n):
-                if self.manager is not None and self.manager.num_tokens(seq.request_id) == seq.num_computed:
-                    # give the shared prefix blocks back; they are matched again next time
-                    self.manager.release(seq.request_id)
+                if lookup is not None:
+                    # give the shared prefix blocks back; they are looked up again next time
+                    plan.cancel_claim(seq.request_id)
                     seq.num_computed = 0
                 if not self.running and not out.items:
                     # nothing runs and it still does not fit: only eviction of cached
@@ -186,6 +229,8 @@ class Scheduler:
             self._order += 1
             seq.order = self._order
             self.running.append(seq)
+            if lookup is not None:
+                lookup.admitted = True
             self._reserve(seq, n)
             out.items.append(ScheduledItem(seq, n))
             budget -= n

@@ -687,6 +687,36 @@ class LlmExecutor:
             self.store.fork(kv_cache.cache_id, new_id)
         return self._handle(new_id)
 
+    def claim_prefix(self, cache_id: str, token_ids: Sequence[int], num_tokens: int) -> KvCacheHandle:
+        """Create the paged cache ``cache_id`` holding the first ``num_tokens`` tokens of
+        ``token_ids`` by sharing prefix-cached blocks (reference counts; no K/V is computed
+        or copied). The engine calls this for what the scheduler planned
+        (``SchedulerOutput.prefix_lookups``, from the manager's read-only
+        ``longest_cached_prefix``); the match itself is the manager's ``match_prefix``
+        (chained SHA-256 block keys, as in vLLM's automatic prefix caching).
+
+        Args:
+            cache_id: a new cache id.
+            token_ids: the prompt's token ids (ints).
+            num_tokens: cached tokens to share: a multiple of ``block_size``, at most
+                ``len(token_ids) - 1``; 0 creates an empty cache.
+
+        Returns:
+            The new cache's handle (``num_tokens`` tokens).
+
+        Raises:
+            ExecutorError: the contiguous layout, or prefix caching is off
+                (``RuntimeConfig(prefix_cache=True)`` / ``FERRUM_PREFIX_CACHE=1``).
+            KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
+                cached (nothing changes then).
+        """
+        if not isinstance(self.store, PagedKvStore) or not self.manager.prefix_cache:
+            raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
+                                "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
+        with self._lock:
+            self.store.claim_prefix(cache_id, token_ids, num_tokens)
+        return self._handle(cache_id)
+
     def release_cache(self, cache_id: str) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
         with self._lock:

@@ -5,9 +5,12 @@
 - :class:`BlockAllocator`, :class:`PagedKvCacheManager`: host-side bookkeeping of the pool.
 - :class:`LayerGroupKvManager`: one block table per layer group (full / sliding-window
   layers) for models that mix them.
+- :class:`BlockPlan`: the scheduler's read-only view of a manager, with one step's
+  pending releases and prefix claims counted.
 """
 
 from .block_allocator import BlockAllocator
+from .block_plan import BlockPlan
 from .contiguous import ContiguousKvCache
 from .layer_groups import LayerGroupKvManager
 from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
@@ -16,6 +19,7 @@ from .pool import PagedKvPool, bytes_per_block, default_num_blocks
 __all__ = [
     "AppendResult",
     "BlockAllocator",
+    "BlockPlan",
     "ContiguousKvCache",
     "LayerGroupKvManager",
     "PagedKvCacheManager",

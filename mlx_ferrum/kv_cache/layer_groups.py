@@ -13,8 +13,8 @@ The pool itself (:class:`~mlx_ferrum.kv_cache.PagedKvPool`) keeps one array per
 layer; a layer's block ids are those of its group, so the groups never share a slot.
 Every group's pool has the same number of blocks.
 
-:class:`LayerGroupKvManager` offers the methods the scheduler and the executor call
-on a :class:`PagedKvCacheManager`; sequence-level questions (tokens stored, whether
+:class:`LayerGroupKvManager` offers the methods the scheduler (reads only) and the
+executor call on a :class:`PagedKvCacheManager`; sequence-level questions (tokens stored, whether
 ``n`` more tokens fit) are answered for all groups together.
 """
 
@@ -193,10 +193,22 @@ class LayerGroupKvManager:
         for g in self.groups:
             g.fork(cache_id, new_cache_id)
 
-    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int]) -> int:
-        """Share cached prefix blocks in every group; the shortest group match wins."""
+    def longest_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens :meth:`match_prefix` would reuse: the shortest group's cached prefix
+        (read-only; see :meth:`PagedKvCacheManager.longest_cached_prefix`)."""
+        return min(g.longest_cached_prefix(token_ids) for g in self.groups)
+
+    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> int:
+        """Share cached prefix blocks in every group; the shortest group match wins (at
+        most ``max_tokens``), and the longer groups give their extra blocks back.
+
+        Raises:
+            KvCacheError: ``cache_id`` is not empty.
+        """
         hits = [g.match_prefix(cache_id, token_ids) for g in self.groups]
         common = min(hits)
+        if max_tokens is not None:
+            common = min(common, max(0, max_tokens) // self.block_size * self.block_size)
         for g, hit in zip(self.groups, hits):
             if hit > common:
                 g.truncate(cache_id, common)

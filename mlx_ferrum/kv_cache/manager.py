@@ -1,8 +1,10 @@
 """PagedKvCacheManager: per-sequence block tables over one shared block pool.
 
 Host-side bookkeeping only (vLLM's block manager; Kwon et al., SOSP 2023). The
-scheduler reads it to decide admission and preemption; the executor uses it to
-build ``slot_mapping`` and ``block_tables``. The pool arrays belong to the executor:
+scheduler only reads it to decide admission and preemption (through a
+:class:`~mlx_ferrum.kv_cache.block_plan.BlockPlan`); the executor changes it (appends,
+prefix matches, releases, on the engine's behalf) and uses it to build
+``slot_mapping`` and ``block_tables``. The pool arrays belong to the executor:
 when an append must copy a shared block first (copy-on-write), the manager returns
 the ``(src, dst)`` block pairs and the executor copies them before writing.
 
@@ -343,11 +345,57 @@ class PagedKvCacheManager:
                 self._block_tokens[b] = chunk
                 self.allocator.mark_cached(b)
 
-    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int]) -> int:
+    def _prefix_hits(self, token_ids: Sequence[int]) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """``(block, digest, token ids)`` of each cached full block that begins ``token_ids``,
+        stopping at the first miss and before the last token (read-only)."""
+        bs = self.block_size
+        hits: list[tuple[int, bytes, tuple[int, ...]]] = []
+        parent = ROOT_DIGEST
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(int(t) for t in token_ids[i * bs : (i + 1) * bs])
+            h = block_digest(parent, chunk)
+            b = self._hash_to_block.get(h)
+            if b is None or self._block_tokens.get(b) != chunk:
+                break  # a miss, or a digest collision: never reuse a block whose tokens differ
+            hits.append((b, h, chunk))
+            parent = h
+        return hits
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """Ids of the cached blocks :meth:`match_prefix` would share for ``token_ids``; changes nothing.
+
+        The blocks may be in use by other sequences or free but cached (evictable); a
+        match revives the latter. Empty without prefix caching. The scheduler uses this to
+        plan admission while the engine, not the scheduler, performs the match.
+
+        Args:
+            token_ids: the prompt (int token ids).
+
+        Returns:
+            Block ids in logical order; ``len(result) * block_size <= len(token_ids) - 1``.
+        """
+        if not self.prefix_cache:
+            return []
+        return [b for b, _, _ in self._prefix_hits(token_ids)]
+
+    def longest_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens :meth:`match_prefix` would reuse for ``token_ids`` (a multiple of
+        ``block_size``, at most ``len(token_ids) - 1``); changes nothing, counts no query."""
+        return len(self.cached_prefix_blocks(token_ids)) * self.block_size
+
+    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> int:
         """Share the cached full blocks that begin ``token_ids`` with the new, empty ``cache_id``.
 
         At most ``len(token_ids) - 1`` tokens are reused, so the last prompt token is
-        always recomputed and yields logits.
+        always recomputed and yields logits. The blocks are those
+        :meth:`cached_prefix_blocks` names (the same lookup), so
+        :meth:`longest_cached_prefix` predicts the result exactly.
+
+        Args:
+            cache_id: an existing, empty sequence.
+            token_ids: the prompt.
+            max_tokens: reuse at most this many tokens (rounded down to whole blocks);
+                None: as many as are cached.
 
         Returns:
             Tokens reused (a multiple of ``block_size``); the caller prefills the rest.
@@ -363,19 +411,15 @@ class PagedKvCacheManager:
         bs = self.block_size
         self.prefix_queries += 1
         self.prefix_query_tokens += len(token_ids)
-        parent = ROOT_DIGEST
-        for i in range((len(token_ids) - 1) // bs):
-            chunk = tuple(int(t) for t in token_ids[i * bs : (i + 1) * bs])
-            h = block_digest(parent, chunk)
-            b = self._hash_to_block.get(h)
-            if b is None or self._block_tokens.get(b) != chunk:
-                break  # a miss, or a digest collision: never reuse a block whose tokens differ
+        hits = self._prefix_hits(token_ids)
+        if max_tokens is not None:
+            hits = hits[: max(0, max_tokens) // bs]
+        for b, h, chunk in hits:
             self.allocator.acquire(b)
             seq.block_ids.append(b)
             seq.block_hashes.append(h)
             seq.token_ids.extend(chunk)
             seq.num_tokens += bs
-            parent = h
         self.prefix_hit_tokens += seq.num_tokens
         return seq.num_tokens
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import UnknownCacheError
+from ..errors import KvCacheError, UnknownCacheError
 from .contiguous import ContiguousKvCache
 from .layer_groups import LayerGroupKvManager
 from .manager import PagedKvCacheManager
@@ -206,6 +206,26 @@ class PagedKvStore:
         """Free the sequence's blocks; unknown ids are ignored."""
         if self.manager.has(cache_id):
             self.manager.release(cache_id)
+
+    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Create ``cache_id`` sharing the first ``num_tokens`` prefix-cached tokens of
+        ``token_ids`` (``manager.create`` + ``match_prefix``; a query for the hit rate).
+
+        Raises:
+            KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
+                cached (nothing changes then).
+        """
+        mgr = self.manager
+        if mgr.has(cache_id):
+            raise KvCacheError(f"KV cache {cache_id!r} already exists")
+        if mgr.longest_cached_prefix(token_ids) < num_tokens:
+            raise KvCacheError(f"{num_tokens} prefix tokens of {cache_id!r} are not all cached")
+        mgr.create(cache_id)
+        try:
+            mgr.match_prefix(cache_id, token_ids, max_tokens=num_tokens)
+        except BaseException:
+            mgr.release(cache_id)
+            raise
 
     def cache_ids(self) -> list:
         """Every live cache id."""
