@@ -277,7 +277,8 @@ class _NoTextTokenizer:
 
 
 # ------------------------------------------------------------- AsyncEngine
-def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model):
+@pytest.mark.parametrize("failure", [RuntimeError, SystemExit], ids=["exception", "base_exception"])
+def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model, failure):
     eng = Engine(model, None, config("paged"))
     real_step = eng.step
     boom = {"left": 1}
@@ -285,7 +286,7 @@ def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model):
     def step():
         if boom["left"]:
             boom["left"] -= 1
-            raise RuntimeError("step blew up")
+            raise failure("step blew up")
         return real_step()
 
     eng.step = step

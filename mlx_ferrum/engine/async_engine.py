@@ -86,7 +86,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outs = self.engine.step()
-            except Exception as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - even SystemExit from a step must not strand the clients
                 logger.exception("engine step failed; failing the requests in flight and serving on")
                 outs = self._fail_all(e)
             for out in outs:
