@@ -251,6 +251,7 @@ class LlmExecutor:
         # (MLX streams belong to the thread that made them, and a trace keeps its streams:
         # each thread that runs steps gets its own compiled function)
         self._compiled_decode: Optional[dict] = None
+        self._wait_for_pools = mx.default_device().type == mx.DeviceType.cpu
         if self.layout == "paged" and not self.config.enforce_eager:
             self._compiled_decode = {}
         self._state = ExecutorState.READY
@@ -519,12 +520,14 @@ class LlmExecutor:
             arrays["group_block_tables"] = [
                 mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f["group_block_tables"]]
         pool = self.pool
-        # The pools must be computed before they enter the compiled step: given a pool
-        # still pending from the previous (pipelined) step, MLX cannot update it in
-        # place and copies the whole pool, every layer (peak memory + pool size, tens
-        # of ms per step on a large pool). The previous step's writes are near its
-        # end, and on the CPU backend mx.async_eval has already waited for them.
-        mx.eval(pool.k, pool.v)
+        if self._wait_for_pools:
+            # On the CPU backend a pool still pending from the previous (pipelined) step
+            # cannot be updated in place by the compiled step: MLX copies every layer's
+            # pool (peak memory + whole pools, tens of ms per step on a large pool). The
+            # wait costs little there, as mx.async_eval already waited for all but the
+            # previous step's tail. GPU backends skip it, so the host keeps building
+            # ahead of the device (unmeasured here: no GPU on this machine).
+            mx.eval(pool.k, pool.v)
         try:
             logits, k_pools, v_pools = self._compiled_step((rows, cols))(input_ids, arrays, pool.k, pool.v)
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
