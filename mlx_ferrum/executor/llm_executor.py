@@ -486,11 +486,14 @@ class LlmExecutor:
 
         ``mx.compile`` traces the step once per (sequences, blocks per table) shape and
         replays it afterwards: no Python per layer, and elementwise chains (RoPE, norms,
-        SwiGLU, the softmax of decode attention) fused into single kernels. The pool
-        arrays go in as inputs and come back as outputs, and the pool is rebound to
-        them. Returns the logits ``[B, vocab]`` in ``kv_pass.items`` order, or None when
-        the model cannot be traced (it reads values on the host): the executor then
-        stays eager for good, and the caller runs the pass op by op.
+        SwiGLU, the softmax of decode attention) fused into single kernels. Both sizes
+        are padded to :func:`shape_bucket` sizes so that traces repeat: pad rows write
+        the pool's scratch block (``self._scratch_block``, never handed out by the
+        manager) and have ``context_lens`` 1; pad table columns point at block 0 and are
+        masked. The pool arrays go in as inputs and come back as outputs, and the pool
+        is rebound to them. Returns the logits ``[B, vocab]`` in ``kv_pass.items``
+        order, or None when the model cannot be traced (it reads values on the host):
+        the executor then stays eager for good, and the caller runs the pass op by op.
         """
         f = kv_pass.fields
         n = len(kv_pass.items)

@@ -64,6 +64,8 @@ class AttentionMetadata:
             ``block_tables``; ``group_slot_indices`` caches their pool index arrays.
         metal_kernels: the executor's ``RuntimeConfig.metal_kernels``, decided once per
             executor (None: the kernels read ``FERRUM_METAL_KERNELS``).
+        rope_tables: paged: the pass's RoPE ``(cos, sin)`` tables by ``Rope.table_key``,
+            filled by :meth:`rope_table` on first use.
     """
 
     layout: str = "none"
