@@ -170,6 +170,20 @@ def drive(eng, steps_before=None, max_steps=2000):
     raise AssertionError("the engine did not finish its requests")
 
 
+def arm_before_step(eng, step_number: int, fault) -> None:
+    """Wrap ``eng.step`` so that ``fault.armed`` is set just before step ``step_number``."""
+    real_step = eng.step
+    steps = {"n": 0}
+
+    def step():
+        steps["n"] += 1
+        if steps["n"] == step_number:
+            fault.armed = True
+        return real_step()
+
+    eng.step = step
+
+
 def params_of(i):
     return GREEDY if i % 2 == 0 else SEEDED
 
@@ -486,21 +500,11 @@ def test_async_engine_loop_survives_a_failed_read_back(model, pipelined):
     streams equal their solo runs, and the thread keeps serving new requests."""
     eng = Engine(model, None, config("paged", pipelined, max_num_seqs=3))
     fault = ReadBackFault(eng, InjectedReadBackFault("injected read-back fault (async)"))
-    real_step = eng.step
-    steps = {"n": 0}
-
-    def step():
-        steps["n"] += 1
-        if steps["n"] == 5:
-            fault.armed = True
-        return real_step()
-
-    eng.step = step
+    arm_before_step(eng, 5, fault)
     aeng = AsyncEngine(eng)
 
     async def collect(prompt, params):
-        outs = [o async for o in aeng.astream(prompt, params)]
-        return outs
+        return [o async for o in aeng.astream(prompt, params)]
 
     async def main():
         first = await asyncio.wait_for(asyncio.gather(*(collect(p, params_of(i)) for i, p in enumerate(PROMPTS[:5]))), 60)
@@ -605,16 +609,7 @@ def test_async_engine_serves_on_after_an_evaluation_failure(model, layout, pipel
     eng = Engine(model, None, config(layout, pipelined, max_num_seqs=3))
     faulty = FailingSampler(engine_module.sample)
     monkeypatch.setattr(engine_module, "sample", faulty)
-    real_step = eng.step
-    steps = {"n": 0}
-
-    def step():
-        steps["n"] += 1
-        if steps["n"] == 4:
-            faulty.armed = True
-        return real_step()
-
-    eng.step = step
+    arm_before_step(eng, 4, faulty)
     aeng = AsyncEngine(eng)
 
     async def collect(prompt, params):
