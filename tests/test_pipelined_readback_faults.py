@@ -184,6 +184,28 @@ def arm_before_step(eng, step_number: int, fault) -> None:
     eng.step = step
 
 
+def serve_two_waves(eng):
+    """Serve five streams at once through an :class:`AsyncEngine` over ``eng``, then two
+    more; returns both waves' output lists and checks the stepping thread survived."""
+    aeng = AsyncEngine(eng)
+
+    async def collect(prompt, params):
+        return [o async for o in aeng.astream(prompt, params)]
+
+    async def main():
+        first = await asyncio.wait_for(asyncio.gather(*(collect(p, params_of(i)) for i, p in enumerate(PROMPTS[:5]))), 60)
+        later = await asyncio.wait_for(asyncio.gather(collect(PROMPTS[5], SEEDED), collect(PROMPTS[0], GREEDY)), 60)
+        return first, later
+
+    try:
+        first, later = asyncio.run(main())
+        alive = aeng._thread.is_alive()
+    finally:
+        aeng.shutdown()
+    assert alive, "the stepping thread died"
+    return first, later
+
+
 def params_of(i):
     return GREEDY if i % 2 == 0 else SEEDED
 
@@ -501,22 +523,7 @@ def test_async_engine_loop_survives_a_failed_read_back(model, pipelined):
     eng = Engine(model, None, config("paged", pipelined, max_num_seqs=3))
     fault = ReadBackFault(eng, InjectedReadBackFault("injected read-back fault (async)"))
     arm_before_step(eng, 5, fault)
-    aeng = AsyncEngine(eng)
-
-    async def collect(prompt, params):
-        return [o async for o in aeng.astream(prompt, params)]
-
-    async def main():
-        first = await asyncio.wait_for(asyncio.gather(*(collect(p, params_of(i)) for i, p in enumerate(PROMPTS[:5]))), 60)
-        later = await asyncio.wait_for(asyncio.gather(collect(PROMPTS[5], SEEDED), collect(PROMPTS[0], GREEDY)), 60)
-        return first, later
-
-    try:
-        first, later = asyncio.run(main())
-        alive = aeng._thread.is_alive()
-    finally:
-        aeng.shutdown()
-    assert alive, "the stepping thread died"
+    first, later = serve_two_waves(eng)
     assert fault.step_requests, "the fault never fired"
     errors = 0
     for i, outs in enumerate(first):
@@ -610,22 +617,7 @@ def test_async_engine_serves_on_after_an_evaluation_failure(model, layout, pipel
     faulty = FailingSampler(engine_module.sample)
     monkeypatch.setattr(engine_module, "sample", faulty)
     arm_before_step(eng, 4, faulty)
-    aeng = AsyncEngine(eng)
-
-    async def collect(prompt, params):
-        return [o async for o in aeng.astream(prompt, params)]
-
-    async def main():
-        first = await asyncio.wait_for(asyncio.gather(*(collect(p, params_of(i)) for i, p in enumerate(PROMPTS[:5]))), 60)
-        later = await asyncio.wait_for(asyncio.gather(collect(PROMPTS[5], SEEDED), collect(PROMPTS[0], GREEDY)), 60)
-        return first, later
-
-    try:
-        first, later = asyncio.run(main())
-        alive = aeng._thread.is_alive()
-    finally:
-        aeng.shutdown()
-    assert alive, "the stepping thread died"
+    first, later = serve_two_waves(eng)
     assert faulty.fired == 1
     errors = 0
     for i, outs in enumerate(first):
