@@ -662,6 +662,9 @@ def test_ctrl_c_in_the_client_thread_of_an_async_engine_releases_everything(mode
     async def later():
         return await asyncio.wait_for(aeng.generate(PROMPTS[1], SEEDED), 60)
 
+    # a process started in the background by a non-interactive shell (as CI may be)
+    # inherits SIGINT ignored; install Python's handler so the signal becomes Ctrl-C
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             asyncio.run(stream_until_interrupted())
@@ -673,6 +676,7 @@ def test_ctrl_c_in_the_client_thread_of_an_async_engine_releases_everything(mode
         assert_clean(eng)
         out = asyncio.run(later())
     finally:
+        signal.signal(signal.SIGINT, previous_handler)
         aeng.shutdown()
     assert (out.finish_reason, out.token_ids) == ("length", solo(model, PROMPTS[1], SEEDED))
     assert_clean(eng)
