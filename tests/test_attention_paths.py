@@ -1,7 +1,8 @@
-"""The attention shortcuts the CPU backend takes, against independent references.
+"""The shortcuts the CPU backend takes (attention, SwiGLU), against independent references.
 
 - ``sdpa_base2`` (the softmax in base 2) against MLX's ``mx.fast.scaled_dot_product_attention``
   and a numpy softmax, for every mask kind, GQA and attention sinks.
+- ``swiglu`` (SiLU in base 2, one fused kernel) against ``nn.silu(gate) * up`` and numpy.
 - Batched "fresh" prefill runs (new prompts of equal length attend to their own K/V in
   one SDPA) against the model's own no-cache forward pass, in batches that mix fresh
   runs of several lengths, a chunk continuing a cached prompt, and decodes.
@@ -103,3 +104,23 @@ def test_mixed_prefill_batch_equals_the_no_cache_forward(family):
         _no_cache_last_logits(model, p) for p in prompts.values()]
     for got, want in zip(out, expect):
         np.testing.assert_allclose(np.array(got[0]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_swiglu_equals_silu_times_up(dtype):
+    import mlx.nn as nn
+
+    from mlx_ferrum.layers.mlp import swiglu
+
+    rng = np.random.default_rng(5)
+    gate32 = mx.array((rng.normal(size=(7, 33)) * 6).astype(np.float32))
+    up32 = mx.array(rng.normal(size=(7, 33)).astype(np.float32))
+    gate, up = gate32.astype(getattr(mx, dtype)), up32.astype(getattr(mx, dtype))
+    got = swiglu(gate, up)
+    assert got.dtype == gate.dtype and got.shape == gate.shape
+    g64, u64 = np.array(gate.astype(mx.float32), dtype=np.float64), np.array(up.astype(mx.float32), dtype=np.float64)
+    expect = g64 / (1 + np.exp(-g64)) * u64
+    # within the dtype's own rounding of nn.silu(gate) * up
+    mlx_error = np.abs(np.array((nn.silu(gate) * up).astype(mx.float32)) - expect).max()
+    tolerance = max(2 * mlx_error, 1e-5)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), expect, atol=tolerance, rtol=0)

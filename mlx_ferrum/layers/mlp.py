@@ -10,12 +10,33 @@ load (:mod:`mlx_ferrum.models.phi3`), so it runs through :class:`GatedMLP` too.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedArchitectureError
+
+_LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_base2(gate: mx.array, up: mx.array) -> mx.array:
+    return gate / (1.0 + mx.power(2.0, gate * -_LOG2_E)) * up
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` (SwiGLU; SiLU from Elfwing et al. 2018), any shape and float dtype.
+
+    On MLX's CPU backend it is one fused kernel computing ``gate / (1 + 2**(-gate *
+    log2(e))) * up``: there ``sigmoid`` and ``exp`` cost several times ``2**x``, and
+    ``nn.silu(gate) * up`` was a fifth of a Qwen2.5-0.5B-shaped prefill. Elsewhere it is
+    ``nn.silu(gate) * up``.
+    """
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return _swiglu_base2(gate, up)
+    return nn.silu(gate) * up
 
 
 def gelu_tanh(x: mx.array) -> mx.array:
@@ -64,4 +85,6 @@ class GatedMLP(nn.Module):
         self._act = activation(act)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self._act is nn.silu:
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))

@@ -25,6 +25,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .mlp import swiglu
+
 # below this many (token, expert) pairs sorting costs more than it saves
 _SORT_THRESHOLD = 64
 
@@ -169,7 +171,7 @@ class SwitchGLU(nn.Module):
         self.gate_proj = SwitchLinear(hidden_size, intermediate_size, num_experts, bias)
         self.up_proj = SwitchLinear(hidden_size, intermediate_size, num_experts, bias)
         self.down_proj = SwitchLinear(intermediate_size, hidden_size, num_experts, bias)
-        self._glu = glu or (lambda gate, up: nn.silu(gate) * up)
+        self._glu = glu or swiglu
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         lead = indices.shape
