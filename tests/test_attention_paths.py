@@ -124,3 +124,32 @@ def test_swiglu_equals_silu_times_up(dtype):
     mlx_error = np.abs(np.array((nn.silu(gate) * up).astype(mx.float32)) - expect).max()
     tolerance = max(2 * mlx_error, 1e-5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), expect, atol=tolerance, rtol=0)
+
+
+ROPE_KINDS = [
+    dict(rope_type="default", rope_theta=10000.0),
+    dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+    dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=64),
+    dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64),
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=150000.0),
+    dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+         short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i / 8 for i in range(8)]),
+]
+
+
+@pytest.mark.parametrize("params", ROPE_KINDS, ids=[p["rope_type"] + ("_partial" if "partial_rotary_factor" in p else "")
+                                                    for p in ROPE_KINDS])
+def test_rope_table_equals_the_fast_rope_of_every_kind(params):
+    """The paged path's per-pass cos/sin table rotates exactly as ``mx.fast.rope`` with the
+    rope's own settings (the eager and contiguous paths' call)."""
+    from mlx_ferrum.layers.rope import Rope
+
+    rope = Rope(16, params, 256)
+    if not rope.has_table:
+        pytest.skip("this rope switches factors on the pass's last position: no table")
+    x = mx.array(np.random.default_rng(9).normal(size=(7, 3, 16)).astype(np.float32))
+    positions = mx.array([0, 5, 9, 100, 3, 200, 1], dtype=mx.int32)
+    want = rope(x[:, :, None, :], positions)[:, :, 0, :]
+    np.testing.assert_allclose(np.array(rope.apply_table(x, rope.table(positions))), np.array(want), rtol=1e-5, atol=1e-5)

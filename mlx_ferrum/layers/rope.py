@@ -129,7 +129,7 @@ class Rope(nn.Module):
             self.base = None
         # angle of feature pair i at position p: p * scale * inv_freq[i] (what mx.fast.rope computes)
         half = mx.arange(0, d, 2, dtype=mx.float32) / d
-        self._inv_freq = 1.0 / self._freqs if self._freqs is not None else 1.0 / (base ** half)
+        self._inv_freq = 1.0 / self._freqs if self._freqs is not None else 1.0 / (self.base ** half)
         # evaluated here: a lazy array keeps the stream of the thread that built it, and the
         # engine's steps may run on another thread
         mx.eval(self._inv_freq)
