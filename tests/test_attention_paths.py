@@ -38,7 +38,7 @@ def _numpy_attention(q, k, v, scale, additive, sinks):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "additive_4d", "additive_2d"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "additive_4d", "additive_2d", "boolean_4d", "per_head_4d"])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_sdpa_base2_equals_fused_sdpa_and_numpy(shape, mask_kind, with_sinks):
     b, heads, kv_heads, lq, lk = shape
@@ -56,8 +56,14 @@ def test_sdpa_base2_equals_fused_sdpa_and_numpy(shape, mask_kind, with_sinks):
         ref_add = np.where(np.arange(lk)[None, :] <= np.arange(lq)[:, None] + lk - lq, 0.0, -np.inf)
     elif mask_kind == "additive_4d":
         mask, ref_add = mx.array(additive), additive
-    else:
+    elif mask_kind == "additive_2d":
         mask, ref_add = mx.array(additive[0, 0]), additive[0, 0]
+    elif mask_kind == "boolean_4d":
+        mask, ref_add = mx.array(allowed), additive
+    else:  # one mask per query head
+        per_head = np.where(rng.uniform(size=(b, heads, lq, lk)) > 0.3, 0.0, -np.inf).astype(np.float32)
+        per_head[..., 0] = 0.0
+        mask, ref_add = mx.array(per_head), per_head
     got = sdpa_base2(q, k, v, 0.3, mask, sinks)
     extra = {} if sinks is None else {"sinks": sinks}
     fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, **extra)

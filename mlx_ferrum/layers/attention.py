@@ -223,8 +223,9 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
         q: ``[B, num_heads, L_q, head_dim]``; k, v: ``[B, num_kv_heads, L_k, head_dim]``
             (grouped-query attention when ``num_heads > num_kv_heads``).
         scale: softmax scale.
-        mask: None, ``"causal"`` (query ``i`` sees keys ``0 .. L_k - L_q + i``), or an
-            additive float mask broadcastable to ``[B, num_heads, L_q, L_k]``.
+        mask: None, ``"causal"`` (query ``i`` sees keys ``0 .. L_k - L_q + i``), an
+            additive float mask or a boolean mask (True: attend), broadcastable to
+            ``[B, num_heads, L_q, L_k]``.
         sinks: ``[num_heads]`` attention-sink logits, or None.
 
     Returns:
@@ -239,10 +240,13 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
         allowed = mx.arange(lk)[None, :] <= (mx.arange(lq) + (lk - lq))[:, None]
         scores = mx.where(allowed, scores, _NEG_INF)
     elif mask is not None:
-        if mask.ndim == 4:  # [B or 1, H or 1, L_q, L_k] -> the grouped layout
-            mask = mask.reshape(mask.shape[0], -1, 1, lq, lk) if mask.shape[1] == 1 else mask.reshape(
-                mask.shape[0], num_kv_heads, group, lq, lk)
-        scores = scores + mask.astype(mx.float32) * _LOG2_E
+        if mask.ndim == 4:  # [B or 1, H or 1, L_q or 1, L_k] -> the grouped layout
+            mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(
+                mask.shape[0], num_kv_heads, group, mask.shape[2], mask.shape[3])
+        if mask.dtype == mx.bool_:  # True: attend
+            scores = mx.where(mask, scores, _NEG_INF)
+        else:
+            scores = scores + mask.astype(mx.float32) * _LOG2_E
     top = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape(1, num_kv_heads, group, 1, 1)
