@@ -41,6 +41,17 @@ def once(stories_expected):
     return stories_expected["once"]
 
 
+def wait_until_idle(server, timeout_s: float = 15.0) -> dict:
+    """Poll ``/metrics`` until no request runs and no KV block is used; returns those metrics."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
@@ -265,13 +276,7 @@ def test_closing_a_stream_aborts_the_request_and_frees_blocks(server):
             during = server.metrics()
             assert during["mlx_ferrum:num_requests_running"] == 1
             assert during["mlx_ferrum:kv_cache_used_blocks"] > 0
-    deadline = time.monotonic() + 15
-    while True:
-        m = server.metrics()
-        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
-            break
-        assert time.monotonic() < deadline, m
-        time.sleep(0.1)
+    m = wait_until_idle(server)
     time.sleep(0.5)
     after = server.metrics()
     generated = after["mlx_ferrum:generation_tokens_total"] - before["mlx_ferrum:generation_tokens_total"]
@@ -294,10 +299,7 @@ def test_one_refused_prompt_fails_the_request_and_aborts_its_siblings(server):
     body = {"model": MODEL, "prompt": ["Lily", "Lily " * 600], "max_tokens": 400, "ignore_eos": True, "n": 2}
     r = _post(server, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    deadline = time.monotonic() + 15
-    while server.metrics()["mlx_ferrum:num_requests_running"] != 0 or server.metrics()["mlx_ferrum:kv_cache_used_blocks"] != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until_idle(server)
     time.sleep(0.3)
     assert server.metrics()["mlx_ferrum:generation_tokens_total"] - before < 2 * 400  # the "Lily" pair did not run to the end
 
@@ -309,13 +311,7 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server):
     # 0.7 ms a token), so a 0.1 s read timeout leaves while the request still runs
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.1))
-    deadline = time.monotonic() + 15
-    while True:
-        m = server.metrics()
-        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
-            break
-        assert time.monotonic() < deadline, m
-        time.sleep(0.1)
+    m = wait_until_idle(server)
     time.sleep(0.5)
     after = server.metrics()
     assert after["mlx_ferrum:generation_tokens_total"] - before["mlx_ferrum:generation_tokens_total"] < 450

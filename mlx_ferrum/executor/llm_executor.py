@@ -478,9 +478,6 @@ class LlmExecutor:
             work[i].num_logit_rows == 1 for i in kv_pass.items
         )
 
-    _DECODE_ARRAYS = ("positions", "slot_mapping", "block_tables", "context_lens")
-    _GROUP_ARRAYS = ("group_slot_mappings", "group_block_tables")
-
     def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
         """Run a pure decode pass through the compiled step :meth:`_decode_graph`.
 
