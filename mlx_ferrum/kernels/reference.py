@@ -29,11 +29,17 @@ _LOG2_E = 1.4426950408889634  # log2(e): exp(x) == 2 ** (x * log2(e))
 
 
 def _gather(pool: mx.array, table: mx.array) -> mx.array:
-    """``pool[table]`` as a dense ``[..., num_kv_heads, len(table)*block_size, head_dim]``."""
-    g = pool[table]  # [..., nb, KVH, bs, D]
-    nb, kvh, bs, d = g.shape[-4:]
-    g = mx.swapaxes(g, -4, -3)  # [..., KVH, nb, bs, D]
-    return g.reshape(*g.shape[:-4], kvh, nb * bs, d)
+    """``pool[table]`` as a dense ``[..., num_kv_heads, len(table)*block_size, head_dim]``.
+
+    Gathers whole (block, kv head) rows of the pool viewed as ``[num_blocks*num_kv_heads,
+    block_size, head_dim]``, in the order the result wants them, so the dense layout comes
+    out of one gather with no transposed copy after it (on MLX's CPU backend that copy
+    cost as much as the gather: 196 vs 114 us for K and V at 32 sequences of 160 tokens).
+    """
+    num_blocks, kvh, bs, d = pool.shape
+    rows = table[..., None, :] * kvh + mx.arange(kvh, dtype=table.dtype)[:, None]  # [..., KVH, nb]
+    g = pool.reshape(num_blocks * kvh, bs, d)[rows]  # [..., KVH, nb, bs, D]
+    return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
 
 
 def paged_attention_decode(
@@ -94,8 +100,8 @@ def paged_attention_decode(
     # FlashAttention-2 kernels do: 2**x costs a fraction of exp(x) on MLX's CPU backend.
     f32 = mx.float32
     tokens = nb * bs
-    keys = k_pool[block_tables].swapaxes(1, 2).reshape(num_seqs, kvh, tokens, head_dim).astype(f32)
-    values = v_pool[block_tables].swapaxes(1, 2).reshape(num_seqs, kvh, tokens, head_dim).astype(f32)
+    keys = _gather(k_pool, block_tables).astype(f32)  # [S, KVH, T, D]
+    values = _gather(v_pool, block_tables).astype(f32)
     qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
     scores = qg @ keys.swapaxes(-1, -2)  # [S, KVH, g, T]
     pos = mx.arange(tokens)
