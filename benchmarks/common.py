@@ -16,6 +16,7 @@ and dtypes matter for speed.
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
 import json
 import os
@@ -89,6 +90,26 @@ def openblas_preloaded() -> bool:
         return False
 
 
+def openblas_threads() -> Optional[int]:
+    """Threads the preloaded OpenBLAS runs a matrix product on (``openblas_get_num_threads``),
+    or None without OpenBLAS.
+
+    Set it with ``OPENBLAS_NUM_THREADS`` when the process starts. On the 2-core test
+    machine ``OPENBLAS_NUM_THREADS=1`` made both sides of ``bench_throughput.py`` faster
+    (stories260K, 32 requests: mlx-lm 0.697 -> 0.594 s, mlx_ferrum 0.587 -> 0.406 s;
+    docs/benchmarks.md): MLX's CPU backend already keeps both cores busy (the thread that
+    queues ops and the stream's worker), and OpenBLAS's second thread spins between the
+    many small products of a decode step, taking a core from them.
+    """
+    if not openblas_preloaded():
+        return None
+    try:
+        lib = ctypes.CDLL(None)
+        return int(lib.openblas_get_num_threads())
+    except (OSError, AttributeError):
+        return None
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -116,7 +137,7 @@ def machine_info() -> dict:
 
     Returns:
         ``{"date", "cpu", "cores", "os", "python", "mlx", "mlx_lm", "backend",
-        "openblas_preloaded", "load_avg"}``; ``backend`` is ``"gpu (metal)"`` or ``"cpu"``,
+        "openblas_preloaded", "openblas_threads", "load_avg"}``; ``backend`` is ``"gpu (metal)"`` or ``"cpu"``,
         ``load_avg`` the 1-minute load average at the start (other processes skew timings).
     """
     try:
@@ -143,6 +164,7 @@ def machine_info() -> dict:
         "mlx_lm": mlx_lm_version,
         "backend": "gpu (metal)" if metal else "cpu",
         "openblas_preloaded": openblas_preloaded(),
+        "openblas_threads": openblas_threads(),
         "load_avg": load,
     }
 
