@@ -3,6 +3,9 @@
 - ``sdpa_base2`` (the softmax in base 2) against MLX's ``mx.fast.scaled_dot_product_attention``
   and a numpy softmax, for every mask kind, GQA and attention sinks.
 - ``swiglu`` (SiLU in base 2, one fused kernel) against ``nn.silu(gate) * up`` and numpy.
+- ``kernels.fast_math.exp2``'s polynomial (used inside compiled decode steps) against
+  float64 numpy and MLX's ``2 ** x``, at the edges, in every dtype, inside decode
+  attention and SwiGLU, and only inside a fixed-shape trace.
 - Batched "fresh" prefill runs (new prompts of equal length attend to their own K/V in
   one SDPA) against the model's own no-cache forward pass, in batches that mix fresh
   runs of several lengths, a chunk continuing a cached prompt, and decodes.
@@ -159,3 +162,121 @@ def test_rope_table_equals_the_fast_rope_of_every_kind(params):
     positions = mx.array([0, 5, 9, 100, 3, 200, 1], dtype=mx.int32)
     want = rope(x[:, :, None, :], positions)[:, :, 0, :]
     np.testing.assert_allclose(np.array(rope.apply_table(x, rope.table(positions))), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- exp2 (kernels.fast_math)
+from mlx_ferrum.kernels import fast_math  # noqa: E402
+from mlx_ferrum.kernels.reference import paged_attention_decode  # noqa: E402
+from mlx_ferrum.layers.mlp import swiglu  # noqa: E402
+
+
+def test_exp2_polynomial_is_within_float32_rounding_of_numpy():
+    x = np.concatenate([np.linspace(-126, 127.9, 400_001), np.random.default_rng(0).normal(0, 30, 100_000)])
+    x = x[(x >= -126) & (x < 128)].astype(np.float32)
+    got = np.asarray(mx.compile(fast_math.exp2_polynomial)(mx.array(x)), dtype=np.float64)
+    want = 2.0 ** x.astype(np.float64)
+    rel = np.abs(got - want) / want
+    assert rel.max() < 1.2e-7, (rel.max(), x[rel.argmax()])
+    # and no worse than twice what MLX's own 2 ** x gets
+    ref = np.asarray(mx.power(2.0, mx.array(x)), dtype=np.float64)
+    assert rel.max() <= 2 * (np.abs(ref - want) / want).max()
+
+
+def test_exp2_polynomial_edges():
+    x = mx.array([-np.inf, -1e4, -127.5, -126.0, 0.0, 1.0, 127.0, 128.0, 1e4, np.inf, np.nan], dtype=mx.float32)
+    got = np.asarray(mx.compile(fast_math.exp2_polynomial)(x)).tolist()
+    tiny = 2.0 ** -126
+    assert got[:4] == [tiny, tiny, tiny, tiny]  # a masked (-inf) score: 1.2e-38, not a subnormal
+    assert got[4:7] == [1.0, 2.0, 2.0 ** 127]
+    assert got[7:10] == [np.inf] * 3
+    assert np.isnan(got[10])
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_exp2_polynomial_keeps_the_dtype(dtype):
+    x = mx.array(np.linspace(-20, 15, 1001).astype(np.float32)).astype(dtype)
+    got = mx.compile(fast_math.exp2_polynomial)(x)
+    assert got.dtype == dtype
+    want = mx.power(2.0, x.astype(mx.float32)).astype(dtype)  # rounded once to the dtype
+    np.testing.assert_allclose(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)), rtol=1e-2)
+
+
+def test_exp2_is_the_polynomial_only_inside_a_fixed_shape_trace():
+    x = mx.array(np.linspace(-30, 5, 997).astype(np.float32))
+    power = np.asarray(mx.power(2.0, x))
+    assert not fast_math.in_fixed_shape_trace()
+    assert np.array_equal(np.asarray(fast_math.exp2(x)), power)
+    with fast_math.fixed_shape_trace():
+        with fast_math.fixed_shape_trace():
+            assert fast_math.in_fixed_shape_trace()
+        assert fast_math.in_fixed_shape_trace()  # nesting restores the outer state
+        inside = np.asarray(mx.compile(fast_math.exp2)(x))
+        seen = []
+        import threading
+
+        t = threading.Thread(target=lambda: seen.append(fast_math.in_fixed_shape_trace()))
+        t.start()
+        t.join()
+        assert seen == [False]  # per thread
+    assert not fast_math.in_fixed_shape_trace()
+    assert np.array_equal(inside, np.asarray(mx.compile(fast_math.exp2_polynomial)(x)))
+    assert not np.array_equal(inside, power)
+    with pytest.raises(RuntimeError):
+        with fast_math.fixed_shape_trace():
+            raise RuntimeError("boom")
+    assert not fast_math.in_fixed_shape_trace()
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_with_the_polynomial_equals_numpy(with_sinks):
+    rng = np.random.default_rng(3)
+    num_blocks, kv_heads, block_size, head_dim, heads = 12, 2, 4, 8, 6
+    k_pool = rng.normal(size=(num_blocks, kv_heads, block_size, head_dim)).astype(np.float32)
+    v_pool = rng.normal(size=(num_blocks, kv_heads, block_size, head_dim)).astype(np.float32)
+    tables = np.array([[3, 7, 1], [5, 0, 9], [11, 2, 4]], dtype=np.int32)
+    lens = [1, 6, 12]
+    q = (rng.normal(size=(3, heads, head_dim)) * 4).astype(np.float32)  # peaked softmaxes
+    sinks = rng.normal(size=heads).astype(np.float32) if with_sinks else None
+    scale = head_dim ** -0.5
+
+    def run(q):
+        return paged_attention_decode(q, mx.array(k_pool), mx.array(v_pool), mx.array(tables), mx.array(lens, dtype=mx.int32),
+                                      scale, sinks=None if sinks is None else mx.array(sinks))
+
+    with fast_math.fixed_shape_trace():
+        got = np.asarray(mx.compile(run)(mx.array(q)))
+    for i, n in enumerate(lens):
+        keys = k_pool[tables[i]].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[None, :, :n]
+        values = v_pool[tables[i]].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[None, :, :n]
+        want = _numpy_attention(q[i][None, :, None], keys, values, scale, np.zeros((1, 1, 1, n)), sinks)[0, :, 0]
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_inside_a_fixed_shape_trace_leaves_the_shapeless_one_alone():
+    rng = np.random.default_rng(5)
+    gate, up = (mx.array(rng.normal(0, 6, size=(4, 24)).astype(np.float32)) for _ in range(2))
+    with fast_math.fixed_shape_trace():
+        traced = np.asarray(mx.compile(swiglu)(gate, up))
+    g = np.asarray(gate, dtype=np.float64)
+    np.testing.assert_allclose(traced, g / (1 + np.exp(-g)) * np.asarray(up), rtol=2e-6, atol=1e-6)
+    # the shapeless SwiGLU still runs op shapes it never saw (a View in its trace could not)
+    other = mx.array(rng.normal(size=(3, 7, 5)).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(swiglu(other, other)), np.asarray(nn_silu(other) * other), rtol=1e-5, atol=1e-6)
+
+
+def nn_silu(x):
+    import mlx.nn as nn
+
+    return nn.silu(x)
+
+
+def test_compiled_decode_steps_use_the_polynomial(monkeypatch):
+    calls = []
+    real = fast_math.exp2_polynomial
+    monkeypatch.setattr(fast_math, "exp2_polynomial", lambda x: calls.append(x.shape) or real(x))
+    model = tiny_model("llama")
+    ex = LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=32))
+    ex.run([SeqWork("a", [1, 2, 3]), SeqWork("b", [4, 5])])
+    assert calls == []  # prefill runs op by op: 2 ** x
+    ex.run([SeqWork("a", [6]), SeqWork("b", [7])])
+    assert ex.compiled_decode and calls  # traced with the polynomial (softmax and SiLU)
