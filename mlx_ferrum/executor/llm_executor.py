@@ -34,7 +34,6 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
-from ..kernels import fixed_shape_trace
 from ..kv_cache import ContiguousKvCache, LayerGroupKvManager, PagedKvCacheManager, PagedKvPool, default_num_blocks
 from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
@@ -564,10 +563,7 @@ class LlmExecutor:
             layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
             layer_groups=groups, **arrays,
         )
-        # shapes are fixed in this trace: 2 ** x of the softmax and SiLU may use the
-        # polynomial of kernels.fast_math, fused into the step's kernels
-        with fixed_shape_trace():
-            logits = self.model(input_ids[None], meta)
+        logits = self.model(input_ids[None], meta)
         return logits[0], pool.k, pool.v
 
     def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:

@@ -23,12 +23,9 @@ import mlx.core as mx
 
 from ..config import RuntimeConfig
 from . import metal, reference
-from .fast_math import exp2, fixed_shape_trace
 from .reference import write_kv_slots
 
-__all__ = [
-    "paged_attention_decode", "paged_prefill_attention", "write_kv_slots", "metal_path_enabled", "exp2", "fixed_shape_trace",
-]
+__all__ = ["paged_attention_decode", "paged_prefill_attention", "write_kv_slots", "metal_path_enabled"]
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()

@@ -11,9 +11,8 @@ Model Serving with PagedAttention", SOSP 2023):
 - ``context_lens``: ``[num_seqs]`` int32, tokens stored for each sequence, the new
   tokens included (they are written to the pool before attention runs).
 
-Decode gathers each sequence's blocks densely and takes one product per sequence and
-KV head, in float32 with a base-2 softmax (:func:`~mlx_ferrum.kernels.fast_math.exp2`);
-prefill gathers each sequence's blocks into a dense
+Decode gathers each sequence's blocks and takes scores block by block in the pool's
+layout, in float32; prefill gathers each sequence's blocks into a dense
 ``[num_kv_heads, T, head_dim]`` view and calls ``mx.fast.scaled_dot_product_attention``
 (which handles GQA and accumulates in float32) with a causal mask. Both are exact up
 to the dtype's rounding of the gathered values.
@@ -24,8 +23,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import mlx.core as mx
-
-from .fast_math import exp2
 
 _NEG_INF = float("-inf")
 _LOG2_E = 1.4426950408889634  # log2(e): exp(x) == 2 ** (x * log2(e))
@@ -116,10 +113,10 @@ def paged_attention_decode(
     if sinks is not None:
         sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
         m = mx.maximum(m, sink)
-    p = exp2(scores - m)
+    p = mx.power(2.0, scores - m)
     denom = p.sum(axis=-1, keepdims=True)  # [S, KVH, g, 1]
     if sinks is not None:
-        denom = denom + exp2(sink - m)
+        denom = denom + mx.power(2.0, sink - m)
     out = (p @ values) / denom  # [S, KVH, g, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 

@@ -251,10 +251,10 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
     if sinks is not None:
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape(1, num_kv_heads, group, 1, 1)
         top = mx.maximum(top, sink)
-    weights = kernels.exp2(scores - top)
+    weights = mx.power(2.0, scores - top)
     denom = weights.sum(axis=-1, keepdims=True)
     if sinks is not None:
-        denom = denom + kernels.exp2(sink - top)
+        denom = denom + mx.power(2.0, sink - top)
     weights = (weights / denom).astype(v.dtype).reshape(b, num_kv_heads, group * lq, lk)
     return (weights @ v).reshape(b, num_heads, lq, head_dim).astype(q.dtype)
 

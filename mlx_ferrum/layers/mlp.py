@@ -10,23 +10,20 @@ load (:mod:`mlx_ferrum.models.phi3`), so it runs through :class:`GatedMLP` too.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedArchitectureError
-from ..kernels.fast_math import exp2, in_fixed_shape_trace
 
 _LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))
 
 
-def _swiglu_base2_ops(gate: mx.array, up: mx.array) -> mx.array:
-    return gate / (1.0 + exp2(gate * -_LOG2_E)) * up
-
-
-# a shapeless trace: exp2 is 2 ** x there (swiglu never calls it inside fixed_shape_trace)
-_swiglu_base2 = mx.compile(_swiglu_base2_ops, shapeless=True)
+@partial(mx.compile, shapeless=True)
+def _swiglu_base2(gate: mx.array, up: mx.array) -> mx.array:
+    return gate / (1.0 + mx.power(2.0, gate * -_LOG2_E)) * up
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -34,13 +31,10 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
     On MLX's CPU backend it is one fused kernel computing ``gate / (1 + 2**(-gate *
     log2(e))) * up``: there ``sigmoid`` and ``exp`` cost several times ``2**x``, and
-    ``nn.silu(gate) * up`` was a fifth of a Qwen2.5-0.5B-shaped prefill (``2**x`` is
-    :func:`~mlx_ferrum.kernels.fast_math.exp2`). Elsewhere it is ``nn.silu(gate) * up``.
+    ``nn.silu(gate) * up`` was a fifth of a Qwen2.5-0.5B-shaped prefill. Elsewhere it is
+    ``nn.silu(gate) * up``.
     """
     if mx.default_device().type == mx.DeviceType.cpu:
-        if in_fixed_shape_trace():
-            # traced into the caller's fixed-shape graph, with exp2's polynomial
-            return _swiglu_base2_ops(gate, up)
         return _swiglu_base2(gate, up)
     return nn.silu(gate) * up
 
