@@ -3,6 +3,8 @@
 - ``sdpa_base2`` (the softmax in base 2) against MLX's ``mx.fast.scaled_dot_product_attention``
   and a numpy softmax, for every mask kind, GQA and attention sinks.
 - ``swiglu`` (SiLU in base 2, one fused kernel) against ``nn.silu(gate) * up`` and numpy.
+- The reference decode attention with the index arrays a pass shares across layers
+  (``kernels.reference.decode_index``), against numpy, built once per pass.
 - Batched "fresh" prefill runs (new prompts of equal length attend to their own K/V in
   one SDPA) against the model's own no-cache forward pass, in batches that mix fresh
   runs of several lengths, a chunk continuing a cached prompt, and decodes.
@@ -159,3 +161,41 @@ def test_rope_table_equals_the_fast_rope_of_every_kind(params):
     positions = mx.array([0, 5, 9, 100, 3, 200, 1], dtype=mx.int32)
     want = rope(x[:, :, None, :], positions)[:, :, 0, :]
     np.testing.assert_allclose(np.array(rope.apply_table(x, rope.table(positions))), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------ reference decode: per-pass index arrays
+from mlx_ferrum.kernels import reference  # noqa: E402
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_with_a_shared_index_equals_numpy(window):
+    rng = np.random.default_rng(11)
+    num_blocks, kv_heads, block_size, head_dim, heads = 10, 2, 4, 8, 4
+    k_pool, v_pool = (rng.normal(size=(num_blocks, kv_heads, block_size, head_dim)).astype(np.float32) for _ in range(2))
+    tables = np.array([[3, 7, 1], [5, 0, 9], [8, 2, 4]], dtype=np.int32)
+    lens = [2, 7, 12]
+    q = rng.normal(size=(3, heads, head_dim)).astype(np.float32)
+    scale = head_dim ** -0.5
+    args = (mx.array(q), mx.array(k_pool), mx.array(v_pool), mx.array(tables), mx.array(lens, dtype=mx.int32), scale)
+    index = reference.decode_index(args[3], args[4], kv_heads, block_size)
+    shared = np.asarray(reference.paged_attention_decode(*args, window=window, index=index))
+    own = np.asarray(reference.paged_attention_decode(*args, window=window))
+    assert np.array_equal(shared, own)
+    for i, n in enumerate(lens):
+        start = max(0, n - window) if window else 0
+        keys = k_pool[tables[i]].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[None, :, start:n]
+        values = v_pool[tables[i]].transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)[None, :, start:n]
+        want = _numpy_attention(q[i][None, :, None], keys, values, scale, np.zeros((1, 1, 1, n - start)), None)[0, :, 0]
+        np.testing.assert_allclose(shared[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_pass_builds_its_index_once_for_every_layer(monkeypatch):
+    built = []
+    real = reference.decode_index
+    monkeypatch.setattr(reference, "decode_index", lambda *a: built.append(a[0].shape) or real(*a))
+    model = tiny_model("llama")
+    ex = LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=32, enforce_eager=True))
+    ex.run([SeqWork("a", [1, 2, 3]), SeqWork("b", [4, 5])])
+    built.clear()
+    ex.run([SeqWork("a", [6]), SeqWork("b", [7])])
+    assert model.args.num_hidden_layers > 1 and built == [(2, 1)]

@@ -84,6 +84,7 @@ def paged_attention_decode(
     metadata: Optional[metal.DecodeMetadata] = None,
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
+    reference_index: Optional[reference.DecodeIndex] = None,
 ) -> mx.array:
     """Decode attention over paged K/V; see :func:`mlx_ferrum.kernels.reference.paged_attention_decode`.
 
@@ -94,6 +95,8 @@ def paged_attention_decode(
     ``metal_kernels``: the caller's ``RuntimeConfig.metal_kernels`` (None: the environment).
     ``metadata`` (:func:`mlx_ferrum.kernels.metal.decode_metadata`, built once per step)
     spares the kernel path rebuilding its launch arrays per layer; the reference ignores it.
+    ``reference_index`` (:func:`mlx_ferrum.kernels.reference.decode_index`, built once per
+    pass) does the same for the reference path; the kernel path ignores it.
     Runs the Metal kernel (vLLM paged attention v1/v2, GQA-packed) when enabled and the
     shape is supported, else the reference; both take ``window`` (sliding window in
     tokens) and ``sinks`` (``[num_heads]`` attention-sink logits).
@@ -108,7 +111,7 @@ def paged_attention_decode(
         _fallback("paged_attention_decode", reason)
     return reference.paged_attention_decode(
         q, k_pool, v_pool, block_tables, context_lens, scale, host_context_lens=host_context_lens,
-        window=window, sinks=sinks,
+        window=window, sinks=sinks, index=reference_index,
     )
 
 

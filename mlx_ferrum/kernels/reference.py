@@ -20,6 +20,7 @@ to the dtype's rounding of the gathered values.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -28,18 +29,50 @@ _NEG_INF = float("-inf")
 _LOG2_E = 1.4426950408889634  # log2(e): exp(x) == 2 ** (x * log2(e))
 
 
-def _gather(pool: mx.array, table: mx.array) -> mx.array:
+def block_rows(table: mx.array, num_kv_heads: int) -> mx.array:
+    """``table * num_kv_heads + head``: ``[..., nb]`` block ids -> ``[..., num_kv_heads, nb]``
+    int32 rows of a pool viewed as ``[num_blocks * num_kv_heads, block_size, head_dim]``."""
+    return table[..., None, :] * num_kv_heads + mx.arange(num_kv_heads, dtype=table.dtype)[:, None]
+
+
+def _gather(pool: mx.array, table: mx.array, rows: Optional[mx.array] = None) -> mx.array:
     """``pool[table]`` as a dense ``[..., num_kv_heads, len(table)*block_size, head_dim]``.
 
-    Gathers whole (block, kv head) rows of the pool viewed as ``[num_blocks*num_kv_heads,
-    block_size, head_dim]``, in the order the result wants them, so the dense layout comes
-    out of one gather with no transposed copy after it (on MLX's CPU backend that copy
-    cost as much as the gather: 196 vs 114 us for K and V at 32 sequences of 160 tokens).
+    Gathers whole (block, kv head) rows (:func:`block_rows`; ``rows`` when the caller
+    has them) in the order the result wants them, so the dense layout comes out of one
+    gather with no transposed copy after it (on MLX's CPU backend that copy cost as much
+    as the gather: 196 vs 114 us for K and V at 32 sequences of 160 tokens).
     """
     num_blocks, kvh, bs, d = pool.shape
-    rows = table[..., None, :] * kvh + mx.arange(kvh, dtype=table.dtype)[:, None]  # [..., KVH, nb]
+    if rows is None:
+        rows = block_rows(table, kvh)
     g = pool.reshape(num_blocks * kvh, bs, d)[rows]  # [..., KVH, nb, bs, D]
     return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
+
+
+@dataclass
+class DecodeIndex:
+    """Index arrays of :func:`paged_attention_decode`, built once per forward pass by
+    :func:`decode_index` and shared by every layer (each layer building its own added
+    about ten graph ops per layer to a compiled decode step).
+
+    Attributes:
+        rows: ``[num_seqs, num_kv_heads, max_blocks]`` int32, :func:`block_rows` of the
+            block tables.
+        valid: ``[num_seqs, max_blocks * block_size]`` bool, key position < context length.
+    """
+
+    rows: mx.array
+    valid: mx.array
+
+
+def decode_index(block_tables: mx.array, context_lens: mx.array, num_kv_heads: int, block_size: int) -> DecodeIndex:
+    """The :class:`DecodeIndex` of ``block_tables`` ``[num_seqs, max_blocks]`` and
+    ``context_lens`` ``[num_seqs]`` (int32) for pools of ``num_kv_heads`` heads and
+    ``block_size`` tokens per block."""
+    tokens = block_tables.shape[1] * block_size
+    valid = mx.arange(tokens)[None] < context_lens[:, None]
+    return DecodeIndex(block_rows(block_tables, num_kv_heads), valid)
 
 
 def paged_attention_decode(
@@ -53,6 +86,7 @@ def paged_attention_decode(
     host_context_lens: Optional[Sequence[int]] = None,
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
+    index: Optional[DecodeIndex] = None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -74,6 +108,8 @@ def paged_attention_decode(
             table entries are then any valid block id).
         sinks: ``[num_heads]`` attention-sink logits (gpt-oss), or None: one extra
             logit per head in the softmax denominator, with no value.
+        index: :func:`decode_index` of ``block_tables`` and ``context_lens``, when the
+            caller built it once for every layer; None builds it here.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype: for sequence ``i``,
@@ -89,8 +125,8 @@ def paged_attention_decode(
         # order as the contiguous layout does
         n = int(host_context_lens[0])
         start = max(0, n - window) if window is not None else 0
-        keys = _gather(k_pool, block_tables)[:, :, start:n]
-        values = _gather(v_pool, block_tables)[:, :, start:n]
+        keys = _gather(k_pool, block_tables, index.rows if index is not None else None)[:, :, start:n]
+        values = _gather(v_pool, block_tables, index.rows if index is not None else None)[:, :, start:n]
         extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
         return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, **extra)[:, :, 0, :]
     # The gathered blocks are laid out densely ([S, KVH, T, D]), so each score and
@@ -99,15 +135,15 @@ def paged_attention_decode(
     # finite. The softmax runs in base 2 with log2(e) folded into the scale, as
     # FlashAttention-2 kernels do: 2**x costs a fraction of exp(x) on MLX's CPU backend.
     f32 = mx.float32
-    tokens = nb * bs
-    keys = _gather(k_pool, block_tables).astype(f32)  # [S, KVH, T, D]
-    values = _gather(v_pool, block_tables).astype(f32)
+    if index is None:
+        index = decode_index(block_tables, context_lens, kvh, bs)
+    keys = _gather(k_pool, block_tables, index.rows).astype(f32)  # [S, KVH, T, D]
+    values = _gather(v_pool, block_tables, index.rows).astype(f32)
     qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
     scores = qg @ keys.swapaxes(-1, -2)  # [S, KVH, g, T]
-    pos = mx.arange(tokens)
-    valid = pos[None] < context_lens[:, None]  # [S, T]
+    valid = index.valid  # [S, T]
     if window is not None:
-        valid = valid & (pos[None] >= context_lens[:, None] - window)
+        valid = valid & (mx.arange(nb * bs)[None] >= context_lens[:, None] - window)
     scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
     m = scores.max(axis=-1, keepdims=True)
     if sinks is not None:

@@ -62,6 +62,9 @@ class AttentionMetadata:
             ``group_slot_mappings[g]`` (``[T]`` int32) and ``group_block_tables[g]``
             (``[num_seqs, max_blocks]`` int32) instead of ``slot_mapping`` /
             ``block_tables``; ``group_slot_indices`` caches their pool index arrays.
+        decode_indices: paged: the reference decode attention's index arrays
+            (:func:`~mlx_ferrum.kernels.reference.decode_index`) by layer group (None
+            without groups), built on first use and shared by every layer of the pass.
         metal_kernels: the executor's ``RuntimeConfig.metal_kernels``, decided once per
             executor (None: the kernels read ``FERRUM_METAL_KERNELS``).
         rope_tables: paged: the pass's RoPE ``(cos, sin)`` tables by ``Rope.table_key``,
@@ -89,6 +92,7 @@ class AttentionMetadata:
     group_slot_mappings: Optional[list] = None
     group_block_tables: Optional[list] = None
     group_slot_indices: Optional[dict] = None
+    decode_indices: Optional[dict] = None
     metal_kernels: Optional[bool] = None
     rope_tables: Optional[dict] = None
 
@@ -338,12 +342,20 @@ def _paged(qt, kt, vt, meta: AttentionMetadata, layer: int, scale: float, window
     n_seqs = meta.context_lens.shape[0]
     parts = []
     if nd:
+        # the reference path's index arrays, once per pass (and layer group)
+        group = meta.layer_groups[layer] if meta.layer_groups is not None else None
+        if meta.decode_indices is None:
+            meta.decode_indices = {}
+        if group not in meta.decode_indices:
+            meta.decode_indices[group] = kernels.reference.decode_index(
+                block_tables[:nd], meta.context_lens[:nd], kp.shape[1], kp.shape[2])
         parts.append(
             kernels.paged_attention_decode(
                 qt[:nd], kp, vp, block_tables[:nd], meta.context_lens[:nd], scale,
                 host_context_lens=meta.host_context_lens[:nd] or None,
                 window=window, sinks=sinks,
                 metal_kernels=meta.metal_kernels,
+                reference_index=meta.decode_indices[group],
             )
         )
     if nd < n_seqs:
