@@ -679,3 +679,49 @@ def test_pipelined_compiled_steps_update_the_pool_in_place():
     mx.eval(tokens, state)
     assert ex.compiled_decode
     assert mx.get_peak_memory() - base < pool_bytes / 2, "a pipelined compiled step copied a pool"
+
+
+# ------------------------------------------------------------ packed [T] tokens (Model.packed_tokens)
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_tokens_equal_a_batch_of_one_row(family_model, family, compiled):
+    """Paged passes give the model its packed tokens as [T]; the [1, T] form must give the
+    same logits (prefill chunks and decodes mixed, then decode passes)."""
+    model = family_model(family)
+    assert model.packed_tokens
+    prompts = prompts_for(model, [5, 9, 1], seed=21)
+    outs = {}
+    for packed in (True, False):
+        ex = LlmExecutor(model, paged(compiled))
+        ex._packed_tokens = packed
+        got = [np.asarray(x) for x in ex.run([SeqWork(f"s{i}", p) for i, p in enumerate(prompts)])]
+        for step in range(3):
+            got += [np.asarray(x) for x in ex.run([SeqWork(f"s{i}", [(7 * step + i) % 50 + 3]) for i in range(3)])]
+        outs[packed] = got
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_decode_step_has_no_flatten_around_its_projections(family_model):
+    import re
+    import tempfile
+
+    model = family_model("llama")
+    ex = LlmExecutor(model, paged(True))
+    ex.run([SeqWork("a", [1, 2, 3]), SeqWork("b", [4, 5])])
+    logits, state = ex.forward([SeqWork("a", [6]), SeqWork("b", [7])])
+    with tempfile.TemporaryDirectory() as d:
+        mx.export_to_dot(f"{d}/step.dot", logits, *state)
+        labels = re.findall(r'label ="([^"]*)", shape=rectangle', open(f"{d}/step.dot").read())
+    assert "Matmul" in labels or any("Compiled" in x for x in labels)
+    # a [1, T, dim] activation costs a Flatten and an Unflatten around every matmul
+    assert "Flatten" not in labels and "Unflatten" not in labels, sorted(set(labels))
+
+
+def test_rope_attention_refuses_packed_input_without_a_paged_pass():
+    from mlx_ferrum.layers.attention import rope_attention
+    from mlx_ferrum.layers.rope import Rope
+
+    q = mx.zeros((3, 2, 8))
+    with pytest.raises(ValueError, match="paged"):
+        rope_attention(q, q, q, Rope(8, {"rope_theta": 10000.0}), None, 0, 1.0)

@@ -254,6 +254,10 @@ class LlmExecutor:
         self._wait_for_pools = mx.default_device().type == mx.DeviceType.cpu
         if self.layout == "paged" and not self.config.enforce_eager:
             self._compiled_decode = {}
+        # paged passes give the model its packed tokens as [T] when it takes them
+        # (Model.packed_tokens): 2-D activations, so no flatten/unflatten pair of graph
+        # ops around each projection (the matmul of a 3-D input adds them)
+        self._packed_tokens = bool(getattr(model, "packed_tokens", False))
         self._state = ExecutorState.READY
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
@@ -465,7 +469,9 @@ class LlmExecutor:
         # the LM head runs only on the rows whose logits are returned
         if not (len(rows) == flat.size and rows == list(range(flat.size))):
             meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
-        tokens = self._input_ids(flat, patch_at, patch_rows, prev).reshape(kv_pass.rows, kv_pass.cols)
+        tokens = self._input_ids(flat, patch_at, patch_rows, prev)
+        if not (self._packed_tokens and kv_pass.fields.get("layout") == "paged"):
+            tokens = tokens.reshape(kv_pass.rows, kv_pass.cols)
         logits = self.model(tokens, meta)
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if rows else logits[:0]
@@ -563,8 +569,9 @@ class LlmExecutor:
             layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
             layer_groups=groups, **arrays,
         )
-        logits = self.model(input_ids[None], meta)
-        return logits[0], pool.k, pool.v
+        if self._packed_tokens:
+            return self.model(input_ids, meta), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
+        return self.model(input_ids[None], meta)[0], pool.k, pool.v
 
     def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
         """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""

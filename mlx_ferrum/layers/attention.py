@@ -182,26 +182,38 @@ def rope_attention(
 
     Args:
         q: ``[B, L, num_heads, head_dim]``; k, v: ``[B, L, num_kv_heads, head_dim]``
-            (the q/k/v projections reshaped, before RoPE).
+            (the q/k/v projections reshaped, before RoPE); in a paged pass also the
+            packed ``[T, heads, head_dim]``.
         rope: the layer's :class:`~mlx_ferrum.layers.rope.Rope`.
         meta, layer, scale, window, sinks: as for :func:`attention`.
 
     Returns:
-        ``[B, L, num_heads * head_dim]`` in q's dtype, ready for ``o_proj``.
+        ``[B, L, num_heads * head_dim]`` (``[T, num_heads * head_dim]`` for packed
+        input) in q's dtype, ready for ``o_proj``.
+
+    Raises:
+        ValueError: packed input without a paged pass's metadata.
 
     The paged layout packs every token into one row, so it works on ``[T, H, D]``
     directly: RoPE from one cos/sin table per pass (:meth:`AttentionMetadata.rope_table`)
     and no transposes. The other layouts rotate ``[B, H, L, D]`` with ``mx.fast.rope``.
     """
-    b, l = q.shape[0], q.shape[1]
+    lead = q.shape[:-2]
+    if q.ndim == 3:  # [T, H, D]: a paged pass's packed tokens
+        if meta is None or meta.layout != "paged":
+            raise ValueError("packed [T, heads, head_dim] projections need a paged pass's metadata")
+        if not rope.has_table:
+            q, k, v = q[None], k[None], v[None]
     if meta is not None and meta.layout == "paged" and rope.has_table:
         table = meta.rope_table(rope)
-        out = _paged(rope.apply_table(q[0], table), rope.apply_table(k[0], table), v[0], meta, layer, scale, window, sinks)
-        return out.reshape(b, l, -1)
+        if q.ndim == 4:
+            q, k, v = q[0], k[0], v[0]
+        out = _paged(rope.apply_table(q, table), rope.apply_table(k, table), v, meta, layer, scale, window, sinks)
+        return out.reshape(*lead, -1)
     q = apply_rope(rope, q.transpose(0, 2, 1, 3), meta)
     k = apply_rope(rope, k.transpose(0, 2, 1, 3), meta)
     out = attention(q, k, v.transpose(0, 2, 1, 3), meta, layer, scale, window=window, sinks=sinks)
-    return out.transpose(0, 2, 1, 3).reshape(b, l, -1)
+    return out.transpose(0, 2, 1, 3).reshape(*lead, -1)
 
 
 _LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))

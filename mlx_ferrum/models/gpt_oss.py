@@ -100,10 +100,10 @@ class Attention(nn.Module):
         self.rope = Rope(self.head_dim, args.rope_params, args.max_position_embeddings)
 
     def __call__(self, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
-        b, l, _ = x.shape
-        q = self.q_proj(x).reshape(b, l, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim)
+        lead = x.shape[:-1]  # [B, L], or [T] for the packed tokens of a paged pass
+        q = self.q_proj(x).reshape(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.n_kv_heads, self.head_dim)
         o = rope_attention(q, k, v, self.rope, meta, self.layer_idx, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(o)
 

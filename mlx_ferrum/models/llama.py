@@ -184,10 +184,10 @@ class Attention(nn.Module):
         self.rope = Rope(args.head_dim, args.rope_params or _legacy_rope(args), args.max_position_embeddings)
 
     def __call__(self, x: mx.array, meta: Optional[AttentionMetadata]) -> mx.array:
-        b, l, _ = x.shape
-        q = self.q_proj(x).reshape(b, l, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, l, self.n_kv_heads, self.head_dim)
+        lead = x.shape[:-1]  # [B, L], or [T] for the packed tokens of a paged pass
+        q = self.q_proj(x).reshape(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -243,6 +243,11 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     """A Llama-family causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]``.
 
+    A paged pass may give its packed tokens as ``[T]`` (``meta.layout == "paged"``;
+    ``packed_tokens`` tells the executor so):
+    then every activation is ``[T, ...]`` and the logits ``[T, vocab]``, with no
+    flatten/unflatten around each projection (two graph ops per matmul of a 3-D input).
+
     ``meta`` is an :class:`~mlx_ferrum.layers.attention.AttentionMetadata` built by an
     executor (cache layout, positions, slot mapping ...). ``meta=None`` runs plain
     causal attention over the given tokens at positions ``0..L-1``, with no cache.
@@ -253,6 +258,8 @@ class Model(nn.Module):
 
     #: the decoder stack; other families subclass this model and name their own
     backbone = LlamaModel
+    #: takes a paged pass's packed tokens as ``[T]`` (see the class docstring)
+    packed_tokens = True
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -266,7 +273,9 @@ class Model(nn.Module):
         h = self.model(input_ids, meta)
         idx = getattr(meta, "logits_indices", None) if meta is not None else None
         if idx is not None:
-            h = h.reshape(-1, h.shape[-1])[idx][None]
+            h = h.reshape(-1, h.shape[-1])[idx]
+            if input_ids.ndim == 2:
+                h = h[None]
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
