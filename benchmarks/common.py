@@ -16,7 +16,6 @@ and dtypes matter for speed.
 
 from __future__ import annotations
 
-import ctypes
 import datetime as _dt
 import json
 import os
@@ -90,24 +89,25 @@ def openblas_preloaded() -> bool:
         return False
 
 
-def openblas_threads() -> Optional[int]:
-    """Threads the preloaded OpenBLAS runs a matrix product on (``openblas_get_num_threads``),
-    or None without OpenBLAS.
+def openblas_threads() -> Optional[str]:
+    """Threads OpenBLAS was told to use (``OPENBLAS_NUM_THREADS``, read when it loads), or
+    ``"default (N cores)"``; None without OpenBLAS.
 
-    Set it with ``OPENBLAS_NUM_THREADS`` when the process starts. On the 2-core test
-    machine ``OPENBLAS_NUM_THREADS=1`` made both sides of ``bench_throughput.py`` faster
-    (stories260K, 32 requests: mlx-lm 0.697 -> 0.594 s, mlx_ferrum 0.587 -> 0.406 s;
-    docs/benchmarks.md): MLX's CPU backend already keeps both cores busy (the thread that
-    queues ops and the stream's worker), and OpenBLAS's second thread spins between the
-    many small products of a decode step, taking a core from them.
+    Read from the environment, never from OpenBLAS itself: calling
+    ``openblas_get_num_threads`` through ctypes before the run made mlx_ferrum's
+    single-stream decode three times slower with two threads (and left mlx-lm's as it
+    was), so the figures of a script that asked were wrong.
+
+    On the 2-core test machine ``OPENBLAS_NUM_THREADS=1`` made both sides of
+    ``bench_throughput.py`` faster on stories260K (docs/benchmarks.md §0): MLX's CPU
+    backend already keeps two threads busy (the one that queues ops and the stream's
+    worker), and OpenBLAS's second thread spins between the many small products of a
+    decode step, taking a core from them. The compute-bound Qwen-shaped run is faster
+    with OpenBLAS's default.
     """
     if not openblas_preloaded():
         return None
-    try:
-        lib = ctypes.CDLL(None)
-        return int(lib.openblas_get_num_threads())
-    except (OSError, AttributeError):
-        return None
+    return os.environ.get("OPENBLAS_NUM_THREADS") or f"default ({os.cpu_count()} cores)"
 
 
 def _cpu_model() -> str:
