@@ -364,6 +364,16 @@ def test_ctrl_c_during_read_back_ends_the_steps_requests_then_propagates(model, 
 
 
 # ---------------------------------------------------------------- a real device-side failure
+def _fails_late(matrix: mx.array, delay_matmuls: int) -> mx.array:
+    """A scalar whose evaluation fails (the inverse of a zero matrix), but only after a
+    chain of ``delay_matmuls`` matmuls of ``matrix``: the failure lands late in a step."""
+    slow = matrix
+    for _ in range(delay_matmuls):
+        slow = slow @ matrix
+    singular = slow[:2, :2] * 0.0  # known to be singular only once the chain ran
+    return mx.linalg.inv(singular, stream=mx.cpu)[0, 0]
+
+
 class FailsDuringEvaluation:
     """A tiny llama whose next pass, once armed, fails while MLX EVALUATES it.
 
@@ -394,11 +404,7 @@ class FailsDuringEvaluation:
             return self._model(input_ids, meta)
         self.armed = False
         self.fired += 1
-        slow = self._matrix
-        for _ in range(self._delay_matmuls):
-            slow = slow @ self._matrix
-        singular = slow[:2, :2] * 0.0  # known to be singular only once the chain ran
-        scale = mx.linalg.inv(singular, stream=mx.cpu)[0, 0]
+        scale = _fails_late(self._matrix, self._delay_matmuls)
         inner = self._model
         h = inner.model(input_ids, meta) * scale
         idx = getattr(meta, "logits_indices", None) if meta is not None else None
@@ -433,10 +439,7 @@ class FailingSampler:
             return res
         self.armed = False
         self.fired += 1
-        slow = self._matrix
-        for _ in range(self._delay_matmuls):
-            slow = slow @ self._matrix
-        scale = mx.linalg.inv(slow[:2, :2] * 0.0, stream=mx.cpu)[0, 0]
+        scale = _fails_late(self._matrix, self._delay_matmuls)
         res.tokens = mx.where(scale == 1.0, res.tokens, 0).astype(mx.int32)
         return res
 
