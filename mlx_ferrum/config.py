@@ -88,6 +88,22 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
 DEFAULT_KV_POOL_BYTES = 1 << 30
 
 
+def device_info() -> dict:
+    """MLX's description of the default device (``architecture``, and on a Mac
+    ``max_recommended_working_set_size`` in bytes, ...).
+
+    MLX 0.32 moved this from ``mx.metal.device_info`` to ``mx.device_info`` and warns
+    on every call of the old name, so the new one is used wherever it exists.
+
+    Raises:
+        RuntimeError: whatever MLX raises when it cannot describe the device.
+    """
+    import mlx.core as mx
+
+    query = getattr(mx, "device_info", None) or mx.metal.device_info
+    return dict(query())
+
+
 def available_memory_bytes() -> int:
     """Bytes this process may still allocate for KV: the Metal recommended working set
     on a Mac, else the OS's available memory (``MemAvailable`` of ``/proc/meminfo``, or
@@ -96,7 +112,7 @@ def available_memory_bytes() -> int:
         import mlx.core as mx
 
         if mx.metal.is_available():
-            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+            return int(device_info()["max_recommended_working_set_size"])
     except Exception:  # noqa: BLE001 - best effort
         pass
     try:

@@ -103,6 +103,12 @@ class InvalidWeightError(ModelLoadError, ValueError):
     NaN/Inf values (the message names the tensor and the fix)."""
 
 
+class UnsupportedQuantizationError(ModelLoadError, ValueError):
+    """A checkpoint's quantization method or mode is not one this loader reads (the
+    message names it, lists what is supported, and gives the ``mlx_lm.convert``
+    command that produces a supported checkpoint)."""
+
+
 class NonFiniteLogitsError(FerrumError, FloatingPointError):
     """The model produced NaN or Inf logits for a request at run time; the request ends
     with ``finish_reason="error"`` and this error's message (check the checkpoint's

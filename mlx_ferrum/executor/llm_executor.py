@@ -122,12 +122,18 @@ def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> n
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
     """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
-    (the scales' dtype if quantized)."""
+    (the scales' dtype if affine-quantized), else the final norm's (the microscaling modes
+    store uint8 scales, which say nothing about the activations)."""
     if isinstance(getattr(model, "dtype", None), mx.Dtype):
         return model.dtype
     emb = model.model.embed_tokens
-    w = getattr(emb, "scales", None)
-    return (w if w is not None else emb.weight).dtype
+    for candidate in (getattr(emb, "scales", None), emb.weight, getattr(getattr(model.model, "norm", None), "weight", None)):
+        if candidate is not None and mx.issubdtype(candidate.dtype, mx.floating):
+            return candidate.dtype
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
 
 
 def layer_windows(model: nn.Module) -> list[Optional[int]]:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
+from ..config import device_info
 from ..errors import KernelError
 
 HEADER_MARK = "// --- header ---"
@@ -59,7 +60,7 @@ DECODE_PARTITION_SIZE: Optional[int] = None
 DECODE_MAX_HEADS_PER_THREADGROUP = 8
 #: Split-K never cuts a context into partitions shorter than this many tokens.
 DECODE_MIN_PARTITION_TOKENS = 256
-#: GPU cores assumed where ``mx.metal.device_info()`` is unavailable (off a Mac, or an
+#: GPU cores assumed where ``mx.device_info()`` is unavailable (off a Mac, or an
 #: unknown architecture): a base M-series chip.
 DEFAULT_GPU_CORES = 10
 #: Threadgroups in flight per GPU core that decode aims for before splitting contexts.
@@ -372,7 +373,7 @@ class DecodeMetadata:
 def gpu_cores() -> int:
     """GPU cores of this machine, for the split-K decision.
 
-    On a Mac, read from the architecture name ``mx.metal.device_info()`` reports (the
+    On a Mac, read from the architecture name ``mx.device_info()`` reports (the
     last letter is the chip class MLX itself keys its SDPA tuning on: ``p`` phone,
     ``g`` base, ``s`` Pro, ``c`` Max, ``d`` Ultra); elsewhere, or for an unknown name,
     :data:`DEFAULT_GPU_CORES`.
@@ -380,7 +381,7 @@ def gpu_cores() -> int:
     try:
         if not mx.metal.is_available():
             return DEFAULT_GPU_CORES
-        arch = str(mx.metal.device_info().get("architecture", ""))
+        arch = str(device_info().get("architecture", ""))
     except Exception:  # noqa: BLE001 - no device information: use the documented default
         return DEFAULT_GPU_CORES
     return {"p": 5, "g": 10, "s": 18, "c": 40, "d": 76}.get(arch[-1:], DEFAULT_GPU_CORES)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..config import DEFAULT_KV_POOL_BYTES, available_memory_bytes, check_memory
+from ..config import DEFAULT_KV_POOL_BYTES, available_memory_bytes, check_memory, device_info
 from ..kernels.reference import slot_indices, write_kv_slots
 
 
@@ -131,7 +131,7 @@ def default_num_blocks(
     budget = DEFAULT_KV_POOL_BYTES
     try:
         if mx.metal.is_available():
-            ws = int(mx.metal.device_info()["max_recommended_working_set_size"])
+            ws = int(device_info()["max_recommended_working_set_size"])
             budget = int(memory_fraction * max(0, ws - weight_bytes))
         else:
             budget = min(budget, int(memory_fraction * max(0, available_memory_bytes() - weight_bytes)))

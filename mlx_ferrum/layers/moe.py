@@ -92,7 +92,7 @@ class SwitchLinear(nn.Module):
         return y
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> "QuantizedSwitchLinear":
-        """The MLX affine-quantized form (used by ``nn.quantize`` and the loader)."""
+        """The MLX-quantized form in ``mode`` (used by ``nn.quantize`` and the loader)."""
         return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
 
 
@@ -100,8 +100,10 @@ class QuantizedSwitchLinear(nn.Module):
     """:class:`SwitchLinear` with MLX-quantized weights, run with ``mx.gather_qmm``.
 
     Parameters as mlx-lm stores them: ``weight`` (packed uint32 ``[num_experts,
-    output_dims, input_dims * bits / 32]``), ``scales`` and ``biases`` (``[num_experts,
-    output_dims, input_dims / group_size]``) and an optional float ``bias``.
+    output_dims, input_dims * bits / 32]``), ``scales`` (``[num_experts, output_dims,
+    input_dims / group_size]``; float for ``affine``, uint8 for ``mxfp4`` / ``mxfp8`` /
+    ``nvfp4``), ``biases`` (same shape as ``scales``, ``affine`` only) and an optional
+    float ``bias``. See :mod:`mlx_ferrum.models.quantization` for the modes.
     """
 
     def __init__(
@@ -110,25 +112,36 @@ class QuantizedSwitchLinear(nn.Module):
     ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        w = mx.zeros((num_experts, output_dims, input_dims))
-        self.weight, self.scales, self.biases = mx.quantize(w, group_size=group_size, bits=bits)
+        self._set_quantized(mx.zeros((num_experts, output_dims, input_dims)))
         if bias:
             self.bias = mx.zeros((num_experts, output_dims))
         self.freeze()
 
+    def _set_quantized(self, weight: mx.array) -> None:
+        # the microscaling modes return no biases: store none, so the parameter tree
+        # matches the checkpoint's tensors
+        self.weight, self.scales, *biases = mx.quantize(
+            weight, group_size=self.group_size, bits=self.bits, mode=self.mode
+        )
+        if biases:
+            self.biases = biases[0]
+        elif "biases" in self:
+            del self["biases"]
+
     @classmethod
     def from_switch_linear(cls, layer: SwitchLinear, group_size: int, bits: int, mode: str = "affine"):
+        """Quantize a float :class:`SwitchLinear` (its weights and bias) with ``mode``."""
         num_experts, output_dims, input_dims = layer.weight.shape
         q = cls(input_dims, output_dims, num_experts, "bias" in layer, group_size, bits, mode)
-        q.weight, q.scales, q.biases = mx.quantize(layer.weight, group_size=group_size, bits=bits)
+        q._set_quantized(layer.weight)
         if "bias" in layer:
             q.bias = layer.bias
         return q
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         y = mx.gather_qmm(
-            x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
-            group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices,
+            x, self.weight, self.scales, self.get("biases"), rhs_indices=indices, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_indices,
         )
         if "bias" in self:
             y = y + mx.expand_dims(self.bias[indices], -2)

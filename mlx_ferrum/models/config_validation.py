@@ -140,6 +140,10 @@ def _check_size(config: Mapping, sizes: dict) -> None:
     params = layers * per_layer + 2 * vocab * h
     quant = config.get("quantization") or config.get("quantization_config")
     bits = quant.get("bits") if isinstance(quant, dict) else None
+    if bits is None and isinstance(quant, dict) and quant.get("quant_method") in ("mxfp4", "mxfp8"):
+        # most weights of such a release are the quantized experts; the float rest
+        # (attention, router, embeddings) is small next to them
+        bits = 4 if quant["quant_method"] == "mxfp4" else 8
     nbytes = params * (bits / 8 if isinstance(bits, (int, float)) and bits > 0 else 2)
     avail = available_memory_bytes()
     if nbytes > avail:
@@ -150,22 +154,28 @@ def _check_size(config: Mapping, sizes: dict) -> None:
         )
 
 
-def validate_weights(weights: Mapping[str, mx.array], quantized: bool = False) -> None:
-    """Refuse integer/bool tensors (packed ``uint32`` quantized weights excepted) and
-    tensors holding NaN or Inf.
+def validate_weights(
+    weights: Mapping[str, mx.array], quantized: bool = False, integer_dtypes: Iterable[mx.Dtype] = ()
+) -> None:
+    """Refuse integer/bool tensors (quantized codes and scales excepted) and tensors
+    holding NaN or Inf.
 
     Args:
         weights: ``{name: array}`` as read from the checkpoint.
         quantized: the checkpoint is MLX-quantized (``uint32`` packs are then expected).
+        integer_dtypes: further integer dtypes the checkpoint may store (``uint8``
+            scales of the microscaling modes); their per-module use is checked by
+            :func:`mlx_ferrum.models.quantization.check_quantized_dtypes`.
 
     Raises:
         InvalidWeightError: names the first bad tensor, its dtype or the non-finite values.
     """
+    allowed = set(integer_dtypes) | ({mx.uint32} if quantized else set())
     floats = []
     for name, w in weights.items():
         if mx.issubdtype(w.dtype, mx.floating):
             floats.append((name, w))
-        elif not (quantized and w.dtype == mx.uint32):
+        elif w.dtype not in allowed:
             raise InvalidWeightError(
                 f"tensor {name!r} has dtype {w.dtype}: weights must be floating point "
                 "(float32, float16 or bfloat16); re-export the checkpoint"

@@ -15,8 +15,28 @@ experts fused, ``mlp.experts.gate_up_proj`` ``[E, hidden, 2 * intermediate]`` wi
 gate and up interleaved on the last axis, ``down_proj`` ``[E, intermediate, hidden]``
 and their ``*_bias``. They are split and transposed at load into
 ``mlp.experts.{gate,up,down}_proj.{weight,bias}`` ``[E, out, in]``, mlx-lm's names,
-so MLX-quantized checkpoints from ``mlx_lm convert`` load as they are. The original
-MXFP4 release (``*_blocks`` / ``*_scales``) is not read.
+so MLX-quantized checkpoints from ``mlx_lm convert`` load as they are.
+
+OpenAI's own release stores the experts in MXFP4 (``quantization_config:
+{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``), with the experts in
+the ``[E, out, in]`` orientation:
+
+- ``gate_up_proj_blocks`` ``[E, 2 * intermediate, hidden / 32, 16]`` uint8 and
+  ``down_proj_blocks`` ``[E, hidden, intermediate / 32, 16]``: each 32-element block
+  of a row is 16 bytes, byte ``b`` holding element ``2b`` in its low nibble and
+  ``2b + 1`` in its high nibble, each an FP4 E2M1 code (sign, 2 exponent bits, 1
+  mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6);
+- ``*_scales`` ``[E, rows, in / 32]`` uint8: one E8M0 exponent per block, the block's
+  scale being ``2 ** (code - 127)`` (OCP Microscaling v1.0; transformers'
+  ``integrations/mxfp4.py`` decodes it the same way);
+- gate and up rows interleaved, as in the bf16 layout.
+
+That is MLX's ``mxfp4`` mode bit for bit: MLX packs eight 4-bit codes per uint32,
+lowest nibble first, so reading the 16 bytes of a block as four little-endian uint32
+words gives MLX's packed row, and the E8M0 exponents are MLX's uint8 scales. The
+experts are therefore repacked by a reinterpreting view, never dequantized, and the
+loader makes them ``mxfp4`` :class:`~mlx_ferrum.layers.moe.QuantizedSwitchLinear`
+modules; attention, router and embeddings stay in the release's float dtype.
 """
 
 from __future__ import annotations
@@ -163,21 +183,24 @@ class Model(llama.Model):
     backbone = GptOssModel
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Split the fused Hub expert tensors into per-projection stacked ``[E, out, in]`` weights.
+        """Split the fused Hub expert tensors into per-projection stacked ``[E, out, in]`` weights;
+        repack the MXFP4 release's ``*_blocks`` / ``*_scales`` as MLX ``mxfp4`` tensors.
 
         Raises:
-            ModelLoadError: the original MXFP4 layout (``*_blocks``), which is not read.
+            ModelLoadError: MXFP4 blocks or scales whose shapes do not fit the config.
         """
         weights = super().sanitize(weights)
-        if any(k.endswith("_blocks") for k in weights):
-            raise ModelLoadError(
-                "this gpt-oss checkpoint stores MXFP4 expert blocks, which are not read: use the bf16 Hub "
-                "layout (e.g. a transformers save_pretrained copy) or an mlx_lm convert checkpoint"
-            )
         a = self.args
         hidden, inter = a.hidden_size, a.intermediate_size
         for i in range(a.num_hidden_layers):
             p = f"model.layers.{i}.mlp.experts"
+            _repack_mxfp4(weights, p, "gate_up_proj", rows=2 * inter, in_dims=hidden)
+            _repack_mxfp4(weights, p, "down_proj", rows=hidden, in_dims=inter)
+            for name in ("scales", "weight"):
+                fused = weights.pop(f"{p}.gate_up_proj.{name}", None)
+                if fused is not None:
+                    weights[f"{p}.gate_proj.{name}"] = mx.contiguous(fused[..., ::2, :])
+                    weights[f"{p}.up_proj.{name}"] = mx.contiguous(fused[..., 1::2, :])
             gate_up = weights.pop(f"{p}.gate_up_proj", None)
             if gate_up is not None:
                 if gate_up.shape[-2:] == (hidden, 2 * inter):
@@ -197,3 +220,30 @@ class Model(llama.Model):
             if bias is not None:
                 weights[f"{p}.down_proj.bias"] = bias
         return weights
+
+
+def _repack_mxfp4(weights: dict[str, mx.array], prefix: str, name: str, rows: int, in_dims: int) -> None:
+    """``{prefix}.{name}_blocks`` ``[E, rows, in/32, 16]`` uint8 and ``_scales`` ``[E, rows, in/32]``
+    -> ``{prefix}.{name}.weight`` ``[E, rows, in/8]`` uint32 and ``.scales`` (a view, no dequantization;
+    see the module docstring for why the bytes are already MLX's ``mxfp4`` layout)."""
+    blocks = weights.pop(f"{prefix}.{name}_blocks", None)
+    scales = weights.pop(f"{prefix}.{name}_scales", None)
+    if blocks is None and scales is None:
+        return
+    if blocks is None or scales is None:
+        missing = f"{prefix}.{name}_blocks" if blocks is None else f"{prefix}.{name}_scales"
+        raise ModelLoadError(f"MXFP4 tensor {missing!r} is missing: re-download the checkpoint")
+    groups = in_dims // 32
+    if in_dims % 32 or tuple(blocks.shape[1:]) != (rows, groups, 16) or blocks.dtype != mx.uint8:
+        raise ModelLoadError(
+            f"MXFP4 tensor '{prefix}.{name}_blocks' has shape {tuple(blocks.shape)} and dtype {blocks.dtype}; "
+            f"the config implies [num_experts, {rows}, {in_dims} / 32, 16] uint8"
+        )
+    if tuple(scales.shape) != tuple(blocks.shape[:3]) or scales.dtype != mx.uint8:
+        raise ModelLoadError(
+            f"MXFP4 tensor '{prefix}.{name}_scales' has shape {tuple(scales.shape)} and dtype {scales.dtype}; "
+            f"expected {tuple(blocks.shape[:3])} uint8 (one E8M0 exponent per 32-element block)"
+        )
+    packed = mx.contiguous(blocks).view(mx.uint32)  # [E, rows, groups, 4]: little-endian words of 8 nibbles
+    weights[f"{prefix}.{name}.weight"] = packed.reshape(*blocks.shape[:2], groups * 4)
+    weights[f"{prefix}.{name}.scales"] = scales

@@ -2,11 +2,13 @@
 
 The folder layout is the one ``transformers``' ``save_pretrained`` writes:
 ``config.json``, and ``model.safetensors`` or ``model-0000i-of-0000n.safetensors``
-shards listed by ``model.safetensors.index.json``. MLX affine-quantized
-checkpoints (written by mlx-lm's ``convert``) add ``config["quantization"] =
-{"group_size", "bits", [mode], [per-module entries]}`` and, for every quantized
-module ``p``, the tensors ``p.weight`` (packed uint32), ``p.scales`` and
-``p.biases``.
+shards listed by ``model.safetensors.index.json``. MLX-quantized checkpoints
+(written by mlx-lm's ``convert``, in any of MLX's modes: affine, mxfp4, mxfp8,
+nvfp4) add ``config["quantization"] = {"group_size", "bits", [mode], [per-module
+entries]}`` and, for every quantized module ``p``, the tensors ``p.weight`` (packed
+uint32), ``p.scales`` and, for affine only, ``p.biases``; gpt-oss's MXFP4 release
+(``quantization_config.quant_method: "mxfp4"``) loads too. See
+:mod:`mlx_ferrum.models.quantization`.
 
 Reference: the checkpoint format of Hugging Face ``transformers``
 (``PreTrainedModel.save_pretrained``) and the quantized format of mlx-lm
@@ -36,6 +38,12 @@ from ..errors import (
     WeightShapeError,
 )
 from .config_validation import validate_weights
+from .quantization import (
+    allowed_integer_dtypes,
+    check_quantized_dtypes,
+    quantization_spec,
+    quantize_modules,
+)
 from .registry import SUPPORTED_MODEL_TYPES, family
 
 CONFIG_FILE = "config.json"
@@ -206,62 +214,6 @@ def _preview(names: list[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + more
 
 
-def _quantization_spec(config: dict) -> Optional[dict]:
-    """The MLX quantization dict of a config, or None for a float checkpoint.
-
-    mlx-lm writes the same dict under ``quantization`` and ``quantization_config``;
-    a ``quantization_config`` with a ``quant_method`` is a non-MLX format (AWQ,
-    GPTQ, bitsandbytes, fp8, ...), which this loader does not read.
-    """
-    quant = config.get("quantization")
-    if quant is None:
-        quant = config.get("quantization_config")
-        if quant is not None and "quant_method" in quant:
-            raise ModelLoadError(
-                f"quantization method {quant['quant_method']!r} is not supported; "
-                "only MLX affine checkpoints (config 'quantization': {group_size, bits}) load"
-            )
-    if quant is None:
-        return None
-    if not isinstance(quant, dict) or "group_size" not in quant or "bits" not in quant:
-        raise MalformedConfigError(f"config 'quantization' must be a dict with group_size and bits, found {quant!r}")
-    return quant
-
-
-def _quantize(model: nn.Module, quant: dict, weights: dict[str, mx.array]) -> None:
-    """Swap in QuantizedLinear / QuantizedEmbedding exactly where ``p.scales`` is stored.
-
-    The stored tensors decide *where*; the per-module config entry (or, when the
-    config has none, the shapes of the stored tensors, falling back to the global
-    ``group_size``/``bits``) decides *how*. A shape that still disagrees is caught
-    afterwards by the shape check, naming the tensor.
-    """
-    default = {"group_size": quant["group_size"], "bits": quant["bits"], "mode": quant.get("mode", "affine")}
-
-    def predicate(path: str, module: nn.Module) -> Union[bool, dict]:
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        entry = quant.get(path)
-        if isinstance(entry, dict):
-            return {**default, **{k: v for k, v in entry.items() if k in ("group_size", "bits", "mode")}}
-        return _params_from_shapes(path, module, weights) or dict(default)
-
-    nn.quantize(model, class_predicate=predicate)
-
-
-def _params_from_shapes(path: str, module: nn.Module, weights: dict[str, mx.array]) -> Optional[dict]:
-    """group_size and bits implied by the stored packed weight and scales (affine only)."""
-    in_dims = module.weight.shape[-1]
-    packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
-    if packed.dtype != mx.uint32 or not mx.issubdtype(scales.dtype, mx.floating):
-        return None
-    bits, rem_b = divmod(packed.shape[-1] * 32, in_dims)
-    group_size, rem_g = divmod(in_dims, max(scales.shape[-1], 1))
-    if rem_b or rem_g or bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
-        return None
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
-
-
 def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
     """Check that ``weights`` holds exactly the model's parameters, with their shapes.
 
@@ -332,8 +284,10 @@ def load_model(
             (the message lists them).
         MissingShardError: see :func:`load_weights`.
         MissingWeightError, WeightShapeError: see :func:`check_weights`.
-        ModelLoadError: download failure, unreadable safetensors, or a non-MLX
-            quantization format.
+        ModelLoadError: download failure, or unreadable safetensors.
+        UnsupportedQuantizationError: a quantization method or mode this loader does
+            not read (see :mod:`mlx_ferrum.models.quantization`).
+        InvalidWeightError: a quantized tensor's dtype disagrees with its mode.
         ConfigurationError: ``dtype`` is not a floating type.
     """
     target = _resolve_dtype(dtype)
@@ -349,13 +303,15 @@ def load_model(
         )
     module = family(model_type)
     args = module.ModelArgs.from_dict(config)
-    quant = _quantization_spec(config)
+    quant = quantization_spec(config)
     weights = load_weights(folder)
     model = module.Model(args)
     weights = model.sanitize(weights)
-    validate_weights(weights, quantized=quant is not None)  # int/bool dtypes and NaN/Inf refused
+    # int/bool dtypes (beyond quantized codes and scales) and NaN/Inf refused
+    validate_weights(weights, integer_dtypes=allowed_integer_dtypes(quant))
     if quant is not None:
-        _quantize(model, quant, weights)
+        quantize_modules(model, quant, weights)
+        check_quantized_dtypes(model, weights)
     check_weights(model, weights)
     if target is not None:
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
