@@ -9,7 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [
     "bench_generate.py", "bench_paged.py", "bench_kv_write.py", "bench_engine.py", "bench_moe.py",
-    "bench_sliding_window_memory.py",
+    "bench_sliding_window_memory.py", "bench_quant_modes.py",
 ]
 
 
