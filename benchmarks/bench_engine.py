@@ -147,18 +147,8 @@ def main(argv=None) -> dict:
     if argv is None:
         ensure_blas(args.openblas)
     import mlx_ferrum as mf
-    from mlx_ferrum.bench import (
-        RATIO_HEADERS,
-        TABLE_HEADERS,
-        bench_engine,
-        bench_mlx_lm_batch,
-        format_table,
-        load_mlx_lm_model,
-        parse_concurrency,
-        ratio_row,
-        table_rows,
-        token_agreement,
-    )
+    from mlx_ferrum.bench import TABLE_HEADERS, bench_engine, format_table, parse_concurrency, table_rows
+    from mlx_lm_side import RATIO_HEADERS, bench_mlx_lm_batch, load_mlx_lm_model, ratio_row, token_agreement
 
     levels = parse_concurrency(args.concurrency)
     dtype = resolve_dtype(args.dtype)

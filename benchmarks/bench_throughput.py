@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     import mlx_ferrum as mf
     from mlx_ferrum import bench
     from mlx_ferrum.engine import Engine
+    import mlx_lm_side
 
     if args.qwen_shape:
         path = cached_random_checkpoint("qwen2.5-0.5b-shape", QWEN25_05B_CONFIG, "float32")
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     )
     model, _tok = mf.load(str(path))
     dtype = bench.model_dtype_of(model)
-    lm = bench.load_mlx_lm_model(path, dtype)
+    lm = mlx_lm_side.load_mlx_lm_model(path, dtype)
     vocab = model.args.vocab_size
     sides = (["ferrum"] + (["ferrum-sync"] if args.with_sync else []) + (["ferrum-eager"] if args.with_eager else [])
              + ["mlx-lm"])
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                 engines[side] = Engine(model, None, cfg)
                 bench._run_engine(engines[side], warm, wt)
             else:
-                bench._run_mlx_lm(lm, warm, wt)
+                mlx_lm_side.run_mlx_lm_batch(lm, warm, wt)
         runs: dict[str, list[dict]] = {s: [] for s in sides}
         tokens: dict[str, list] = {}
         for r in range(args.repeats):
@@ -113,11 +114,11 @@ def main(argv=None) -> int:
                 if side.startswith("ferrum"):
                     res, toks = bench._run_engine(engines[side], prompts, args.max_tokens)
                 else:
-                    res, toks = bench._run_mlx_lm(lm, prompts, args.max_tokens)
+                    res, toks = mlx_lm_side.run_mlx_lm_batch(lm, prompts, args.max_tokens)
                 runs[side].append(res)
                 tokens[side] = toks
         ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["ferrum"], runs["mlx-lm"])]
-        agree = bench.token_agreement(tokens["ferrum"], tokens["mlx-lm"])
+        agree = mlx_lm_side.token_agreement(tokens["ferrum"], tokens["mlx-lm"])
         row = [n, _spread(ratios)]
         if args.with_sync:
             sync_ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["ferrum"], runs["ferrum-sync"])]

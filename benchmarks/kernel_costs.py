@@ -5,7 +5,7 @@ Usage::
     python benchmarks/kernel_costs.py           # the table of docs/kernels.md
     python benchmarks/kernel_costs.py --quick   # one shape
 
-Machine-independent (counted, not timed; see mlx_ferrum/testing/kernel_costs.py):
+Machine-independent (counted, not timed; see tests/support/kernel_costs.py):
 simdgroup-wide operations per KV token per query head, device bytes read per KV token
 per KV head over the K+V bytes of one KV head, threadgroup barriers per call. "before"
 is the decode kernel as it was before issue 9 (``benchmarks/legacy_paged_attention_decode.metal``,
@@ -23,10 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the CPU harness (tests/support), dev only
 
 from mlx_ferrum.kernels import metal  # noqa: E402
-from mlx_ferrum.testing import metal_harness as mh  # noqa: E402
-from mlx_ferrum.testing.kernel_costs import measure_decode  # noqa: E402
+from support import metal_harness as mh  # noqa: E402
+from support.kernel_costs import measure_decode  # noqa: E402
 
 LEGACY = Path(__file__).resolve().parent / "legacy_paged_attention_decode.metal"
 

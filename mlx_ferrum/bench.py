@@ -1,7 +1,9 @@
-"""Concurrent-serving benchmark: the :class:`~mlx_ferrum.engine.Engine` against mlx-lm's
-``BatchGenerator`` on the same token-id prompts; ``mlx-ferrum bench`` runs it.
+"""Concurrent-serving benchmark of the :class:`~mlx_ferrum.engine.Engine` on token-id
+prompts; ``mlx-ferrum bench`` runs it. It needs nothing beyond the runtime: the
+comparison against mlx-lm's ``BatchGenerator`` (the same burst, the same admission)
+lives in the repository's ``benchmarks/`` (``mlx_lm_side.py``, ``bench_engine.py``).
 
-Method (identical on both sides; it follows the closed-loop "burst" setting of
+Method (``benchmarks/mlx_lm_side.py`` runs the same one for mlx-lm; it follows the closed-loop "burst" setting of
 vLLM's ``benchmark_throughput`` / ``benchmark_serving`` with every request arriving
 at once):
 
@@ -23,12 +25,10 @@ Figures (times in seconds, rates in tokens per second):
 - ``output_tps``: all generated tokens / wall time; ``total_tps``: (prompt + generated
   tokens) / wall time; ``wall_s``.
 
-The engine side always uses the paged KV layout (continuous batching needs it), with
-``max_num_seqs = concurrency`` and a pool just large enough; mlx-lm runs with
-``prefill_batch_size = completion_batch_size = concurrency``: the same admission (all
-requests prefilled and decoded together). ``kv_allocated_bytes`` is the KV memory each
-side holds: the engine's whole pool, and mlx-lm's ``prompt_cache_nbytes`` (buffer
-capacity, its `prompt_cache_nbytes` property) at its largest during the run.
+The engine always uses the paged KV layout (continuous batching needs it), with
+``max_num_seqs = concurrency`` and a pool just large enough (all requests prefilled
+and decoded together). ``kv_allocated_bytes`` is the KV memory the engine holds: its
+whole pool.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 from .config import RuntimeConfig
 from .errors import ConfigurationError, FerrumError
 
-#: Keys of the dict :func:`bench_engine` and :func:`bench_mlx_lm_batch` return.
+#: Keys of the dict :func:`bench_engine` returns (and ``benchmarks/mlx_lm_side.py`` for mlx-lm).
 RESULT_KEYS = (
     "concurrency",
     "prompt_tokens",
@@ -229,128 +229,7 @@ def bench_engine(
     return res
 
 
-# --------------------------------------------------------------------------- mlx-lm
-def import_mlx_lm():
-    """``mlx_lm`` (a dev dependency), imported on first use.
-
-    Raises:
-        ConfigurationError: mlx-lm is not installed (the message says how to install it).
-    """
-    try:
-        import mlx_lm  # noqa: F401
-        from mlx_lm.generate import BatchGenerator  # noqa: F401
-    except ImportError as e:
-        raise ConfigurationError(
-            f"--compare mlx-lm needs the mlx-lm package, which is not importable ({e}): "
-            "install it with `pip install mlx-lm` (or `pip install -e .[dev]`)"
-        ) from None
-    return mlx_lm
-
-
-def load_mlx_lm_model(model_path, dtype=None):
-    """mlx-lm's model for a checkpoint folder (``mlx_lm.utils.load_model``; the prompts are
-    token ids, so no tokenizer is loaded), cast to ``dtype`` (an ``mx.Dtype`` or its name)
-    when given, weights evaluated.
-
-    Raises:
-        ConfigurationError: mlx-lm is missing.
-    """
-    import mlx.core as mx
-
-    import_mlx_lm()
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(model_path))
-    if dtype is not None:
-        dt = getattr(mx, dtype) if isinstance(dtype, str) else dtype
-        model.set_dtype(dt)
-    mx.eval(model.parameters())
-    return model
-
-
-def _run_mlx_lm(model, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
-    from mlx_lm.generate import BatchGenerator
-
-    n = len(prompts)
-    # the same admission as the engine's: every request prefilled and decoded at once
-    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=n, prefill_batch_size=n)
-    kv_bytes = 0
-    try:
-        t0 = time.perf_counter()
-        uids = gen.insert(prompts, [max_tokens] * n)
-        times: dict[int, list[float]] = {u: [] for u in uids}
-        tokens: dict[int, list[int]] = {u: [] for u in uids}
-        left = n
-        while left:
-            _, resps = gen.next()
-            now = time.perf_counter()
-            kv_bytes = max(kv_bytes, gen.prompt_cache_nbytes)
-            for r in resps:
-                times[r.uid].append(now)
-                tokens[r.uid].append(int(r.token))
-                if r.finish_reason is not None:
-                    left -= 1
-        t_end = time.perf_counter()
-    finally:
-        gen.close()
-    res = summarize([times[u] for u in uids], t0, t_end, len(prompts[0]), max_tokens)
-    res["kv_allocated_bytes"] = kv_bytes
-    return res, [tokens[u] for u in uids]
-
-
-def bench_mlx_lm_batch(
-    model_path,
-    concurrency: int,
-    prompt_tokens: int,
-    max_tokens: int,
-    seed: int = 0,
-    warmup: bool = True,
-    dtype=None,
-    model=None,
-    return_tokens: bool = False,
-) -> dict:
-    """The same burst as :func:`bench_engine`, served by mlx-lm's ``BatchGenerator``.
-
-    Args:
-        model_path: checkpoint folder, loaded with mlx-lm's own loader (ignored when
-            ``model`` is given).
-        concurrency, prompt_tokens, max_tokens, seed, warmup, return_tokens: as for
-            :func:`bench_engine` (same seed = same prompts).
-        dtype: cast the loaded model (``mx.Dtype`` or name); None keeps the checkpoint's.
-        model: an mlx-lm model already loaded (skips loading).
-
-    Returns:
-        The figures of :func:`summarize`, plus ``"side": "mlx-lm"``.
-
-    Raises:
-        ConfigurationError: mlx-lm is missing, or bad counts.
-    """
-    import_mlx_lm()
-    if max_tokens < 1:
-        raise ConfigurationError(f"max_tokens={max_tokens} must be >= 1")
-    lm = model if model is not None else load_mlx_lm_model(model_path, dtype)
-    vocab = lm.args.vocab_size
-    prompts = make_prompts(vocab, concurrency, prompt_tokens, seed)
-    if warmup:
-        wp, wt = warm_up_shape(prompt_tokens, max_tokens)
-        _run_mlx_lm(lm, make_prompts(vocab, concurrency, wp, seed + 1), wt)
-    res, toks = _run_mlx_lm(lm, prompts, max_tokens)
-    res["side"] = "mlx-lm"
-    if return_tokens:
-        res["tokens"] = toks
-    return res
-
-
 # --------------------------------------------------------------------------- report
-def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Fraction of requests whose greedy tokens agree up to the shorter length: a sanity
-    figure (bf16 rounding in different batch shapes may flip near-ties)."""
-    if not a:
-        return math.nan
-    same = sum(1 for x, y in zip(a, b) if x[: min(len(x), len(y))] == y[: min(len(x), len(y))])
-    return same / len(a)
-
-
 def _ms(x: float) -> str:
     return "nan" if math.isnan(x) else f"{1000 * x:.1f}"
 
@@ -367,11 +246,10 @@ TABLE_HEADERS = [
     "concurrency", "engine", "decode tok/s", "output tok/s", "total tok/s",
     "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "wall s",
 ]
-RATIO_HEADERS = ["concurrency", "decode tok/s", "output tok/s", "TTFT p50", "ITL p50", "wall"]
 
 
 def table_rows(results: Sequence[dict]) -> list[list[str]]:
-    """Rows of :data:`TABLE_HEADERS` for results of :func:`bench_engine` / :func:`bench_mlx_lm_batch`."""
+    """Rows of :data:`TABLE_HEADERS` for results of :func:`bench_engine` (or of the same shape)."""
     return [
         [
             str(r["concurrency"]), r["side"], _tps(r["decode_tps"]), _tps(r["output_tps"]), _tps(r["total_tps"]),
@@ -380,16 +258,6 @@ def table_rows(results: Sequence[dict]) -> list[list[str]]:
         ]
         for r in results
     ]
-
-
-def ratio_row(ferrum: dict, lm: dict) -> list[str]:
-    """Row of :data:`RATIO_HEADERS`: ferrum / mlx-lm of each figure (above 1 is better
-    for the rates, below 1 for the times)."""
-    def q(k):
-        a, b = ferrum[k], lm[k]
-        return "nan" if not b or math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"
-
-    return [str(ferrum["concurrency"]), q("decode_tps"), q("output_tps"), q("ttft_p50"), q("itl_p50"), q("wall_s")]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -426,19 +294,18 @@ def parse_concurrency(text: str) -> list[int]:
 
 def run_bench_cli(args: Any) -> int:
     """``mlx-ferrum bench``: the table of :data:`TABLE_HEADERS` for each concurrency level
-    on stdout (and with ``--compare mlx-lm`` mlx-lm's rows and the ratio table); progress
-    and settings on stderr. The paged layout is always used (``--paged`` is implied).
+    on stdout; progress and settings on stderr. The paged layout is always used.
 
     Args:
         args: the parsed ``bench`` arguments (``model``, ``dtype``, ``concurrency``,
-            ``prompt_tokens``, ``max_tokens``, ``compare``).
+            ``prompt_tokens``, ``max_tokens``).
 
     Returns:
         0.
 
     Raises:
-        ConfigurationError: malformed ``--concurrency`` / counts, or mlx-lm missing with
-        ``--compare mlx-lm``. ModelLoadError: the checkpoint cannot be loaded.
+        ConfigurationError: malformed ``--concurrency`` / counts. ModelLoadError: the
+        checkpoint cannot be loaded.
     """
     import mlx.core as mx
 
@@ -449,12 +316,8 @@ def run_bench_cli(args: Any) -> int:
         raise ConfigurationError(
             f"--prompt-tokens {args.prompt_tokens} / --max-tokens {args.max_tokens}: both must be >= 1"
         )
-    compare = getattr(args, "compare", None) == "mlx-lm"
-    if compare:
-        import_mlx_lm()  # fail before the slow part
     err = sys.stderr
     model, tokenizer = load(args.model, dtype=args.dtype)
-    lm = load_mlx_lm_model(model.path, model_dtype_of(model) if args.dtype else None) if compare else None
     a = model.args
     print(
         f"bench: {args.model} ({a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
@@ -463,23 +326,11 @@ def run_bench_cli(args: Any) -> int:
         f"{'gpu' if mx.metal.is_available() else 'cpu'}",
         file=err,
     )
-    results, ratios = [], []
+    results = []
     for c in levels:
         print(f"  concurrency {c}: mlx_ferrum ...", file=err, flush=True)
-        f = bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, return_tokens=compare)
-        results.append(f)
-        if compare:
-            print(f"  concurrency {c}: mlx-lm ...", file=err, flush=True)
-            m = bench_mlx_lm_batch(None, c, args.prompt_tokens, args.max_tokens, model=lm, return_tokens=True)
-            results.append(m)
-            ratios.append(ratio_row(f, m))
-            print(f"    greedy outputs agree on {100 * token_agreement(f['tokens'], m['tokens']):.0f}% of requests",
-                  file=err)
+        results.append(bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens))
     print(format_table(TABLE_HEADERS, table_rows(results)))
-    if compare:
-        print()
-        print("ratio mlx_ferrum / mlx-lm (rates: higher is better; times: lower is better)")
-        print(format_table(RATIO_HEADERS, ratios))
     return 0
 
 

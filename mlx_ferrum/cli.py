@@ -336,12 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculative_args(c)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="throughput at several concurrency levels")
+    b = sub.add_parser("bench", help="engine throughput at several concurrency levels (the mlx-lm comparison is benchmarks/bench_engine.py)")
     _add_model_args(b)
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
     b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (tokens)")
     b.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    b.add_argument("--compare", default=None, choices=["mlx-lm"], help="also run mlx-lm's BatchGenerator")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

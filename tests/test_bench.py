@@ -1,11 +1,13 @@
 """``mlx-ferrum bench`` and ``mlx_ferrum.bench``: a fast smoke run on a tiny
-checkpoint (with ``--compare mlx-lm``), the figures' definitions on hand-made timings,
-and the errors for bad arguments or a missing mlx-lm."""
+checkpoint (also without mlx-lm importable), the figures' definitions on hand-made
+timings, the errors for bad arguments, and mlx-lm's side (``benchmarks/mlx_lm_side.py``)
+on the same burst."""
 
 from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from checkpoints import cached_checkpoint
 from mlx_ferrum.cli import main
 from mlx_ferrum import bench
 from mlx_ferrum.errors import ConfigurationError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mlx_lm_side  # noqa: E402
 
 
 def _tables(text: str) -> list[list[list[str]]]:
@@ -36,26 +41,19 @@ def qwen2_path():
     return cached_checkpoint("qwen2")
 
 
-def test_cli_bench_compare_prints_both_sides_and_ratios(qwen2_path, capsys):
+def test_cli_bench_prints_the_engine_table(qwen2_path, capsys):
     rc = main(["bench", "--model", str(qwen2_path), "--concurrency", "1,2", "--max-tokens", "4",
-               "--prompt-tokens", "8", "--compare", "mlx-lm"])
+               "--prompt-tokens", "8"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     tables = _tables(out.out)
-    assert len(tables) == 2, out.out
-    main_t, ratio_t = tables
-    assert main_t[0] == bench.TABLE_HEADERS
-    rows = main_t[1:]
-    assert [(r[0], r[1]) for r in rows] == [("1", "mlx_ferrum"), ("1", "mlx-lm"), ("2", "mlx_ferrum"), ("2", "mlx-lm")]
+    assert len(tables) == 1, out.out
+    assert tables[0][0] == bench.TABLE_HEADERS
+    rows = tables[0][1:]
+    assert [(r[0], r[1]) for r in rows] == [("1", "mlx_ferrum"), ("2", "mlx_ferrum")]
     for r in rows:
         nums = [float(x) for x in r[2:]]
         assert all(math.isfinite(x) and x > 0 for x in nums), r
-    assert ratio_t[0] == bench.RATIO_HEADERS
-    assert [r[0] for r in ratio_t[1:]] == ["1", "2"]
-    for r in ratio_t[1:]:
-        vals = [float(x.rstrip("x")) for x in r[1:]]
-        assert all(math.isfinite(v) and v > 0 for v in vals), r
-    assert "agree on 100% of requests" in out.err  # float32 tiny model: greedy tokens are the same
 
 
 def test_cli_bench_without_compare_has_only_ferrum_rows(qwen2_path, capsys):
@@ -74,7 +72,7 @@ def test_both_sides_generate_the_same_greedy_tokens(qwen2_path):
 
     model, tok = mf.load(str(qwen2_path))
     f = bench.bench_engine(model, tok, 3, 7, 5, return_tokens=True)
-    m = bench.bench_mlx_lm_batch(qwen2_path, 3, 7, 5, return_tokens=True)
+    m = mlx_lm_side.bench_mlx_lm_batch(qwen2_path, 3, 7, 5, return_tokens=True)
     assert f["generated_tokens"] == m["generated_tokens"] == 15
     assert [len(t) for t in f["tokens"]] == [5, 5, 5]
     assert f["tokens"] == m["tokens"]
@@ -122,11 +120,12 @@ def test_cli_reports_bad_concurrency(qwen2_path, capsys):
     assert "--concurrency" in capsys.readouterr().err
 
 
-def test_missing_mlx_lm_gives_a_clear_error(qwen2_path, monkeypatch, capsys):
+def test_bench_runs_without_mlx_lm(qwen2_path, monkeypatch, capsys):
+    """The runtime's benchmark never imports mlx-lm (a dev-only dependency); only the
+    comparison in benchmarks/ needs it, and says how to install it."""
     monkeypatch.setitem(sys.modules, "mlx_lm", None)  # makes `import mlx_lm` raise ImportError
     monkeypatch.setitem(sys.modules, "mlx_lm.generate", None)
+    rc = main(["bench", "--model", str(qwen2_path), "--concurrency", "1", "--max-tokens", "2"])
+    assert rc == 0, capsys.readouterr().err
     with pytest.raises(ConfigurationError, match="pip install mlx-lm"):
-        bench.import_mlx_lm()
-    rc = main(["bench", "--model", str(qwen2_path), "--concurrency", "1", "--max-tokens", "2", "--compare", "mlx-lm"])
-    assert rc == 2
-    assert "pip install mlx-lm" in capsys.readouterr().err
+        mlx_lm_side.import_mlx_lm()

@@ -16,8 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_ferrum.testing import metal_harness as mh
-from mlx_ferrum.testing.kernel_costs import measure_decode
+from support import metal_harness as mh
+from support.kernel_costs import measure_decode
 
 pytestmark = [
     pytest.mark.harness,

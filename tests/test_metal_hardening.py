@@ -17,8 +17,8 @@ import pytest
 
 from mlx_ferrum.errors import KernelError
 from mlx_ferrum.kernels import metal
-from mlx_ferrum.testing import metal_harness as mh
-from mlx_ferrum.testing.paged_cases import decode_case, max_violation, numpy_decode, numpy_prefill, prefill_case
+from support import metal_harness as mh
+from support.paged_cases import decode_case, max_violation, numpy_decode, numpy_prefill, prefill_case
 
 pytestmark = [
     pytest.mark.harness,

@@ -1,4 +1,4 @@
-"""The CPU harness for Metal kernels (mlx_ferrum.testing.metal_harness).
+"""The CPU harness for Metal kernels (support.metal_harness).
 
 - The source generator is compared with MLX's own text, captured through
   ``mx.export_function`` (no Metal device needed).
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from mlx_ferrum.errors import KernelError
-from mlx_ferrum.testing import metal_harness as mh
-from mlx_ferrum.testing.metal_harness import source as S
+from support import metal_harness as mh
+from support.metal_harness import source as S
 
 needs_clang = pytest.mark.skipif(
     not mh.clang_available(),

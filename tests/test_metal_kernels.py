@@ -6,7 +6,7 @@ float64 numpy implementation of softmax(q K^T * scale) V over exactly the valid
 keys. Pool slots no sequence owns hold NaN in the kernels' input, so reading past a
 context fails the test. Tolerances per dtype (|got - want| <= atol + rtol*|want|):
 float32 2e-5/2e-5, float16 2e-3/4e-3, bfloat16 1.6e-2/1.6e-2 (see
-mlx_ferrum.testing.paged_cases.TOLERANCES).
+support.paged_cases.TOLERANCES).
 
 The default sample covers GQA ratios 1/2/4/8, head dims 8..256 (8, 16, 24, 32, 40,
 64, 80, 96, 128, 256), block sizes 8/16/32, all three dtypes, context length 1,
@@ -32,8 +32,8 @@ import pytest
 import mlx_ferrum.kernels as kernels
 from mlx_ferrum.errors import KernelError
 from mlx_ferrum.kernels import metal, reference
-from mlx_ferrum.testing import metal_harness as mh
-from mlx_ferrum.testing.paged_cases import (
+from support import metal_harness as mh
+from support.paged_cases import (
     decode_case,
     max_violation,
     numpy_decode,

@@ -16,7 +16,7 @@ import pytest
 
 import mlx_ferrum as mf
 from mlx_ferrum.kernels import metal
-from mlx_ferrum.testing import metal_harness as mh
+from support import metal_harness as mh
 
 pytestmark = [
     pytest.mark.harness,

@@ -20,7 +20,7 @@ from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.kernels import metal
 from mlx_ferrum.models import load_model
-from mlx_ferrum.testing import metal_harness as mh
+from support import metal_harness as mh
 
 pytestmark = [
     pytest.mark.harness,

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from mlx_ferrum.kernels import metal, reference
-from mlx_ferrum.testing import metal_harness as mh
-from mlx_ferrum.testing.paged_cases import (
+from support import metal_harness as mh
+from support.paged_cases import (
     PagedCase,
     _f64,
     _seq_kv,

@@ -15,7 +15,7 @@ arrays are padded to 8 elements; outputs are fresh and uninitialised, so every
 output element is written by the kernels; kernels cannot update inputs in place.
 
 Test hook: :func:`use_launcher` substitutes the kernel factory (e.g. the CPU
-harness, :func:`mlx_ferrum.testing.metal_harness.metal_kernel`) and makes the
+harness in the repository's ``tests/support/metal_harness``) and makes the
 Metal path available where MLX has no Metal back-end.
 
 Decode packs the query heads of a KV head into one threadgroup (as MLX's

@@ -2,7 +2,7 @@
 
 :func:`measure_decode` runs ``mlx_ferrum.kernels.metal.paged_attention_decode`` (or any
 launch function with its arguments) in the harness's ``counting`` build and reduces the
-:class:`~mlx_ferrum.testing.metal_harness.LaunchCost` of every launch (decode and, when
+:class:`~support.metal_harness.LaunchCost` of every launch (decode and, when
 the context is split, reduce) to the per-token figures the budgets are stated in:
 
 - ``simd_ops_per_token_per_head``: simdgroup functions per KV token per query head,
@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from mlx_ferrum.kernels import metal
-from mlx_ferrum.testing import metal_harness as mh
-from mlx_ferrum.testing.paged_cases import decode_case
+from support import metal_harness as mh
+from support.paged_cases import decode_case
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def measure_decode(
 
     Args:
         num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype: the problem
-            (random q and pools from :func:`mlx_ferrum.testing.paged_cases.decode_case`).
+            (random q and pools from :func:`support.paged_cases.decode_case`).
         partition_size: forces split-K partitions of this many tokens
             (``metal.DECODE_PARTITION_SIZE``); None uses the occupancy policy, 0 or a
             size above the context gives one pass.

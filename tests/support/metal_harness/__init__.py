@@ -10,7 +10,7 @@ functions synchronising the fibers for real (``msl_runtime.cpp``).
 Typical use: stand the harness in for ``mx.fast.metal_kernel``::
 
     from mlx_ferrum.kernels import metal
-    from mlx_ferrum.testing import metal_harness as mh
+    from support import metal_harness as mh
     with metal.use_launcher(mh.metal_kernel):
         out = metal.paged_attention_decode(...)
 
