@@ -299,7 +299,7 @@ class OpenAIServing:
             return None
         content = []
         tops = out.top_logprobs or []
-        for i in range(start, len(out.token_ids)):
+        for i in range(start, _scored(out)):
             tid = out.token_ids[i]
             tok = self._token_str(tid)
             alts = [
@@ -314,7 +314,7 @@ class OpenAIServing:
             return None
         lp = p.CompletionLogprobs()
         tops = out.top_logprobs or []
-        for i in range(start, len(out.token_ids)):
+        for i in range(start, _scored(out)):
             tok = self._token_str(out.token_ids[i])
             lp.tokens.append(tok)
             lp.token_logprobs.append(out.logprobs[i])
@@ -382,7 +382,7 @@ class OpenAIServing:
                 choice = {"index": c.index, "delta": {"content": out.delta}, "finish_reason": out.finish_reason}
                 if out.logprobs is not None:
                     choice["logprobs"] = self._chat_logprobs(out, sent[c.index]).model_dump(exclude_none=True)
-                sent[c.index] = len(out.token_ids)
+                    sent[c.index] = _scored(out)
                 # built by hand: this runs once per token per stream, and pydantic here cost
                 # more event-loop time than the rest of the request path
                 yield head + _json(choice) + "]}\n\n"
@@ -445,7 +445,7 @@ class OpenAIServing:
                 if out.logprobs is not None:
                     lp = self._completion_logprobs(out, sent[c.index], offsets[c.index])
                     choice["logprobs"] = lp.model_dump(exclude_none=True)
-                sent[c.index] = len(out.token_ids)
+                    sent[c.index] = _scored(out)
                 offsets[c.index] += len(out.delta)
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
@@ -472,6 +472,15 @@ class OpenAIServing:
         self.check_model(req.model)
         self._check_ids(list(req.tokens))
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+def _scored(out: RequestOutput) -> int:
+    """How many leading ``out.token_ids`` are known tokens with a log-probability.
+
+    While a request streams, the engine's pipelined step may end ``token_ids`` with a
+    placeholder for a token still being computed; ``logprobs`` holds only known tokens.
+    """
+    return min(len(out.token_ids), len(out.logprobs or ()))
 
 
 def _chunk_head(request_id: str, object_name: str, model: str) -> str:
