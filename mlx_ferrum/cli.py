@@ -365,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     limit_help = {
         "max_request_body_bytes": "largest HTTP request body in bytes (larger: 413)",
+        "max_request_json_containers": "most JSON arrays and objects in one request body (more: 413)",
         "max_n": "largest n (choices per prompt)",
         "max_prompts_per_request": "largest number of prompts in one /v1/completions request",
         "max_choices_per_request": "largest prompts x n in one request",

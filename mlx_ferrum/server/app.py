@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as p
-from .limits import BodySizeLimitMiddleware, ServerLimits
+from .limits import BodySizeLimitMiddleware, ServerLimits, count_json_containers, flag_of
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .serving import OpenAIServing, ServingError
 
@@ -42,7 +42,6 @@ _DISCONNECT_POLL_S = 0.25
 #: What a field that takes one of several shapes accepts, for errors about it (pydantic
 #: would name the union's branches, e.g. ``prompt.str``, which mean nothing to a client).
 _UNION_EXPECTED = {
-    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
 }
@@ -82,12 +81,19 @@ def describe_validation_errors(errors: list) -> tuple[str, Optional[str]]:
     return f"invalid parameter {param}: {first.get('msg', 'invalid value')}", param
 
 
-def _parse(model: type, raw: bytes):
+def _parse(model: type, raw: bytes, limits: ServerLimits):
     """``model`` validated from the JSON ``raw`` (run in a worker thread).
 
     Raises:
-        ServingError: 400 naming the bad parameter.
+        ServingError: 413 for more JSON arrays/objects than ``limits`` allow (counted
+            before parsing), 400 naming the bad parameter.
     """
+    bound = limits.max_request_json_containers
+    containers = count_json_containers(raw, bound)
+    if containers > bound:
+        flag = flag_of("max_request_json_containers")
+        raise ServingError(413, f"the request body holds {containers} JSON arrays and objects, over the server's limit of "
+                           f"{bound} ({flag}): send fewer, longer prompts or messages, or start the server with a larger {flag}")
     try:
         return model.model_validate_json(raw)
     except pydantic.ValidationError as e:
@@ -95,7 +101,7 @@ def _parse(model: type, raw: bytes):
         raise ServingError(400, message, param=param) from None
 
 
-async def _body(request: Request, model: type):
+async def _body(request: Request, model: type, limits: ServerLimits):
     """The request's JSON body as ``model``; parsed off the event loop.
 
     Raises:
@@ -106,7 +112,7 @@ async def _body(request: Request, model: type):
         raise ServingError(400, f"the request body must be JSON sent with 'Content-Type: application/json', got {media!r} "
                            "(with curl, add -H 'Content-Type: application/json')")
     raw = await request.body()
-    return await run_in_threadpool(_parse, model, raw)
+    return await run_in_threadpool(_parse, model, raw, limits)
 
 
 def _error(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
@@ -191,11 +197,11 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request):
-        return await _answer(request, serving.chat(await _body(request, p.ChatCompletionRequest)))
+        return await _answer(request, serving.chat(await _body(request, p.ChatCompletionRequest, limits)))
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
-        return await _answer(request, serving.completion(await _body(request, p.CompletionRequest)))
+        return await _answer(request, serving.completion(await _body(request, p.CompletionRequest, limits)))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -212,12 +218,12 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
 
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request):
-        body = await _body(request, p.TokenizeRequest)
+        body = await _body(request, p.TokenizeRequest, limits)
         return (await run_in_threadpool(serving.tokenize, body)).model_dump()
 
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(request: Request):
-        body = await _body(request, p.DetokenizeRequest)
+        body = await _body(request, p.DetokenizeRequest, limits)
         return (await run_in_threadpool(serving.detokenize, body)).model_dump()
 
     return app

@@ -79,9 +79,13 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``; ``prompt`` is text, texts, token ids, or lists of token ids."""
+    """``POST /v1/completions``; ``prompt`` is text, texts, token ids, or lists of token ids.
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    ``prompt`` is checked by :mod:`~mlx_ferrum.server.serving` in a worker thread, in
+    Python: pydantic's validation of a long id list holds the GIL for its whole run.
+    """
+
+    prompt: Any
     logprobs: Optional[int] = None
     # OpenAI fields the server does not implement: refused by name when set
     suffix: Optional[Any] = None

@@ -28,6 +28,7 @@ from typing import AsyncIterator, Optional
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import AsyncEngine, RequestOutput, SamplingParams
+from ..engine.engine import context_full_message
 from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError
 from . import protocol as p
 from .limits import ServerLimits, flag_of
@@ -169,9 +170,12 @@ class OpenAIServing:
             raise ServingError(503, "the engine loop has stopped: restart the server", type="service_unavailable")
 
     def _check_ids(self, ids: list[int], param: str = "prompt", what: str = "the prompt") -> list[int]:
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ServingError(400, f"token id {bad[0]!r} in {what} is outside the vocabulary [0, {self.vocab_size}): send valid ids", param=param)
+        vocab = self.vocab_size
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)  # noqa: E721 - bool is no id
+        if bad is not None:
+            if type(bad) is not int:  # noqa: E721
+                raise ServingError(400, f"{what} holds {bad!r}, which is not a token id: send ints", param=param)
+            raise ServingError(400, f"token id {bad!r} in {what} is outside the vocabulary [0, {vocab}): send valid ids", param=param)
         if not ids:
             raise ServingError(400, f"{what} is empty: send at least one token", param=param)
         return ids
@@ -244,6 +248,11 @@ class OpenAIServing:
 
     def _plan(self, req: p._SamplingFields, prompts: list[list[int]], max_tokens, logprobs) -> list[tuple[int, list[int], SamplingParams]]:
         """``(prompt index, ids, params)`` for each of the ``n`` choices of each prompt."""
+        for i, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                # the engine would refuse it too, but only after checking every id on the event loop
+                message = context_full_message(len(ids), self.max_model_len, self.engine.model.args.max_position_embeddings)
+                raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt")
         bias = self._logit_bias(req.logit_bias)
         return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias))
                 for pi, ids in enumerate(prompts) for j in range(req.n)]
@@ -545,7 +554,7 @@ class OpenAIServing:
         _check_unimplemented(req)
         prompt = req.prompt
         # a list of token ids is one prompt; a list of strings or of id lists, several
-        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         self._check_counts(req.n, len(prompt) if several else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= _TOP_LOGPROBS_MAX:
             raise ServingError(400, f"logprobs={req.logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="logprobs")
@@ -569,13 +578,14 @@ class OpenAIServing:
         """Tokenize and check the prompts under the prompt-token limit, then build each
         choice's parameters (worker thread: a large prompt never blocks the event loop)."""
         prompt = req.prompt
+        many = isinstance(prompt, list) and bool(prompt)
         if isinstance(prompt, str):
             texts, id_lists = [prompt], None
-        elif prompt and all(isinstance(x, int) for x in prompt):
+        elif many and all(isinstance(x, int) for x in prompt):
             texts, id_lists = None, [prompt]
-        elif prompt and all(isinstance(x, str) for x in prompt):
+        elif many and all(isinstance(x, str) for x in prompt):
             texts, id_lists = prompt, None
-        elif prompt and all(isinstance(x, list) for x in prompt):
+        elif many and all(isinstance(x, list) for x in prompt):
             texts, id_lists = None, prompt
         else:
             raise ServingError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of lists "
