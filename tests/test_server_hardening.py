@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -21,7 +20,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import PLAIN_TEMPLATE, running_server  # noqa: E402
+from server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server  # noqa: E402
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -70,38 +69,6 @@ def error_of(r, status):
     return err
 
 
-class HealthProbe:
-    """Polls ``/health`` from a thread; ``latencies`` in seconds."""
-
-    def __init__(self, url: str, period_s: float = 0.02):
-        self.url, self.period_s = url, period_s
-        self.latencies: list[float] = []
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        with httpx.Client(timeout=5) as c:
-            while not self._stop.is_set():
-                t = time.perf_counter()
-                try:
-                    status = c.get(self.url + "/health").status_code
-                    if status != 200:
-                        self.failures.append(f"status {status}")
-                except httpx.HTTPError as e:
-                    self.failures.append(repr(e))
-                self.latencies.append(time.perf_counter() - t)
-                self._stop.wait(self.period_s)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
-
-
 # ------------------------------------------------------------------ the limits
 
 
@@ -115,10 +82,10 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_requests_that_stalled_the_server_are_refused_while_health_answers(server, client, case):
+def test_requests_that_stalled_the_server_are_refused_while_health_answers(server, client, case, tmp_path):
     body, status, flag = HOSTILE[case]
     raw = json.dumps(body).encode()
-    with HealthProbe(server.url) as probe:
+    with HealthPoller(server.url, tmp_path) as probe:
         time.sleep(0.1)
         t = time.perf_counter()
         r = post(server, "/v1/completions", raw)
@@ -127,7 +94,7 @@ def test_requests_that_stalled_the_server_are_refused_while_health_answers(serve
     err = error_of(r, status)
     assert flag in err["message"], err
     assert took < 10, f"the refusal took {took:.1f} s"
-    assert not probe.failures and len(probe.latencies) >= 5
+    assert probe.errors == 0 and len(probe.latencies) >= 5
     assert max(probe.latencies) <= HEALTH_BUDGET_S, f"/health took {max(probe.latencies) * 1000:.0f} ms"
     assert client.completions.create(model=MODEL, prompt="Lily", max_tokens=3, temperature=0).choices[0].text
 
@@ -137,10 +104,10 @@ def test_requests_that_stalled_the_server_are_refused_while_health_answers(serve
     ([5] * 300_000, "--max-prompt-tokens-per-request"),  # just under the body limit: 300,000 numbers
     ("Lily " * 200_000, "context"),  # 1,000,000 characters to tokenize
 ])
-def test_the_largest_bodies_admitted_parse_off_the_event_loop(server, prompt, flag):
+def test_the_largest_bodies_admitted_parse_off_the_event_loop(server, prompt, flag, tmp_path):
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode()
     assert len(body) < 1024 * 1024
-    with HealthProbe(server.url) as probe:
+    with HealthPoller(server.url, tmp_path) as probe:
         time.sleep(0.1)
         r = post(server, "/v1/completions", body)
         time.sleep(0.1)

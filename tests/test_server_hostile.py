@@ -12,18 +12,15 @@ missing or wrong keys. Two rounds of the same number of requests; asserted:
 
 from __future__ import annotations
 
-import ast
 import json
 import random
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
-from server_helpers import PLAIN_TEMPLATE, running_server
+from server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server
 
 KEY = "hostile-key"
 MODEL = "stories"
@@ -106,43 +103,6 @@ def make_request(r: random.Random):
         else:
             body["logit_bias"] = r.choice([{"400": 100}, {"abc": 1}, {"1": 1e9}, {str(i): -100 for i in range(300)}])
     return "POST", path, auth, json.dumps(body)
-
-
-_POLLER = r"""
-import sys, time, httpx
-url, out, stop = sys.argv[1], sys.argv[2], sys.argv[3]
-import os
-lat, errors = [], 0
-with httpx.Client(timeout=5) as c:
-    while not os.path.exists(stop):
-        t = time.perf_counter()
-        try:
-            errors += c.get(url + "/health").status_code != 200
-        except httpx.HTTPError:
-            errors += 1
-        lat.append(time.perf_counter() - t)
-        time.sleep(0.02)
-open(out, "w").write(json.dumps({"latencies": lat, "errors": errors}) if False else repr({"latencies": lat, "errors": errors}))
-"""
-
-
-class HealthPoller:
-    """Polls ``/health`` from its own process (so the fuzzing threads' GIL does not delay it)."""
-
-    def __init__(self, url: str, folder: Path):
-        self.url, self.out, self.stop = url, folder / "health.txt", folder / "health.stop"
-        self.latencies: list[float] = []
-        self.errors = 0
-
-    def __enter__(self):
-        self.process = subprocess.Popen([sys.executable, "-c", _POLLER, self.url, str(self.out), str(self.stop)])
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.touch()
-        self.process.wait(30)
-        result = ast.literal_eval(self.out.read_text())
-        self.latencies, self.errors = result["latencies"], result["errors"]
 
 
 def send(server_url: str, request) -> tuple[int, str]:
