@@ -286,6 +286,9 @@ def cmd_serve(args) -> int:
     if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
         overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
     config = RuntimeConfig(**overrides)
+    from .server.limits import ServerLimits
+
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})  # checked before the model loads
     template = None
     if args.chat_template is not None:
         try:
@@ -300,7 +303,7 @@ def cmd_serve(args) -> int:
           f"prefix cache {'on' if config.prefix_cache else 'off'}, max_num_seqs {config.max_num_seqs})", file=sys.stderr)
     code = run_server(
         model, tokenizer, config, host=args.host, port=args.port, served_model_names=names,
-        api_key=args.api_key, chat_template=template, log_level=args.log_level,
+        api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
     )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -354,6 +357,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action="store_true", help="same as --prefix-cache 1 / FERRUM_PREFIX_CACHE=1")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_runtime_args(s)
+    # the server's limits: one flag per ServerLimits field, refused requests name the flag
+    from dataclasses import fields
+
+    from .server.limits import ServerLimits, flag_of
+
+    limit_help = {
+        "max_request_body_bytes": "largest HTTP request body in bytes (larger: 413)",
+        "max_request_json_containers": "most JSON arrays and objects in one request body (more: 413)",
+        "max_n": "largest n (choices per prompt)",
+        "max_prompts_per_request": "largest number of prompts in one /v1/completions request",
+        "max_choices_per_request": "largest prompts x n in one request",
+        "max_prompt_tokens_per_request": "largest total of prompt tokens in one request",
+        "max_queued_tokens": "largest total of prompt tokens the server holds at once (over it: 429)",
+    }
+    for f in fields(ServerLimits):
+        s.add_argument(flag_of(f.name), type=int, default=f.default, help=f"{limit_help[f.name]} (default: {f.default})")
     s.set_defaults(func=cmd_serve)
     return parser
 

@@ -412,7 +412,9 @@ class Tokenizer:
                 f"the text is not valid Unicode: {exc.reason} at character {exc.start}; "
                 "decode input bytes as UTF-8 (errors='replace') before passing them"
             ) from None
-        ids = list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it tokenizes (encode holds it throughout), so
+        # a long text tokenized in a worker thread does not stall the other threads
+        ids = list(self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         if not add_special_tokens:
             return ids
         if self._post_adds_bos and not self.add_bos_token and ids and ids[0] == self.bos_token_id:

@@ -6,6 +6,7 @@ then SIGKILL) even when the test fails, and yields a :class:`ServerProcess`.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import signal
@@ -87,3 +88,48 @@ def running_server(model: Path, log_dir: Path, extra_args=(), env_extra=None, st
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+_POLLER = r"""
+import sys, time, httpx
+url, out, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+import os
+lat, errors = [], 0
+with httpx.Client(timeout=5) as c:
+    while not os.path.exists(stop):
+        t = time.perf_counter()
+        try:
+            errors += c.get(url + "/health").status_code != 200
+        except httpx.HTTPError:
+            errors += 1
+        lat.append(time.perf_counter() - t)
+        if len(lat) == 1:
+            open(stop + ".ready", "w").close()
+        time.sleep(0.02)
+open(out, "w").write(repr({"latencies": lat, "errors": errors}))
+"""
+
+
+class HealthPoller:
+    """Polls ``/health`` every 20 ms from its own process (so the test's own threads do not
+    delay it); after the ``with`` block, ``latencies`` (seconds) and ``errors`` (count)."""
+
+    def __init__(self, url: str, folder: Path):
+        self.url, self.out, self.stop = url, folder / "health.txt", folder / "health.stop"
+        self.latencies: list[float] = []
+        self.errors = 0
+
+    def __enter__(self):
+        self.process = subprocess.Popen([sys.executable, "-c", _POLLER, self.url, str(self.out), str(self.stop)])
+        ready = Path(str(self.stop) + ".ready")
+        deadline = time.monotonic() + 30
+        while not ready.exists():  # polling has begun
+            assert self.process.poll() is None and time.monotonic() < deadline, "the /health poller did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.touch()
+        self.process.wait(30)
+        result = ast.literal_eval(self.out.read_text())
+        self.latencies, self.errors = result["latencies"], result["errors"]

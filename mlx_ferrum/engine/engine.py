@@ -209,12 +209,14 @@ class Engine:
             RequestError: the id is in use, the prompt is empty or not a prompt type, or a
                 token id is outside ``[0, vocab_size)``.
             TokenizerError: the text cannot be tokenized (lone surrogates, too long ...).
+            SamplingParamsError: a ``logit_bias`` id is outside the vocabulary.
         """
         params = params if params is not None else SamplingParams()
         ids = encode_prompt(self.tokenizer, prompt, vocab_size=getattr(getattr(self.executor, "info", None), "vocab_size", None))
         cap = self.executor.kv_capacity()
         if len(ids) >= cap:
             raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
+        params.check_vocab(self.model.args.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
         with self._lock:

@@ -6,15 +6,18 @@ Processing order for one step (Hugging Face ``generate``'s warper order, also vL
    HF ``RepetitionPenaltyLogitsProcessor``), then presence and frequency penalties on
    the generated tokens (OpenAI's API reference, "Parameter details"; vLLM's
    ``apply_penalties``);
-2. temperature;
-3. top-k (Fan et al. 2018, "Hierarchical Neural Story Generation");
-4. top-p / nucleus (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration");
-5. min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
+2. the per-request additive ``logit_bias`` (OpenAI's ``logit_bias``: ``{token id: bias}``,
+   bias in [-100, 100], added to that token's logit before sampling);
+3. temperature;
+4. top-k (Fan et al. 2018, "Hierarchical Neural Story Generation");
+5. top-p / nucleus (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration");
+6. min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
    Coherent LLM Outputs");
-6. a categorical draw by the Gumbel-max trick (``argmax(logits + Gumbel noise)``), the
+7. a categorical draw by the Gumbel-max trick (``argmax(logits + Gumbel noise)``), the
    noise drawn from the row's own PRNG key.
 
-Rows with ``temperature == 0`` take the argmax of the penalised logits instead.
+Rows with ``temperature == 0`` take the argmax of the penalised and biased logits instead.
+Reported log-probabilities are those of the raw logits (before any processor).
 
 Every processor takes ``logits`` of shape ``[B, V]`` (cast to float32) and per-row
 parameters (a Python scalar shared by all rows, or a length-``B`` sequence / mx array),
@@ -38,6 +41,7 @@ __all__ = [
     "SampleResult",
     "apply_repetition_penalty",
     "apply_presence_frequency_penalty",
+    "apply_logit_bias",
     "apply_temperature",
     "apply_top_k",
     "apply_top_p",
@@ -89,6 +93,10 @@ class SamplingParams:
     - ``logprobs`` (int >= 0 or ``None``): also return the chosen token's log-probability
       and that many top alternatives.
     - ``ignore_eos`` (bool): keep generating past EOS.
+    - ``logit_bias`` (dict of token id (int >= 0) -> bias (number in [-100, 100]), or
+      ``None``): added to those tokens' logits before sampling (after the penalties,
+      before temperature); ``-100`` all but bans a token, ``100`` all but forces it.
+      Ids are checked against the vocabulary when the engine takes the request.
     - ``speculative`` (bool, default True): ``False`` opts this request out of
       speculative decoding when the engine runs it (``RuntimeConfig.speculative``).
 
@@ -111,6 +119,7 @@ class SamplingParams:
     speculative: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -152,6 +161,31 @@ class SamplingParams:
             bad("ignore_eos", "use True or False")
         if not isinstance(self.speculative, bool):
             bad("speculative", "use True or False")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "use None or a dict {token id: bias}")
+            for tid, bias in self.logit_bias.items():
+                if not _is_int(tid) or tid < 0:
+                    raise SamplingParamsError(
+                        f"SamplingParams.logit_bias key {tid!r} is invalid: use token ids (ints >= 0) as keys"
+                    )
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise SamplingParamsError(
+                        f"SamplingParams.logit_bias[{tid}]={bias!r} is invalid: use a number in [-100, 100]"
+                    )
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items() if b != 0} or None
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Check the token ids this request names against a ``vocab_size``-token vocabulary.
+
+        Raises:
+            SamplingParamsError: a ``logit_bias`` key is not in ``[0, vocab_size)``.
+        """
+        for tid in self.logit_bias or ():
+            if tid >= vocab_size:
+                raise SamplingParamsError(
+                    f"SamplingParams.logit_bias key {tid} is outside the vocabulary [0, {vocab_size}): use valid token ids"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -254,6 +288,41 @@ def apply_presence_frequency_penalty(
         return x
     counts = mx.zeros((batch, vocab), dtype=mx.float32).at[mx.array(rows), mx.array(cols)].add(1.0)
     return x - _rows(presence, batch) * (counts > 0).astype(mx.float32) - _rows(frequency, batch) * counts
+
+
+def apply_logit_bias(logits: mx.array, biases: Sequence[Optional[dict[int, float]]]) -> mx.array:
+    """Add each row's ``{token id: bias}`` to its logits, in one scatter-add for the batch.
+
+    Args:
+        logits: ``[B, V]``, any float dtype.
+        biases: ``B`` dicts (or None for no bias) of token id -> bias (float).
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Raises:
+        ExecutorError: ``logits`` is not 2-D, ``biases`` has the wrong length, or an id is
+            outside ``[0, V)`` (the engine checks ids when it takes a request).
+    """
+    x = _as_2d(logits)
+    batch, vocab = x.shape
+    if len(biases) != batch:
+        raise ExecutorError(f"logit_bias got {len(biases)} rows of biases for {batch} rows of logits")
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for b, bias in enumerate(biases):
+        if bias:
+            rows.extend([b] * len(bias))
+            cols.extend(bias.keys())
+            values.extend(bias.values())
+    if not rows:
+        return x
+    if min(cols) < 0 or max(cols) >= vocab:
+        raise ExecutorError(f"a logit_bias token id is outside the vocabulary [0, {vocab})")
+    # ids of one row are unique (dict keys), so add == set-on-zeros; one scatter for all rows
+    delta = mx.zeros((batch, vocab), dtype=mx.float32).at[mx.array(rows), mx.array(cols)].add(mx.array(values, dtype=mx.float32))
+    return x + delta
 
 
 def apply_temperature(logits: mx.array, temperature: RowParam) -> mx.array:
@@ -445,7 +514,8 @@ def _uniform_rows(keys: mx.array, vocab: int) -> mx.array:
 def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True) -> SampleResult:
     """Pick one token per row of ``logits``.
 
-    Row ``b`` uses ``states[b].params``: repetition penalty, then greedy argmax when
+    Row ``b`` uses ``states[b].params``: repetition penalty, presence/frequency
+    penalties and ``logit_bias``, then greedy argmax when
     ``temperature == 0``, else temperature, top-k, top-p, min-p and a Gumbel-max draw
     with noise from the row's own key (split once per call for sampled rows).
 
@@ -480,6 +550,8 @@ def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True
             [p.presence_penalty for p in params],
             [p.frequency_penalty for p in params],
         )
+    if any(p.logit_bias for p in params):
+        x = apply_logit_bias(x, [p.logit_bias for p in params])
 
     greedy_rows = [p.greedy for p in params]
     argmax = mx.argmax(x, axis=-1).astype(mx.int32)

@@ -45,6 +45,7 @@ from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
 from ..executor import KvCacheHandle, LlmExecutor, SeqWork
 from .sampling import (
+    apply_logit_bias,
     apply_presence_frequency_penalty,
     SamplerState,
     SamplingParams,
@@ -130,8 +131,8 @@ def processed_logits(
             penalties); None when no row has them.
 
     Returns:
-        ``(penalised, filtered)``: ``[R, V]`` float32 logits after the repetition penalty
-        (their argmax is the greedy choice), and ``[R, V]`` float32 logits after
+        ``(penalised, filtered)``: ``[R, V]`` float32 logits after the penalties and
+        ``logit_bias`` (their argmax is the greedy choice), and ``[R, V]`` float32 logits after
         temperature, top-k, top-p and min-p (``softmax`` of a row is that row's sampling
         distribution; ``-inf`` where filtered), or None when every row is greedy.
     """
@@ -142,6 +143,8 @@ def processed_logits(
         x = apply_presence_frequency_penalty(
             x, generated, [p.presence_penalty for p in params], [p.frequency_penalty for p in params]
         )
+    if any(p.logit_bias for p in params):
+        x = apply_logit_bias(x, [p.logit_bias for p in params])
     if all(p.greedy for p in params):
         return x, None
     y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])

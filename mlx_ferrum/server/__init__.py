@@ -3,13 +3,27 @@
 - :mod:`.protocol`: pydantic request and response models in OpenAI's shapes
   (tokenize/detokenize in vLLM's).
 - :mod:`.serving`: turns a request into engine calls and engine outputs into responses.
+- :mod:`.limits`: the per-request and per-server limits and the body-size middleware.
 - :mod:`.metrics`: Prometheus metrics (``prometheus_client``), vLLM's names under ``mlx_ferrum:``.
 - :mod:`.app`: the FastAPI app, the uvicorn runner and graceful shutdown.
 
 Run it with ``mlx-ferrum serve --model M``.
 """
 
-from .app import build_app, run_server
-from .serving import OpenAIServing
+from .limits import ServerLimits
 
-__all__ = ["OpenAIServing", "build_app", "run_server"]
+__all__ = ["OpenAIServing", "ServerLimits", "build_app", "run_server"]
+
+
+def __getattr__(name: str):
+    # imported on first use, so that the CLI can read ServerLimits for its flags
+    # without importing FastAPI and uvicorn for every command
+    if name in ("build_app", "run_server"):
+        from . import app
+
+        return getattr(app, name)
+    if name == "OpenAIServing":
+        from .serving import OpenAIServing
+
+        return OpenAIServing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,11 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Every error
 is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
+Request bodies pass :class:`~mlx_ferrum.server.limits.BodySizeLimitMiddleware` (413 over
+``--max-request-body-bytes``), must be JSON (``Content-Type: application/json``), and are
+parsed and validated in a worker thread, as is every tokenization, so that a large
+request never delays ``/health`` or the streams of other requests.
+
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, then every in-flight
 request is aborted, so each open stream and each waiting response ends with finish
 reason ``abort``; uvicorn then waits for those responses to finish and the process exits 0.
@@ -16,19 +21,98 @@ import logging
 import secrets
 from typing import Optional
 
+import pydantic
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as p
+from .limits import BodySizeLimitMiddleware, ServerLimits, count_json_containers, flag_of
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .serving import OpenAIServing, ServingError
 
 logger = logging.getLogger("mlx_ferrum.server")
 
 _DISCONNECT_POLL_S = 0.25
+
+
+#: What a field that takes one of several shapes accepts, for errors about it (pydantic
+#: would name the union's branches, e.g. ``prompt.str``, which mean nothing to a client).
+_UNION_EXPECTED = {
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list", "tuple"}
+
+
+def _is_branch(part) -> bool:
+    """True for a pydantic location entry naming a union branch or a validator, not a field."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or any(ch in part for ch in "[]-,"))
+
+
+def describe_validation_errors(errors: list) -> tuple[str, Optional[str]]:
+    """``(message, param)`` of a pydantic error list, in the client's terms.
+
+    The location is the dotted path of field names and list indices (``messages.0.role``);
+    union branches and validator names are dropped. A JSON syntax error, including a lone
+    UTF-16 surrogate escape (``\\ud800``), says the body is not valid JSON.
+    """
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        msg = str(first.get("msg", ""))
+        hint = ""
+        if "escape" in msg or "surrogate" in msg or "utf-8" in msg.lower():
+            hint = " (text must be valid Unicode: a lone UTF-16 surrogate such as \\ud800 is not)"
+        return f"the request body is not valid JSON: {msg}{hint}", None
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    kept = [str(x) for x in loc if not _is_branch(x)]
+    param = ".".join(kept) or None
+    names = [x for x in kept if not x.isdigit()]
+    if any(_is_branch(x) for x in loc) and names and names[-1] in _UNION_EXPECTED:
+        # the value fit no branch: say what the field takes, at the field itself
+        cut = max(i for i, x in enumerate(kept) if x == names[-1])
+        param = ".".join(kept[: cut + 1])
+        return f"invalid parameter {param}: expected {_UNION_EXPECTED[names[-1]]}", param
+    if first.get("type") == "model_type" and not kept:
+        return "the request body must be a JSON object", None
+    return f"invalid parameter {param}: {first.get('msg', 'invalid value')}", param
+
+
+def _parse(model: type, raw: bytes, limits: ServerLimits):
+    """``model`` validated from the JSON ``raw`` (run in a worker thread).
+
+    Raises:
+        ServingError: 413 for more JSON arrays/objects than ``limits`` allow (counted
+            before parsing), 400 naming the bad parameter.
+    """
+    bound = limits.max_request_json_containers
+    containers = count_json_containers(raw, bound)
+    if containers > bound:
+        flag = flag_of("max_request_json_containers")
+        raise ServingError(413, f"the request body holds {containers} JSON arrays and objects, over the server's limit of "
+                           f"{bound} ({flag}): send fewer, longer prompts or messages, or start the server with a larger {flag}")
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+        message, param = describe_validation_errors(e.errors())
+        raise ServingError(400, message, param=param) from None
+
+
+async def _body(request: Request, model: type, limits: ServerLimits):
+    """The request's JSON body as ``model``; parsed off the event loop.
+
+    Raises:
+        ServingError: 400 for a Content-Type other than JSON, or an invalid body.
+    """
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise ServingError(400, f"the request body must be JSON sent with 'Content-Type: application/json', got {media!r} "
+                           "(with curl, add -H 'Content-Type: application/json')")
+    raw = await request.body()
+    return await run_in_threadpool(_parse, model, raw, limits)
 
 
 def _error(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
@@ -52,7 +136,8 @@ async def _until_disconnect(request: Request, coro):
             task.cancel()
 
 
-def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None) -> FastAPI:
+def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
+              limits: Optional[ServerLimits] = None) -> FastAPI:
     """The FastAPI app over ``serving``.
 
     Args:
@@ -60,11 +145,16 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         metrics: the registry served at ``/metrics`` (None: built over ``serving.engine``).
         api_key: when set, every path but ``/health`` and ``/metrics`` needs
             ``Authorization: Bearer <api_key>`` (else 401).
+        limits: the server's limits (None: ``serving.limits``); the body limit is applied here.
     """
     metrics = metrics if metrics is not None else (serving.metrics or ServerMetrics(serving.engine))
     serving.metrics = metrics
+    limits = limits if limits is not None else serving.limits
+    serving.limits = limits
     app = FastAPI(title="mlx-ferrum", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
+                       on_refused=lambda: metrics.http_errors.labels(status="413").inc())
 
     def fail(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
         metrics.http_errors.labels(status=str(status)).inc()
@@ -76,13 +166,8 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            return fail(400, f"the request body is not valid JSON: {first.get('msg', '')}", "invalid_request_error")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return fail(400, f"invalid parameter {param}: {first.get('msg', 'invalid value')}", "invalid_request_error", param)
+        message, param = describe_validation_errors(list(exc.errors()))
+        return fail(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -111,12 +196,12 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        return await _answer(request, serving.chat(body))
+    async def chat_completions(request: Request):
+        return await _answer(request, serving.chat(await _body(request, p.ChatCompletionRequest, limits)))
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: p.CompletionRequest, request: Request):
-        return await _answer(request, serving.completion(body))
+    async def completions(request: Request):
+        return await _answer(request, serving.completion(await _body(request, p.CompletionRequest, limits)))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -132,12 +217,14 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize", dependencies=guarded)
-    async def tokenize(body: p.TokenizeRequest):
-        return serving.tokenize(body).model_dump()
+    async def tokenize(request: Request):
+        body = await _body(request, p.TokenizeRequest, limits)
+        return (await run_in_threadpool(serving.tokenize, body)).model_dump()
 
     @app.post("/detokenize", dependencies=guarded)
-    async def detokenize(body: p.DetokenizeRequest):
-        return serving.detokenize(body).model_dump()
+    async def detokenize(request: Request):
+        body = await _body(request, p.DetokenizeRequest, limits)
+        return (await run_in_threadpool(serving.detokenize, body)).model_dump()
 
     return app
 
@@ -179,6 +266,7 @@ def run_server(
     api_key: Optional[str] = None,
     chat_template: Optional[str] = None,
     log_level: str = "info",
+    limits: Optional[ServerLimits] = None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -190,14 +278,15 @@ def run_server(
         api_key: require ``Authorization: Bearer <api_key>``.
         chat_template: a Jinja template string overriding the checkpoint's.
         log_level: uvicorn's log level.
+        limits: the :class:`ServerLimits` (None: the defaults).
     """
     from ..engine import AsyncEngine, Engine
 
     engine = Engine(model, tokenizer, config)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics)
-    app = build_app(serving, metrics, api_key)
+    serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits)
+    app = build_app(serving, metrics, api_key, limits)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
         backlog=2048, timeout_keep_alive=30,

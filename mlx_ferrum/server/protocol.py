@@ -3,8 +3,11 @@ and vLLM's tokenize/detokenize, as pydantic models.
 
 Shapes follow OpenAI's API reference (https://platform.openai.com/docs/api-reference)
 and vLLM's ``entrypoints/openai/protocol.py`` for the extra sampling fields (``top_k``,
-``min_p``, ``repetition_penalty``) and ``/tokenize``. Unknown request fields are
-ignored, as OpenAI does.
+``min_p``, ``repetition_penalty``) and ``/tokenize``. Fields OpenAI does not define are
+ignored; OpenAI fields this server does not implement (``suffix``, ``best_of`` other
+than 1 or ``n``, ``echo``, ``functions``, ``function_call``, ``tools``, ``tool_choice``,
+``response_format`` other than text, ``audio``, non-text ``modalities``) are parsed as
+any JSON value so that :mod:`mlx_ferrum.server.serving` can refuse them by name.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    #: ``{"token id": bias}``, bias in [-100, 100] (keys are strings in JSON, as OpenAI's)
+    logit_bias: Optional[dict[str, Any]] = None
+    # OpenAI fields the server does not implement: refused by name when set
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
 
 
 class ChatMessage(_Request):
@@ -62,13 +70,27 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    # OpenAI fields the server does not implement: refused by name when set
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``; ``prompt`` is text, texts, token ids, or lists of token ids."""
+    """``POST /v1/completions``; ``prompt`` is text, texts, token ids, or lists of token ids.
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    ``prompt`` is checked by :mod:`~mlx_ferrum.server.serving` in a worker thread, in
+    Python: pydantic's validation of a long id list holds the GIL for its whole run.
+    """
+
+    prompt: Any
     logprobs: Optional[int] = None
+    # OpenAI fields the server does not implement: refused by name when set
+    suffix: Optional[Any] = None
+    best_of: Optional[Any] = None
+    echo: Optional[Any] = None
 
 
 class TokenizeRequest(_Request):

@@ -1,7 +1,10 @@
 """The glue between OpenAI-shaped requests and :class:`~mlx_ferrum.engine.AsyncEngine`.
 
-For each request: check the model name, build the prompt ids (chat template or
-tokenizer), build :class:`SamplingParams` (their validation names the bad field), submit
+For each request: check the model name, the fields the server does not implement and the
+counts the server limits (:class:`~mlx_ferrum.server.limits.ServerLimits`); then, in a
+worker thread so that the event loop keeps answering, build the prompt ids (chat template
+or tokenizer) under the prompt-token limit and the :class:`SamplingParams` (their
+validation names the bad field); then, under the queued-token limit, submit
 ``n`` engine requests and wait for each one's first output, so that every error the
 engine reports at admission (prompt longer than the context, a request the KV pool can
 never hold) becomes a 400 before any byte of a stream is sent. Then either collect the
@@ -22,9 +25,13 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from starlette.concurrency import run_in_threadpool
+
 from ..engine import AsyncEngine, RequestOutput, SamplingParams
+from ..engine.engine import context_full_message
 from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError
 from . import protocol as p
+from .limits import ServerLimits, flag_of
 
 
 class ServingError(Exception):
@@ -41,22 +48,66 @@ class ServingError(Exception):
         return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
 
 
-_PARAM_RE = re.compile(r"SamplingParams\.(\w+)=")
+_PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 _TOP_LOGPROBS_MAX = 20
 
 
-def _content_text(content) -> str:
-    """A message's text: a string, or the ``text`` of its ``{"type": "text"}`` parts joined."""
+def _content_text(content, where: str) -> str:
+    """A message's text: a string, or the ``text`` of its ``{"type": "text"}`` parts joined.
+
+    Raises:
+        ServingError: 400 for a part that is not text, or whose ``text`` is not a string
+            (``where`` names the message in the error's ``param``).
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         if part.get("type") != "text":
-            raise ServingError(400, f"content part type {part.get('type')!r} is not supported: send text parts only", param="messages")
-        parts.append(str(part.get("text", "")))
+            raise ServingError(400, f"content part type {part.get('type')!r} is not supported: send text parts only",
+                               param=f"{where}.content.{j}.type")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ServingError(400, f"a text content part needs 'text' as a string, got {type(text).__name__}: "
+                               "send {\"type\": \"text\", \"text\": \"...\"}", param=f"{where}.content.{j}.text")
+        parts.append(text)
     return "".join(parts)
+
+
+def _refuse_field(name: str, why: str) -> ServingError:
+    return ServingError(400, f"'{name}' is not supported by this server ({why}): remove it from the request", param=name)
+
+
+def _check_unimplemented(req: p._SamplingFields) -> None:
+    """Refuse, by name, an OpenAI field whose meaning the server does not implement.
+
+    Raises:
+        ServingError: 400 naming the field.
+    """
+    if req.audio is not None:
+        raise _refuse_field("audio", "it generates text only")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise _refuse_field("modalities", "it generates text only; send [\"text\"] or leave it out")
+    if isinstance(req, p.CompletionRequest):
+        if req.suffix is not None:
+            raise _refuse_field("suffix", "fill-in-the-middle is not implemented")
+        if req.best_of is not None and req.best_of not in (1, req.n):
+            raise _refuse_field("best_of", "it returns every choice it generates; leave best_of out or set it to n")
+        if req.echo not in (None, False):
+            raise _refuse_field("echo", "it does not return the prompt with the completion")
+    if isinstance(req, p.ChatCompletionRequest):
+        if req.functions is not None:
+            raise _refuse_field("functions", "function calling is not implemented")
+        if req.function_call is not None and req.function_call != "none":
+            raise _refuse_field("function_call", "function calling is not implemented")
+        if req.tools is not None and req.tools != []:
+            raise _refuse_field("tools", "tool calling is not implemented")
+        if req.tool_choice is not None and req.tool_choice != "none":
+            raise _refuse_field("tool_choice", "tool calling is not implemented")
+        if req.response_format is not None and not (isinstance(req.response_format, dict) and req.response_format.get("type") == "text"):
+            raise _refuse_field("response_format", "structured output is not implemented; only {\"type\": \"text\"}")
 
 
 @dataclass
@@ -80,9 +131,11 @@ class OpenAIServing:
         served_model_names: names accepted in ``model`` (the first one is reported).
         chat_template: a Jinja template string overriding the checkpoint's, or None.
         metrics: a :class:`~mlx_ferrum.server.metrics.ServerMetrics` to record into, or None.
+        limits: the :class:`ServerLimits` (None: the defaults).
     """
 
-    def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None):
+    def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None,
+                 limits: Optional[ServerLimits] = None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -94,7 +147,10 @@ class OpenAIServing:
         self.max_model_len = self.engine.executor.kv_capacity()
         args = getattr(self.engine.executor, "args", None)
         self.vocab_size = getattr(args, "vocab_size", None) or self.tokenizer.backend.get_vocab_size()
-        self._inflight: set[str] = set()
+        self.limits = limits if limits is not None else ServerLimits()
+        # engine request id -> its prompt tokens, for every request not yet finished
+        self._inflight: dict[str, int] = {}
+        self.queued_tokens = 0
         self.shutting_down = False
         self._anchor = list(self.tokenizer.encode("a", add_special_tokens=False))[:1]
         self._anchor_text = self.tokenizer.decode(self._anchor, skip_special_tokens=False)
@@ -113,24 +169,96 @@ class OpenAIServing:
         if not self.async_engine._thread.is_alive():
             raise ServingError(503, "the engine loop has stopped: restart the server", type="service_unavailable")
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ServingError(400, f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size}): send valid ids", param="prompt")
+    def _check_ids(self, ids: list[int], param: str = "prompt", what: str = "the prompt") -> list[int]:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)  # noqa: E721 - bool is no id
+        if bad is not None:
+            if type(bad) is not int:  # noqa: E721
+                raise ServingError(400, f"{what} holds {bad!r}, which is not a token id: send ints", param=param)
+            raise ServingError(400, f"token id {bad!r} in {what} is outside the vocabulary [0, {vocab}): send valid ids", param=param)
         if not ids:
-            raise ServingError(400, "the prompt is empty: send at least one token", param="prompt")
+            raise ServingError(400, f"{what} is empty: send at least one token", param=param)
         return ids
 
+    def _over_limit(self, name: str, value: int, what: str, status: int = 400, param: Optional[str] = None) -> ServingError:
+        limit = getattr(self.limits, name)
+        return ServingError(status, f"{what} ({value}) exceeds the server's limit of {limit} ({flag_of(name)}): "
+                            f"send a smaller request, or start the server with a larger {flag_of(name)}", param=param)
+
+    def _check_counts(self, n, num_prompts: int) -> None:
+        """The limits on ``n``, prompts and prompts x ``n`` (cheap: run before any work).
+
+        Raises:
+            ServingError: 400 naming the limit and its flag.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ServingError(400, f"n={n!r} is invalid: use an int >= 1", param="n")
+        if n > self.limits.max_n:
+            raise self._over_limit("max_n", n, "n", param="n")
+        if num_prompts > self.limits.max_prompts_per_request:
+            raise self._over_limit("max_prompts_per_request", num_prompts, "the number of prompts", param="prompt")
+        if num_prompts * n > self.limits.max_choices_per_request:
+            raise self._over_limit("max_choices_per_request", num_prompts * n, "prompts x n", param="n")
+
+    def _count_prompt_tokens(self, total: int) -> None:
+        if total > self.limits.max_prompt_tokens_per_request:
+            raise self._over_limit("max_prompt_tokens_per_request", total, "the request's prompt tokens", param="prompt")
+
+    def _encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of ``text``; a text the tokenizer refuses (too long, ...) is a 400."""
+        try:
+            return list(self.tokenizer.encode(text))
+        except FerrumError as e:
+            raise ServingError(400, str(e), param=param) from None
+
     def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        msgs = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
+        msgs = [{"role": m.role, "content": _content_text(m.content, f"messages.{i}")} for i, m in enumerate(messages)]
         try:
             return list(self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template
             ))
         except ChatTemplateError as e:
             raise ServingError(400, f"{e} (or start the server with --chat-template FILE)", param="messages") from None
+        except FerrumError as e:  # e.g. the rendered prompt is too long to tokenize
+            raise ServingError(400, str(e), param="messages") from None
 
-    def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int) -> SamplingParams:
+    def _logit_bias(self, raw: Optional[dict]) -> Optional[dict[int, float]]:
+        """OpenAI's ``logit_bias`` (``{"token id": bias}``) as ``{int: float}``, validated.
+
+        Raises:
+            ServingError: 400 for a key that is not a token id of the vocabulary, or a
+                bias that is not a number in [-100, 100].
+        """
+        if not raw:
+            return None
+        out = {}
+        for key, bias in raw.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise ServingError(400, f"logit_bias key {key!r} is not a token id: use token ids as keys, e.g. {{\"50\": -100}}",
+                                   param="logit_bias") from None
+            if not 0 <= tid < self.vocab_size:
+                raise ServingError(400, f"logit_bias key {key!r} is outside the vocabulary [0, {self.vocab_size}): use valid token ids",
+                                   param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ServingError(400, f"logit_bias[{key!r}]={bias!r} is invalid: use a number in [-100, 100]", param="logit_bias")
+            out[tid] = float(bias)
+        return out
+
+    def _plan(self, req: p._SamplingFields, prompts: list[list[int]], max_tokens, logprobs) -> list[tuple[int, list[int], SamplingParams]]:
+        """``(prompt index, ids, params)`` for each of the ``n`` choices of each prompt."""
+        for i, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                # the engine would refuse it too, but only after checking every id on the event loop
+                message = context_full_message(len(ids), self.max_model_len, self.engine.model.args.max_position_embeddings)
+                raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt")
+        bias = self._logit_bias(req.logit_bias)
+        return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias))
+                for pi, ids in enumerate(prompts) for j in range(req.n)]
+
+    def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int,
+                logit_bias: Optional[dict[int, float]] = None) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
         seed = req.seed
@@ -150,6 +278,7 @@ class OpenAIServing:
             stop_token_ids=req.stop_token_ids or [],
             logprobs=logprobs,
             ignore_eos=req.ignore_eos,
+            logit_bias=logit_bias,
         )
         try:
             return SamplingParams(**fields)
@@ -158,22 +287,28 @@ class OpenAIServing:
             raise ServingError(400, str(e), param=m.group(1) if m else None) from None
 
     # -------------------------------------------------------------- engine
-    async def _submit(self, prompts: list[list[int]], req: p._SamplingFields, max_tokens, logprobs) -> list[_Choice]:
-        """Start ``n`` engine requests per prompt together and await each one's first output.
+    async def _submit(self, plan: list[tuple[int, list[int], SamplingParams]]) -> list[_Choice]:
+        """Start the planned engine requests together and await each one's first output.
 
         Raises:
-            ServingError: 400 when a parameter is invalid (before anything is submitted)
-                or the engine refuses a request at admission (every other one is aborted).
+            ServingError: 400 when the request alone exceeds ``max_queued_tokens``, 429 when
+                it would with the requests already queued (before anything is submitted),
+                400 when the engine refuses a request at admission (every other one is aborted).
         """
-        if not isinstance(req.n, int) or req.n < 1:
-            raise ServingError(400, f"n={req.n!r} is invalid: use an int >= 1", param="n")
-        plan = [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j))
-                for pi, ids in enumerate(prompts) for j in range(req.n)]
+        tokens = sum(len(ids) for _, ids, _ in plan)
+        if tokens > self.limits.max_queued_tokens:
+            raise self._over_limit("max_queued_tokens", tokens, "the request's prompt tokens x n", param="prompt")
+        if self.queued_tokens + tokens > self.limits.max_queued_tokens:
+            raise ServingError(
+                429, f"the server is busy: {self.queued_tokens} prompt tokens are queued and this request adds {tokens}, over "
+                f"the limit of {self.limits.max_queued_tokens} ({flag_of('max_queued_tokens')}): retry later",
+                type="rate_limit_error")
         started = []
         for pi, ids, params in plan:
             rid = uuid.uuid4().hex
             started.append((pi, ids, rid, self.async_engine.astream(ids, params, request_id=rid)))
-            self._inflight.add(rid)
+            self._inflight[rid] = len(ids)
+            self.queued_tokens += len(ids)
         tasks = [asyncio.ensure_future(stream.__anext__()) for *_, stream in started]
         try:
             firsts = await asyncio.gather(*tasks, return_exceptions=True)
@@ -185,8 +320,8 @@ class OpenAIServing:
         failure: Optional[ServingError] = None
         for c in choices:
             if isinstance(c.first, BaseException):
-                self._inflight.discard(c.request_id)
-                if isinstance(c.first, (PromptTooLongError, RequestError)):
+                self._release(c.request_id)
+                if isinstance(c.first, (PromptTooLongError, RequestError, SamplingParamsError)):
                     failure = failure or ServingError(400, str(c.first), param="prompt")
                 else:
                     failure = failure or ServingError(500, f"{type(c.first).__name__}: {c.first}", type="internal_server_error")
@@ -199,16 +334,23 @@ class OpenAIServing:
             raise failure
         return choices
 
+    def _release(self, request_id: str) -> bool:
+        """Forget a finished or closed engine request; True when it was still counted."""
+        tokens = self._inflight.pop(request_id, None)
+        if tokens is None:
+            return False
+        self.queued_tokens -= tokens
+        return True
+
     def _finished(self, choice: _Choice, out: RequestOutput) -> None:
-        self._inflight.discard(choice.request_id)
+        self._release(choice.request_id)
         if self.metrics is not None:
             self.metrics.observe_finished(out)
 
     async def _close(self, choices: list[_Choice]) -> None:
         """Close every engine stream; unfinished requests are aborted and free their blocks."""
         for c in choices:
-            if c.request_id in self._inflight:
-                self._inflight.discard(c.request_id)
+            if self._release(c.request_id):
                 if self.metrics is not None:
                     self.metrics.observe_aborted()
             try:
@@ -299,7 +441,7 @@ class OpenAIServing:
             return None
         content = []
         tops = out.top_logprobs or []
-        for i in range(start, len(out.token_ids)):
+        for i in range(start, _scored(out)):
             tid = out.token_ids[i]
             tok = self._token_str(tid)
             alts = [
@@ -314,7 +456,7 @@ class OpenAIServing:
             return None
         lp = p.CompletionLogprobs()
         tops = out.top_logprobs or []
-        for i in range(start, len(out.token_ids)):
+        for i in range(start, _scored(out)):
             tok = self._token_str(out.token_ids[i])
             lp.tokens.append(tok)
             lp.token_logprobs.append(out.logprobs[i])
@@ -332,14 +474,13 @@ class OpenAIServing:
         """
         self.check_alive()
         self.check_model(req.model)
+        _check_unimplemented(req)
+        self._check_counts(req.n, 1)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= _TOP_LOGPROBS_MAX:
             raise ServingError(400, f"top_logprobs={req.top_logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        ids = self._check_ids(self._messages_ids(req.messages))
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        choices = await self._submit([ids], req, max_tokens, logprobs)
+        choices = await self._submit(await run_in_threadpool(self._chat_plan, req))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
@@ -357,6 +498,14 @@ class OpenAIServing:
                 for c in choices
             ],
         )
+
+    def _chat_plan(self, req: p.ChatCompletionRequest) -> list:
+        """Render and tokenize the messages, then build each choice's parameters (worker thread)."""
+        ids = self._check_ids(self._messages_ids(req.messages), param="messages", what="the rendered chat prompt")
+        self._count_prompt_tokens(len(ids))
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return self._plan(req, [ids], max_tokens, logprobs)
 
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
@@ -377,12 +526,13 @@ class OpenAIServing:
                 yield chunk([p.ChatCompletionStreamChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))])
             sent = {c.index: 0 for c in choices}
             async for c, out in merged:
-                if not out.delta and not out.finished and out.logprobs is None:
+                fresh = out.logprobs is not None and _scored(out) > sent[c.index]
+                if not out.delta and not out.finished and not fresh:
                     continue  # the detokenizer holds this token back (stop match or partial UTF-8)
                 choice = {"index": c.index, "delta": {"content": out.delta}, "finish_reason": out.finish_reason}
                 if out.logprobs is not None:
                     choice["logprobs"] = self._chat_logprobs(out, sent[c.index]).model_dump(exclude_none=True)
-                sent[c.index] = len(out.token_ids)
+                    sent[c.index] = _scored(out)
                 # built by hand: this runs once per token per stream, and pydantic here cost
                 # more event-loop time than the rest of the request path
                 yield head + _json(choice) + "]}\n\n"
@@ -401,21 +551,14 @@ class OpenAIServing:
         """
         self.check_alive()
         self.check_model(req.model)
+        _check_unimplemented(req)
+        prompt = req.prompt
+        # a list of token ids is one prompt; a list of strings or of id lists, several
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        self._check_counts(req.n, len(prompt) if several else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= _TOP_LOGPROBS_MAX:
             raise ServingError(400, f"logprobs={req.logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="logprobs")
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
-        elif prompt and all(isinstance(x, int) for x in prompt):
-            prompts = [list(prompt)]
-        elif prompt and all(isinstance(x, str) for x in prompt):
-            prompts = [self.tokenizer.encode(x) for x in prompt]
-        elif prompt and all(isinstance(x, list) for x in prompt):
-            prompts = [list(x) for x in prompt]
-        else:
-            raise ServingError(400, "prompt must be a string, a list of strings, token ids, or lists of token ids", param="prompt")
-        prompts = [self._check_ids(ids) for ids in prompts]
-        choices = await self._submit(prompts, req, req.max_tokens, req.logprobs)
+        choices = await self._submit(await run_in_threadpool(self._completion_plan, req))
         rid = f"cmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
@@ -431,6 +574,34 @@ class OpenAIServing:
             ],
         )
 
+    def _completion_plan(self, req: p.CompletionRequest) -> list:
+        """Tokenize and check the prompts under the prompt-token limit, then build each
+        choice's parameters (worker thread: a large prompt never blocks the event loop)."""
+        prompt = req.prompt
+        many = isinstance(prompt, list) and bool(prompt)
+        if isinstance(prompt, str):
+            texts, id_lists = [prompt], None
+        elif many and all(isinstance(x, int) for x in prompt):
+            texts, id_lists = None, [prompt]
+        elif many and all(isinstance(x, str) for x in prompt):
+            texts, id_lists = prompt, None
+        elif many and all(isinstance(x, list) for x in prompt):
+            texts, id_lists = None, prompt
+        else:
+            raise ServingError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of lists "
+                               "of token ids", param="prompt")
+        total = 0
+        prompts = []
+        if id_lists is not None:
+            self._count_prompt_tokens(sum(len(ids) for ids in id_lists))  # before reading any id
+        count = len(texts if texts is not None else id_lists)
+        for i in range(count):
+            ids = self._encode(texts[i]) if texts is not None else list(id_lists[i])
+            total += len(ids)
+            self._count_prompt_tokens(total)  # stop tokenizing as soon as the request is over
+            prompts.append(self._check_ids(ids, what="the prompt" if count == 1 else f"prompt {i}"))
+        return self._plan(req, prompts, req.max_tokens, req.logprobs)
+
     async def _completion_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = _chunk_head(rid, "text_completion", name)
@@ -439,13 +610,14 @@ class OpenAIServing:
             sent = {c.index: 0 for c in choices}
             offsets = {c.index: 0 for c in choices}
             async for c, out in merged:
-                if not out.delta and not out.finished and out.logprobs is None:
+                fresh = out.logprobs is not None and _scored(out) > sent[c.index]
+                if not out.delta and not out.finished and not fresh:
                     continue
                 choice = {"index": c.index, "text": out.delta, "finish_reason": out.finish_reason}
                 if out.logprobs is not None:
                     lp = self._completion_logprobs(out, sent[c.index], offsets[c.index])
                     choice["logprobs"] = lp.model_dump(exclude_none=True)
-                sent[c.index] = len(out.token_ids)
+                    sent[c.index] = _scored(out)
                 offsets[c.index] += len(out.delta)
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
@@ -457,21 +629,37 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ tokenize
     def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
-        """vLLM's ``/tokenize``: ids of ``prompt`` (or of chat ``messages`` through the template)."""
+        """vLLM's ``/tokenize``: ids of ``prompt`` (or of chat ``messages`` through the template).
+
+        Blocking (tokenizes): call it from a worker thread.
+        """
         self.check_model(req.model)
         if req.messages is not None:
             ids = self._messages_ids(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            try:
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            except FerrumError as e:
+                raise ServingError(400, str(e), param="prompt") from None
         else:
             raise ServingError(400, "give 'prompt' (text) or 'messages'", param="prompt")
         return p.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=list(ids))
 
     def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        """vLLM's ``/detokenize``: the text of ``tokens``."""
+        """vLLM's ``/detokenize``: the text of ``tokens`` (blocking: call it from a worker thread)."""
         self.check_model(req.model)
-        self._check_ids(list(req.tokens))
+        if req.tokens:
+            self._check_ids(list(req.tokens), param="tokens", what="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+def _scored(out: RequestOutput) -> int:
+    """How many leading ``out.token_ids`` are known tokens with a log-probability.
+
+    While a request streams, the engine's pipelined step may end ``token_ids`` with a
+    placeholder for a token still being computed; ``logprobs`` holds only known tokens.
+    """
+    return min(len(out.token_ids), len(out.logprobs or ()))
 
 
 def _chunk_head(request_id: str, object_name: str, model: str) -> str:
