@@ -65,3 +65,40 @@ def test_prefix_hits_survive_release_and_reuse_across_sequences():
     assert mgr.match_prefix("b", prompt) == 8
     assert mgr.seqs["b"].block_hashes == reference_chain(prompt)[:2]
     mgr.check_invariants()
+
+
+def test_a_block_with_a_token_still_being_sampled_is_hashed_only_once_its_id_is_known():
+    """The pipelined step stores a token before the host knows its id (UNKNOWN_TOKEN): its
+    block must not be registered under a guessed id, and once set_token_ids brings the id
+    the chain continues exactly as if the id had been known all along."""
+    unknown = manager_module.UNKNOWN_TOKEN
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    mgr.create("a")
+    mgr.append_slots("a", 7, tokens[:7])
+    mgr.append_slots("a", 1, [unknown])  # token 7 completes block 1, but its id is not known
+    assert mgr.seqs["a"].block_hashes == reference_chain(tokens[:4])
+    mgr.create("probe")
+    assert mgr.match_prefix("probe", tokens[:8] + [0]) == BS, "a block was shared before its ids were known"
+    mgr.release("probe")
+    mgr.append_slots("a", 2, tokens[8:10])  # later tokens arrive while token 7 is still unknown
+    assert len(mgr.seqs["a"].block_hashes) == 1
+    mgr.set_token_ids("a", 7, [tokens[7]])
+    assert mgr.seqs["a"].block_hashes == reference_chain(tokens[:8])
+    mgr.create("b")
+    assert mgr.match_prefix("b", tokens[:8] + [0]) == 2 * BS
+    mgr.check_invariants()
+
+
+def test_set_token_ids_refuses_a_different_known_id_and_ignores_unstored_positions():
+    import pytest
+
+    from mlx_ferrum.errors import KvCacheError
+
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    mgr.create("a")
+    mgr.append_slots("a", 3, [1, 2, 3])
+    mgr.set_token_ids("a", 2, [3, 4, 5])  # position 2 agrees; 3 and 4 are not stored yet
+    assert mgr.seqs["a"].token_ids == [1, 2, 3]
+    with pytest.raises(KvCacheError, match="stored as id 2"):
+        mgr.set_token_ids("a", 1, [7])

@@ -287,3 +287,31 @@ def test_batched_gumbel_noise_equals_per_row_draws():
         assert mx.array_equal(_gumbel_rows(64, batched), expected).item()
     for a, b in zip(one_by_one, batched):
         assert mx.array_equal(a.key, b.key).item()
+
+
+def test_pending_tokens_count_in_every_penalty_as_if_they_were_in_the_history():
+    """The pipelined step samples before the previous token reaches the host history; a
+    pending id passed on the device must give exactly the result of the longer history."""
+    from mlx_ferrum.engine.sampling import apply_presence_frequency_penalty
+
+    logits = random_logits(3, 40, seed=5)
+    history = [[1, 2, 2], [5], [7, 8]]
+    pending = [2, 9, -1]  # row 2 has nothing pending
+    full = [h + ([p] if p >= 0 else []) for h, p in zip(history, pending)]
+    out = apply_repetition_penalty(mx.array(logits), history, [1.3, 2.0, 0.7], pending=mx.array(pending))
+    np.testing.assert_allclose(np.array(out), np_repetition_penalty(logits, full, [1.3, 2.0, 0.7]), rtol=1e-6)
+    expected = np.array(apply_presence_frequency_penalty(mx.array(logits), full, [0.5, -1.0, 1.5], [0.3, 0.8, -0.2]))
+    got = apply_presence_frequency_penalty(mx.array(logits), history, [0.5, -1.0, 1.5], [0.3, 0.8, -0.2],
+                                           pending=mx.array(pending))
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-6)
+    # through sample(): the same tokens as with the longer histories
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
+    short = [SamplerState.create(params, h) for h in history]
+    for state in short:
+        state.num_prompt_tokens = 0
+    longer = [SamplerState.create(params, h) for h in full]
+    for state in longer:
+        state.num_prompt_tokens = 0
+    a = sample(mx.array(logits), short, record=False, pending=mx.array(pending)).tokens.tolist()
+    b = sample(mx.array(logits), longer, record=False).tokens.tolist()
+    assert a == b

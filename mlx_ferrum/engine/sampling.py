@@ -217,7 +217,18 @@ def _as_2d(logits: mx.array) -> mx.array:
     return logits.astype(mx.float32)
 
 
-def apply_repetition_penalty(logits: mx.array, history: Sequence[Sequence[int]], penalty: RowParam) -> mx.array:
+def _pending_hits(pending: Optional[mx.array], batch: int, vocab: int) -> Optional[mx.array]:
+    """``[B, V]`` bool: row ``b`` holds ``pending[b]`` (a token sampled on the device and not
+    yet in the host history; ``-1``: none), or None without pending tokens."""
+    if pending is None:
+        return None
+    pending = pending.astype(mx.int32).reshape(batch, 1)
+    return mx.arange(vocab, dtype=mx.int32)[None, :] == pending
+
+
+def apply_repetition_penalty(
+    logits: mx.array, history: Sequence[Sequence[int]], penalty: RowParam, pending: Optional[mx.array] = None
+) -> mx.array:
     """Penalise every token id that occurs in a row's history.
 
     For each id in ``history[b]`` (counted once, however often it occurs), a positive
@@ -229,6 +240,9 @@ def apply_repetition_penalty(logits: mx.array, history: Sequence[Sequence[int]],
         logits: ``[B, V]``, any float dtype.
         history: ``B`` sequences of token ids (prompt and generated).
         penalty: > 0 per row; ``1`` leaves the row unchanged.
+        pending: optional ``[B]`` int32 device array: one more token per row that the
+            host history lacks (the pipelined step's token still being read back; ``-1``
+            for none), counted as part of the history.
 
     Returns:
         ``[B, V]`` float32.
@@ -247,15 +261,21 @@ def apply_repetition_penalty(logits: mx.array, history: Sequence[Sequence[int]],
         unique = {int(t) for t in ids if 0 <= int(t) < vocab}
         rows.extend([b] * len(unique))
         cols.extend(unique)
-    if not rows:
+    extra = _pending_hits(pending, batch, vocab)
+    if not rows and extra is None:
         return x
-    seen = mx.zeros((batch, vocab), dtype=mx.bool_).at[mx.array(rows), mx.array(cols)].add(True)
+    seen = mx.zeros((batch, vocab), dtype=mx.bool_)
+    if rows:
+        seen = seen.at[mx.array(rows), mx.array(cols)].add(True)
+    if extra is not None:
+        seen = seen | extra
     penalised = mx.where(x < 0, x * pen, x / pen)
     return mx.where(seen, penalised, x)
 
 
 def apply_presence_frequency_penalty(
-    logits: mx.array, generated: Sequence[Sequence[int]], presence: RowParam, frequency: RowParam
+    logits: mx.array, generated: Sequence[Sequence[int]], presence: RowParam, frequency: RowParam,
+    pending: Optional[mx.array] = None,
 ) -> mx.array:
     """Subtract ``presence * [count > 0] + frequency * count`` from each logit.
 
@@ -266,6 +286,8 @@ def apply_presence_frequency_penalty(
         logits: ``[B, V]``, any float dtype.
         generated: ``B`` sequences of generated token ids.
         presence, frequency: per row, in [-2, 2]; ``0`` leaves the row unchanged.
+        pending: optional ``[B]`` int32 device array of one more generated token per row
+            that ``generated`` lacks (``-1`` for none); see :func:`apply_repetition_penalty`.
 
     Returns:
         ``[B, V]`` float32.
@@ -284,9 +306,14 @@ def apply_presence_frequency_penalty(
             if 0 <= int(t) < vocab:
                 rows.append(b)
                 cols.append(int(t))
-    if not rows:
+    extra = _pending_hits(pending, batch, vocab)
+    if not rows and extra is None:
         return x
-    counts = mx.zeros((batch, vocab), dtype=mx.float32).at[mx.array(rows), mx.array(cols)].add(1.0)
+    counts = mx.zeros((batch, vocab), dtype=mx.float32)
+    if rows:
+        counts = counts.at[mx.array(rows), mx.array(cols)].add(1.0)
+    if extra is not None:
+        counts = counts + extra.astype(mx.float32)
     return x - _rows(presence, batch) * (counts > 0).astype(mx.float32) - _rows(frequency, batch) * counts
 
 
@@ -511,7 +538,9 @@ def _uniform_rows(keys: mx.array, vocab: int) -> mx.array:
     return mx.vmap(lambda key: mx.random.uniform(shape=(vocab,), key=key))(keys)
 
 
-def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True) -> SampleResult:
+def sample(
+    logits: mx.array, states: Sequence[SamplerState], record: bool = True, pending: Optional[mx.array] = None
+) -> SampleResult:
     """Pick one token per row of ``logits``.
 
     Row ``b`` uses ``states[b].params``: repetition penalty, presence/frequency
@@ -525,6 +554,10 @@ def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True
         record: append each chosen token to its state's history (this evaluates the
             tokens). Pass ``False`` to keep the result lazy and call
             :meth:`SamplerState.append` yourself.
+        pending: optional ``[B]`` int32 device array: per row, a generated token the
+            history does not hold yet (``-1``: none). The pipelined engine samples step
+            ``t + 1`` before step ``t``'s token is read back; the penalties count that
+            token from here, on the device, so they stay exact without a host wait.
 
     Returns:
         :class:`SampleResult`.
@@ -542,13 +575,15 @@ def sample(logits: mx.array, states: Sequence[SamplerState], record: bool = True
 
     x = raw
     if any(p.repetition_penalty != 1.0 for p in params):
-        x = apply_repetition_penalty(x, [s.history for s in states], [p.repetition_penalty for p in params])
+        x = apply_repetition_penalty(x, [s.history for s in states], [p.repetition_penalty for p in params],
+                                     pending=pending)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         x = apply_presence_frequency_penalty(
             x,
             [s.history[s.num_prompt_tokens :] for s in states],
             [p.presence_penalty for p in params],
             [p.frequency_penalty for p in params],
+            pending=pending,
         )
     if any(p.logit_bias for p in params):
         x = apply_logit_bias(x, [p.logit_bias for p in params])

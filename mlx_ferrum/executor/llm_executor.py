@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
 from ..kv_cache import ContiguousKvCache, LayerGroupKvManager, PagedKvCacheManager, PagedKvPool, default_num_blocks
+from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
 from .types import (
@@ -419,8 +420,6 @@ class LlmExecutor:
                     f"{self.max_seq_len}: shorten the prompt or max_tokens, or raise FERRUM_KV_CAPACITY "
                     "(at most the model's max_position_embeddings for sound results)"
                 )
-        if self.manager is not None and self.manager.prefix_cache and any(w.prev_row >= 0 for w in work):
-            raise ExecutorError("prefix caching hashes token ids on the host: pass every token, not prev_row")
 
     @staticmethod
     def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
@@ -434,7 +433,10 @@ class LlmExecutor:
     def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
         """One code path for both layouts: the store places the tokens and says how
         many passes they take (paged: one packed pass; contiguous: one per token count)."""
-        passes, undo = self.store.prepare([(w.cache_id, w.tokens) for w in work])
+        # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
+        # hashes its block once set_token_ids() brings the id
+        passes, undo = self.store.prepare(
+            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work])
         pieces: list[mx.array] = []
         owner: list[int] = []  # work index of each returned logits row, in piece order
         try:
@@ -732,6 +734,27 @@ class LlmExecutor:
         with self._lock:
             self.store.claim_prefix(cache_id, token_ids, num_tokens)
         return self._handle(cache_id)
+
+    def set_token_ids(self, cache_id: str, start: int, token_ids: Sequence[int]) -> None:
+        """Tell the KV store the ids of tokens it stored before they were known on the host
+        (a pipelined step's ``prev_row`` token), so prefix caching can hash their blocks.
+
+        A no-op without prefix caching, for an unknown cache, and for positions not stored yet.
+
+        Args:
+            cache_id: the sequence.
+            start: position of ``token_ids[0]`` in the sequence (tokens).
+            token_ids: the ids (ints).
+
+        Raises:
+            KvCacheError: a position already holds a different known id.
+        """
+        manager = self.manager
+        if manager is None or not manager.prefix_cache:
+            return
+        with self._lock:
+            if manager.has(cache_id):
+                manager.set_token_ids(cache_id, start, token_ids)
 
     def release_cache(self, cache_id: str) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""

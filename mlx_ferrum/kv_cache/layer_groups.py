@@ -169,6 +169,11 @@ class LayerGroupKvManager:
             raise
         return GroupAppendResult(results[0].slots, results[0].copies, results)
 
+    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """:meth:`PagedKvCacheManager.set_token_ids` in every group."""
+        for g in self.groups:
+            g.set_token_ids(cache_id, start, token_ids)
+
     def trim_to_window(self, cache_id: Hashable) -> None:
         """Free, in each sliding group, the blocks outside the next token's window."""
         for g in self.groups:

@@ -43,6 +43,11 @@ FREED_BLOCK = -1
 #: digest of the empty prefix, the parent of a sequence's first block
 ROOT_DIGEST = b"\x00" * 32
 
+#: ``token_ids`` entry of a token whose id the host does not know yet (the pipelined
+#: step appends a token that is still being sampled on the device). A block holding one
+#: is hashed only once :meth:`PagedKvCacheManager.set_token_ids` has filled it in.
+UNKNOWN_TOKEN = -1
+
 
 def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """Prefix-cache key of a full block: SHA-256 over the parent block's digest followed by
@@ -181,7 +186,9 @@ class PagedKvCacheManager:
         """Reserve slots for ``n`` new tokens of ``cache_id``, allocating blocks on demand.
 
         Args:
-            token_ids: the new tokens' ids (needed with prefix caching to hash full blocks).
+            token_ids: the new tokens' ids (needed with prefix caching to hash full blocks);
+                :data:`UNKNOWN_TOKEN` for one still being sampled, filled in later by
+                :meth:`set_token_ids` (its block is hashed then).
 
         Raises:
             KvCacheExhaustedError: the pool (or ``max_blocks_per_seq``) cannot hold them;
@@ -329,6 +336,40 @@ class PagedKvCacheManager:
         if h is not None and self._hash_to_block.get(h) == block:
             del self._hash_to_block[h]
 
+    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """Fill in the ids of stored tokens appended as :data:`UNKNOWN_TOKEN`, and hash the
+        blocks that are now full and known (a no-op without prefix caching).
+
+        The pipelined engine appends a token before it is read back from the device; a
+        block is registered in the prefix cache only when every id in it is known, so no
+        other sequence can ever match a block by a guessed id. Positions at or past
+        ``num_tokens`` (not stored yet) are ignored: they arrive with their ids.
+
+        Args:
+            cache_id: the sequence.
+            start: position of ``token_ids[0]``.
+            token_ids: the ids, in order.
+
+        Raises:
+            UnknownCacheError: unknown ``cache_id``.
+            KvCacheError: a position already holds a different known id.
+        """
+        if not self.prefix_cache:
+            return
+        seq = self._seq(cache_id)
+        for offset, token in enumerate(token_ids):
+            position = start + offset
+            if not 0 <= position < len(seq.token_ids):
+                continue
+            known = seq.token_ids[position]
+            if known == UNKNOWN_TOKEN:
+                seq.token_ids[position] = int(token)
+            elif known != int(token):
+                raise KvCacheError(
+                    f"token {position} of {cache_id!r} is stored as id {known}, not {int(token)}"
+                )
+        self._register_full_blocks(seq)
+
     def _register_full_blocks(self, seq: SequenceBlocks) -> None:
         bs = self.block_size
         full = seq.num_tokens // bs
@@ -336,6 +377,8 @@ class PagedKvCacheManager:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_DIGEST
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            if UNKNOWN_TOKEN in chunk:
+                break  # hashed when set_token_ids fills it in
             h = block_digest(parent, chunk)
             seq.block_hashes.append(h)
             b = seq.block_ids[i]
