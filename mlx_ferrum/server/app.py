@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Optional
+from typing import Callable, Optional
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -179,6 +179,8 @@ def run_server(
     api_key: Optional[str] = None,
     chat_template: Optional[str] = None,
     log_level: str = "info",
+    sockets: Optional[list] = None,
+    on_ready: Optional[Callable[[], None]] = None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -190,6 +192,9 @@ def run_server(
         api_key: require ``Authorization: Bearer <api_key>``.
         chat_template: a Jinja template string overriding the checkpoint's.
         log_level: uvicorn's log level.
+        sockets: already bound sockets to serve on instead of binding ``host:port``
+            (the CLI binds first, so a taken port fails before the model loads).
+        on_ready: called once the engine is built, just before serving starts.
     """
     from ..engine import AsyncEngine, Engine
 
@@ -203,8 +208,10 @@ def run_server(
         backlog=2048, timeout_keep_alive=30,
     )
     server = _GracefulServer(uv_config, serving)
+    if on_ready is not None:
+        on_ready()
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         async_engine.shutdown()
     return 0
