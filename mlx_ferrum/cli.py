@@ -608,8 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``mlx-ferrum`` / ``python -m mlx_ferrum``; returns the exit code."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except FerrumError as e:
         print(f"error: {e}", file=sys.stderr)

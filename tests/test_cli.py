@@ -301,3 +301,38 @@ def test_no_network_hub_error_says_so(monkeypatch, tmp_path):
     assert "\n" not in message and "'someone/not-cached-model' is not a local folder" in message
     assert "cannot be reached" in message and "`hf download someone/not-cached-model`" in message
     assert "huggingface-cli" not in message
+
+
+def test_the_cli_module_starts_without_importing_mlx():
+    """The CLI's heavy imports happen inside main's Ctrl-C handler, not before it: a
+    Ctrl-C while MLX and the model code load exits 130 without a traceback."""
+    code = "import sys, mlx_ferrum.cli; print(sorted(m for m in ('mlx', 'mlx.core', 'numpy') if m in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback():
+    import signal
+
+    # a load that announces itself and then takes long, so the signal lands mid-load
+    code = ("import sys, time, mlx_ferrum.api as api\n"
+            "def slow_load(*args, **kwargs):\n"
+            "    print('loading', flush=True)\n"
+            "    time.sleep(120)\n"
+            "api.load = slow_load\n"
+            "from mlx_ferrum.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for argv in (["serve", "--model", "m", "--port", "0"], ["generate", "--model", "m", "-p", "x"]):
+        p = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env, cwd=REPO)
+        try:
+            assert p.stdout.readline() == b"loading\n"
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 130, err
+        assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
