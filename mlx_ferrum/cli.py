@@ -188,7 +188,7 @@ def _config(args) -> RuntimeConfig:
         overrides["speculative"] = args.speculative
     if getattr(args, "num_speculative_tokens", None) is not None:
         overrides["num_speculative_tokens"] = args.num_speculative_tokens
-    return RuntimeConfig(**overrides)
+    return _runtime_config(overrides)
 
 
 class _Streamer:
@@ -414,7 +414,7 @@ def cmd_bench(args) -> int:
     return run_bench_cli(args)
 
 
-def _runtime_flag_type(field_name: str, parse):
+def _runtime_flag_type(parse):
     """The argparse type of a RuntimeConfig field's flag (None: argparse ``choices`` check it)."""
     from .config import _parse_bool, _parse_float, _parse_int
 
@@ -446,7 +446,7 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
             default = "off"
         elif isinstance(default, bool):
             default = int(default)
-        kind = _runtime_flag_type(f.name, parse)
+        kind = _runtime_flag_type(parse)
         p.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None,
             type=int if f.name == "block_size" else (str.lower if f.name == "kv_layout" else kind),
