@@ -4,35 +4,155 @@
 tokens per second, peak memory) go to stderr, so the output can be piped; ``-p -``
 reads the prompt from stdin. ``chat`` keeps the conversation within the context by
 dropping its oldest turns (never the system message). No traceback reaches the user:
-errors print one ``error: ...`` line (``chat`` then goes on).
+errors print one ``error: ...`` line (``chat`` then goes on); a malformed flag exits 2
+with argparse's usage line, a refused setting or input exits 2, an unexpected error 1,
+and Ctrl-C 130.
 ``python -m mlx_ferrum`` runs the same entry point.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from typing import Optional, Sequence
 
-from .config import RuntimeConfig
-from .errors import ChatTemplateError, FerrumError, PromptTooLongError
+from .config import _FALSE, _TRUE, FIELD_HELP, RuntimeConfig
+from .errors import ChatTemplateError, ConfigurationError, FerrumError, PromptTooLongError
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, except where the help text already states its
+    default (every option whose default is ``None`` says in words what unset means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return text + " (default: off)"
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is one line (the program, the error, and
+    where to look) instead of the whole usage block, which for ``serve`` is long."""
+
+    def error(self, message: str):
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` to stderr and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# Named type functions: argparse names the function in "invalid <name> value" and shows
+# an ArgumentTypeError's message as is, so each says what is accepted.
+
+
+def boolean(raw: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case) as a bool.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else; the message lists the accepted values.
+    """
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE and value:
+        return False
+    raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from 1, 0, true, false, yes, no, on, off)")
+
+
+def positive_int(raw: str) -> int:
+    """A whole number >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or below 1.
+    """
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number: give an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give an integer >= 1")
+    return value
+
+
+def fraction(raw: str) -> float:
+    """A number in (0, 1].
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or outside (0, 1].
+    """
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number: give a number in (0, 1], e.g. 0.5") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give a number in (0, 1], e.g. 0.5")
+    return value
+
+
+def port_number(raw: str) -> int:
+    """A TCP port: 1 to 65535, or 0 for any free port.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or outside [0, 65535].
+    """
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number: give 1 to 65535 (0 picks a free port)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number: give 1 to 65535 (0 picks a free port)")
+    return value
+
+
+def api_key(raw: str) -> str:
+    """A non-empty API key.
+
+    Raises:
+        argparse.ArgumentTypeError: the key is empty or only spaces (no client could
+            ever send it, so the server would refuse everyone).
+    """
+    if not raw.strip():
+        raise argparse.ArgumentTypeError(
+            "the key is empty, so no client could authenticate: give a non-empty key, or leave --api-key out "
+            "to serve without one"
+        )
+    return raw
+
+
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
-    p.add_argument("--dtype", default=None, help="cast weights: float32, float16 or bfloat16")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="cast the weights to this dtype (default: the checkpoint's own)")
     p.add_argument("--paged", action="store_true", help="use the paged KV cache (same as FERRUM_METAL_PAGED_KV=1)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
+def _add_sampling_args(p: argparse.ArgumentParser, temp: float, max_tokens: Optional[int] = 256) -> None:
+    if max_tokens is None:
+        max_tokens_help = ("most tokens per reply (default: the rest of the context; a reply cut by this limit "
+                           "ends with a marker on stderr)")
+    else:
+        max_tokens_help = "most tokens to generate"
+    p.add_argument("--max-tokens", "-m", type=positive_int, default=max_tokens, help=max_tokens_help)
     p.add_argument("--temp", type=float, default=temp, help="temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalise tokens already seen, prompt included (CTRL; > 1 discourages repeats, 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token already generated, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this once per earlier occurrence of a generated token, in [-2, 2] (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
 
 
@@ -44,6 +164,8 @@ def _sampling(args) -> dict:
         top_k=args.top_k,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         stop=list(args.stop),
         ignore_eos=args.ignore_eos,
@@ -53,9 +175,9 @@ def _sampling(args) -> dict:
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="ngram|PATH",
                    help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint sharing the "
-                        "tokenizer (same as FERRUM_SPECULATIVE)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="tokens proposed per step (same as FERRUM_NUM_SPECULATIVE_TOKENS; default 4)")
+                        "tokenizer (default: $FERRUM_SPECULATIVE, else off)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
+                   help="tokens proposed per step (default: $FERRUM_NUM_SPECULATIVE_TOKENS, else 4)")
 
 
 def _config(args) -> RuntimeConfig:
@@ -66,7 +188,7 @@ def _config(args) -> RuntimeConfig:
         overrides["speculative"] = args.speculative
     if getattr(args, "num_speculative_tokens", None) is not None:
         overrides["num_speculative_tokens"] = args.num_speculative_tokens
-    return RuntimeConfig(**overrides)
+    return _runtime_config(overrides)
 
 
 class _Streamer:
@@ -152,7 +274,8 @@ def cmd_generate(args) -> int:
         prompt = msgs
     last = None
     text_end = ""
-    for chunk in _Streamer(model, tokenizer, _config(args))(prompt, _sampling(args)):
+    streamer = _Streamer(model, tokenizer, _config(args))
+    for chunk in streamer(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         text_end = (text_end + chunk.text)[-1:]
@@ -170,7 +293,18 @@ def cmd_generate(args) -> int:
             f"peak memory: {last.peak_memory / 2**30:.3f} GiB | finish: {last.finish_reason}",
             file=sys.stderr,
         )
+        if streamer.engine is not None:
+            print(speculative_summary(streamer.engine.stats()), file=sys.stderr)
     return 0
+
+
+def speculative_summary(stats: dict) -> str:
+    """One stderr line from ``Engine.stats()``'s speculative-decoding counters."""
+    return (
+        f"speculative: {stats['spec_accepted_tokens']} of {stats['spec_proposed_tokens']} proposed tokens accepted "
+        f"({100 * stats['spec_acceptance_rate']:.1f}%) over {stats['spec_num_drafts']} drafts | "
+        f"mean accepted length: {stats['spec_mean_accepted_length']:.2f} tokens per step"
+    )
 
 
 def cmd_chat(args) -> int:
@@ -178,6 +312,8 @@ def cmd_chat(args) -> int:
 
     History is trimmed to the context (oldest turns first, the system message kept);
     ``--seed S`` seeds turn ``i`` with ``S + i``, so turns differ yet a session replays.
+    A reply may use the rest of the context unless ``--max-tokens`` is given; a reply
+    that ends for lack of room (either limit) gets a marker on stderr saying so.
     """
     from .config import resolve_kv_capacity
 
@@ -185,7 +321,8 @@ def cmd_chat(args) -> int:
     config = _config(args)
     streamer = _Streamer(model, tokenizer, config)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
-    reserve = min(args.max_tokens, capacity // 2)  # room left for the reply
+    # room the history trimming leaves for the reply (a reply may still run on to the context's end)
+    reserve = min(args.max_tokens or DEFAULT_CHAT_RESERVE, capacity // 2)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     use_template = tokenizer.chat_template is not None
@@ -217,6 +354,8 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": line})
         reply = []
         sampling = _sampling(args)
+        if args.max_tokens is None:
+            sampling["max_tokens"] = capacity  # the engine ends the reply where the context ends
         if args.seed is not None:
             sampling["seed"] = (args.seed + turn) % 2**64
         turn += 1
@@ -228,10 +367,15 @@ def cmd_chat(args) -> int:
                       file=sys.stderr)
             prompt = messages if use_template else "\n".join(m["content"] for m in messages)
             gen = streamer(prompt, sampling)
+            last = None
             for chunk in gen:
                 reply.append(chunk.text)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                last = chunk
+            if last is not None and last.finish_reason == "length":
+                print(file=sys.stderr)
+                print(cut_marker(last.generation_tokens, args.max_tokens, capacity), file=sys.stderr, end="")
         except KeyboardInterrupt:
             if gen is not None:
                 gen.close()  # releases the reply's KV cache
@@ -250,11 +394,37 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+#: Tokens the chat's history trimming keeps free for a reply when ``--max-tokens`` is unset.
+DEFAULT_CHAT_RESERVE = 256
+
+
+def cut_marker(generated: int, max_tokens: Optional[int], capacity: int) -> str:
+    """The stderr line after a chat reply that ended with ``finish_reason="length"``:
+    ``generated`` tokens, cut by ``max_tokens`` (when given and reached) or else by the
+    context of ``capacity`` tokens."""
+    if max_tokens is not None and generated >= max_tokens:
+        return f"[reply cut at {generated} tokens; --max-tokens to change]"
+    return f"[reply cut at {generated} tokens: the context of {capacity} tokens is full; /reset to start over]"
+
+
 def cmd_bench(args) -> int:
     """Concurrent-request benchmark through the engine (see ``mlx_ferrum.bench``)."""
     from .bench import run_bench_cli
 
     return run_bench_cli(args)
+
+
+def _runtime_flag_type(parse):
+    """The argparse type of a RuntimeConfig field's flag (None: argparse ``choices`` check it)."""
+    from .config import _parse_bool, _parse_float, _parse_int
+
+    if parse is _parse_bool:
+        return boolean
+    if parse is _parse_float:
+        return fraction  # kv_memory_fraction, the only float field
+    if parse is _parse_int:
+        return positive_int
+    return None
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -263,13 +433,79 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
 
     from .config import _ENV
 
+    choices = {"kv_layout": ("contiguous", "paged"), "block_size": (8, 16, 32, 64, 128)}
     for f in fields(RuntimeConfig):
         var, parse, default = _ENV[f.name]
+        if f.name == "kv_layout":
+            default = "paged"  # serve's own default (cmd_serve); the library's is contiguous
+        if f.name in ("max_num_blocks",):
+            default = "sized from --max-num-seqs and free memory"
+        elif f.name == "kv_capacity":
+            default = "the model's max_position_embeddings"
+        elif f.name == "speculative":
+            default = "off"
+        elif isinstance(default, bool):
+            default = int(default)
+        kind = _runtime_flag_type(parse)
         p.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None,
-            type=(lambda raw, var=var, parse=parse: parse(var, raw)),
-            help=f"default: ${var}, else {'paged' if f.name == 'kv_layout' else default}",
+            type=int if f.name == "block_size" else (str.lower if f.name == "kv_layout" else kind),
+            choices=choices.get(f.name),
+            metavar={boolean: "{1,0}", positive_int: "N", fraction: "F"}.get(kind) if f.name not in choices else None,
+            help=f"{FIELD_HELP[f.name]} (default: ${var}, else {default})",
         )
+
+
+def _runtime_config(overrides: dict) -> RuntimeConfig:
+    """``RuntimeConfig(**overrides)`` for values that came from flags; an error names the
+    flag (``--block-size``), not the dataclass field.
+
+    Raises:
+        ConfigurationError: a value, or a ``FERRUM_*`` variable, is malformed.
+    """
+    try:
+        return RuntimeConfig(**overrides)
+    except ConfigurationError as e:
+        message = str(e)
+        for name in overrides:
+            message = message.replace(f"RuntimeConfig.{name}", "--" + name.replace("_", "-"))
+        raise ConfigurationError(message) from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), for uvicorn to serve on.
+
+    Binding before the model loads makes a taken port fail at once, and makes the
+    start-up line that names the address true.
+
+    Raises:
+        ConfigurationError: the host does not resolve, or the address cannot be bound
+            (in use, not permitted, not local); the message names the address and the fix.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigurationError(
+            f"--host {host!r} does not resolve ({e.strerror}): give an address such as 127.0.0.1 or 0.0.0.0"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    # as uvicorn does: a restarted server may rebind while old connections sit in TIME_WAIT
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        fixes = {
+            errno.EADDRINUSE: f"port {port} is already in use: stop the other server or give another --port "
+                              "(0 picks a free one)",
+            errno.EACCES: f"port {port} needs privileges: give a --port from 1024 to 65535",
+            errno.EADDRNOTAVAIL: f"{host} is not an address of this machine: give 127.0.0.1, 0.0.0.0 or one of "
+                                 "its own addresses as --host",
+        }
+        fix = fixes.get(e.errno, f"{e.strerror}: check --host and --port")
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {fix}") from None
+    return sock
 
 
 def cmd_serve(args) -> int:
@@ -285,7 +521,7 @@ def cmd_serve(args) -> int:
         overrides["prefix_cache"] = True
     if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
         overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
-    config = RuntimeConfig(**overrides)
+    config = _runtime_config(overrides)
     from .server.limits import ServerLimits
 
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})  # checked before the model loads
@@ -296,14 +532,21 @@ def cmd_serve(args) -> int:
                 template = fh.read()
         except OSError as e:
             raise ChatTemplateError(f"cannot read --chat-template {args.chat_template!r}: {e.strerror}: give a readable Jinja file") from None
+    sock = bind_socket(args.host, args.port)
+    host, port = args.host, sock.getsockname()[1]
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     model, tokenizer = _load(args)
     names = args.served_model_name or [args.model]
-    print(f"mlx-ferrum serve: {names[0]} on http://{args.host}:{args.port}/v1 ({config.kv_layout} KV, "
-          f"prefix cache {'on' if config.prefix_cache else 'off'}, max_num_seqs {config.max_num_seqs})", file=sys.stderr)
+
+    def banner() -> None:
+        print(f"mlx-ferrum serve: {names[0]} on http://{host}:{port}/v1 ({config.kv_layout} KV, "
+              f"prefix cache {'on' if config.prefix_cache else 'off'}, max_num_seqs {config.max_num_seqs})",
+              file=sys.stderr, flush=True)
+
     code = run_server(
-        model, tokenizer, config, host=args.host, port=args.port, served_model_names=names,
+        model, tokenizer, config, host=args.host, port=port, served_model_names=names,
         api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
+        sockets=[sock], on_ready=banner,
     )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -318,44 +561,49 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mlx-ferrum``."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="mlx-ferrum", description="LLM inference on MLX")
+    parser = ArgumentParser(prog="mlx-ferrum", description="LLM inference on MLX", formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"mlx-ferrum {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=HelpFormatter)
     _add_model_args(g)
     g.add_argument("--prompt", "-p", required=True, help="the prompt; '-' reads it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--system", default=None, help="system message, with --chat (default: none)")
     g.add_argument("--newline", action="store_true", help="end the output with a newline")
     _add_sampling_args(g, temp=0.0)
     _add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c = sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=HelpFormatter)
     _add_model_args(c)
-    c.add_argument("--system", default=None, help="system message")
-    _add_sampling_args(c, temp=0.7)
+    c.add_argument("--system", default=None, help="system message (default: none)")
+    _add_sampling_args(c, temp=0.7, max_tokens=None)
     _add_speculative_args(c)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="engine throughput at several concurrency levels (the mlx-lm comparison is benchmarks/bench_engine.py)")
+    b = sub.add_parser("bench", help="engine throughput at several concurrency levels (the mlx-lm comparison "
+                       "is benchmarks/bench_engine.py)", formatter_class=HelpFormatter)
     _add_model_args(b)
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
-    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (tokens)")
-    b.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    b.add_argument("--prompt-tokens", type=positive_int, default=64, help="prompt length (tokens)")
+    b.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per request")
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
     s.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
-    s.add_argument("--dtype", default=None, help="cast weights: float32, float16 or bfloat16")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="cast the weights to this dtype (default: the checkpoint's own)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    s.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on (0 picks a free one)")
     s.add_argument("--served-model-name", nargs="+", default=None, help="names accepted in 'model' (default: --model)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the checkpoint's)")
+    s.add_argument("--api-key", type=api_key, default=None,
+                   help="require 'Authorization: Bearer KEY' (default: no key needed)")
+    s.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (default: the checkpoint's own)")
     s.add_argument("--enable-prefix-caching", action="store_true", help="same as --prefix-cache 1 / FERRUM_PREFIX_CACHE=1")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's and mlx_ferrum's log level")
     _add_runtime_args(s)
     # the server's limits: one flag per ServerLimits field, refused requests name the flag
     from dataclasses import fields
@@ -379,8 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``mlx-ferrum`` / ``python -m mlx_ferrum``; returns the exit code."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except FerrumError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -388,6 +636,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except MemoryError as e:
+        # MLX and Python raise it with an empty message; say what to lower
+        detail = f" ({e})" if str(e) else ""
+        print(f"error: out of memory{detail}: use a smaller model or --dtype, lower --max-num-seqs / "
+              "FERRUM_PAGED_MAX_SEQS, or set FERRUM_KV_MAX_BLOCKS / FERRUM_KV_CAPACITY smaller", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - no traceback reaches the user
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

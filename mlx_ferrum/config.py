@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InsufficientMemoryError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -82,6 +82,27 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
 }
 
+#: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
+FIELD_HELP: dict[str, str] = {
+    "kv_layout": "KV cache layout: 'paged' (a block pool shared by all sequences) or 'contiguous'",
+    "block_size": "tokens per KV block of the paged layout",
+    "max_num_blocks": "blocks in the paged pool (refused when larger than free memory)",
+    "kv_capacity": "most tokens per sequence (at most the model's max_position_embeddings)",
+    "max_num_seqs": "most sequences per engine step",
+    "prefill_chunk_size": "most prompt tokens per sequence per engine step",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "prefix_cache": "share full prompt blocks across requests",
+    "metal_kernels": "0 forces the pure-MLX attention path",
+    "kv_memory_fraction": "share of free memory (minus weights) the paged pool may take when --max-num-blocks is unset",
+    "kv_cache_step": "growth step, in tokens, of the contiguous cache",
+    "async_scheduling": "queue engine step t+1 before reading step t's tokens",
+    "enforce_eager": "1 builds every forward pass op by op instead of compiling paged decode steps",
+    "speculative": "speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint sharing the tokenizer",
+    "num_speculative_tokens": "tokens proposed per decode step and request",
+    "prompt_lookup_min": "shortest n-gram the 'ngram' proposer matches",
+    "prompt_lookup_max": "longest n-gram the 'ngram' proposer matches",
+}
+
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
 #: a working-set size (Linux CPU, CUDA); the pool is normally far smaller, being sized
 #: from ``max_num_seqs`` and the capacity (see ``kv_cache.default_num_blocks``).
@@ -132,12 +153,13 @@ def check_memory(nbytes: int, what: str, fix: str) -> None:
     """Refuse an allocation of ``nbytes`` that the machine cannot hold, before it is tried.
 
     Raises:
-        ConfigurationError: names ``what``, both sizes and ``fix``.
+        InsufficientMemoryError: names ``what``, both sizes (GiB and bytes) and ``fix``.
     """
     avail = available_memory_bytes()
     if nbytes > avail:
-        raise ConfigurationError(
-            f"{what} needs {nbytes / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB is available: {fix}"
+        raise InsufficientMemoryError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB ({nbytes} bytes) but only {avail / 2**30:.2f} GiB "
+            f"({avail} bytes) is available: {fix}"
         )
 
 

@@ -113,3 +113,9 @@ class NonFiniteLogitsError(FerrumError, FloatingPointError):
     """The model produced NaN or Inf logits for a request at run time; the request ends
     with ``finish_reason="error"`` and this error's message (check the checkpoint's
     weights and ``rope_theta``, or use float32)."""
+
+
+class InsufficientMemoryError(ConfigurationError, MemoryError):
+    """A setting asks for more memory than the machine has free (a paged KV pool from
+    ``FERRUM_KV_MAX_BLOCKS``, ...); refused before anything is allocated. The message
+    names the setting, the bytes asked for, the bytes free and the largest value that fits."""

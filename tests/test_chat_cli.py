@@ -144,3 +144,35 @@ def test_invalid_text_in_the_chat_prints_an_error_and_the_chat_goes_on(stories_p
     out, err = capsys.readouterr()
     assert rc == 0 and "not valid Unicode" in err and "Traceback" not in err
     assert out.strip()  # the second turn was answered
+
+
+def record_max_tokens(monkeypatch):
+    seen = []
+    real = api.stream_generate
+
+    def wrapper(model, tokenizer, prompt, **kw):
+        seen.append(kw["max_tokens"])
+        return real(model, tokenizer, prompt, **kw)
+
+    monkeypatch.setattr(api, "stream_generate", wrapper)
+    return seen
+
+
+def test_a_reply_cut_by_max_tokens_ends_with_a_marker(stories_path, monkeypatch, capsys):
+    feed(monkeypatch, ["Once upon a time"])
+    rc = cli.main(["chat", "--model", str(stories_path), "--temp", "0", "--max-tokens", "8", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.strip()
+    assert "[reply cut at 8 tokens; --max-tokens to change]" in err
+
+
+def test_without_max_tokens_a_reply_may_use_the_rest_of_the_context(stories_path, monkeypatch, capsys):
+    feed(monkeypatch, ["Once upon a time"])
+    seen = record_max_tokens(monkeypatch)
+    rc = cli.main(["chat", "--model", str(stories_path), "--temp", "0", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert seen == [512]  # stories260K's whole context: the engine ends the reply where the context ends
+    assert "the context of 512 tokens is full" in err and "[reply cut at" in err
+    cut = int(err.split("[reply cut at ")[1].split(" tokens")[0])
+    assert cut > 256  # the old fixed limit stopped every reply at 256 tokens

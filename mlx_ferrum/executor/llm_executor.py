@@ -36,6 +36,7 @@ from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
 from ..kv_cache import ContiguousKvCache, LayerGroupKvManager, PagedKvCacheManager, PagedKvPool, default_num_blocks
 from ..kv_cache.manager import UNKNOWN_TOKEN
+from ..kv_cache.pool import check_pool_fits
 from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
 from .types import (
@@ -230,6 +231,10 @@ class LlmExecutor:
                     max_num_seqs=self.config.max_num_seqs,
                     max_seq_len=self.max_seq_len,
                 )
+                # before the manager builds its per-block lists: a huge FERRUM_KV_MAX_BLOCKS
+                # must be a named error, not a MemoryError from the host bookkeeping
+                check_pool_fits(args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs,
+                                args.head_dim, self.dtype, extra_blocks=1)
                 windows = layer_windows(model)
                 if len(set(windows)) > 1:
                     # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group

@@ -15,6 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .. import config as config_module
 from ..config import DEFAULT_KV_POOL_BYTES, available_memory_bytes, check_memory, device_info
 from ..kernels.reference import slot_indices, write_kv_slots
 
@@ -32,11 +33,7 @@ class PagedKvPool:
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype):
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        check_memory(
-            num_blocks * bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype),
-            f"a paged KV pool of {num_blocks} blocks",
-            "lower FERRUM_KV_MAX_BLOCKS (or leave it unset to size the pool from FERRUM_PAGED_MAX_SEQS)",
-        )
+        check_pool_fits(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype)
         self.shape = shape
         self.dtype = dtype
         self.k = [mx.zeros(shape, dtype) for _ in range(num_layers)]
@@ -101,6 +98,32 @@ class PagedKvPool:
         mx.eval(blocks)
         for p, b in zip(pools, blocks):
             p[dst] = b
+
+
+#: Host bytes the block bookkeeping costs per block (``BlockAllocator``'s reference
+#: count list slot, free-list slot and int object), counted with the pool so that a
+#: huge block count is refused before those Python lists are built.
+HOST_BYTES_PER_BLOCK = 64
+
+
+def check_pool_fits(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                    dtype, extra_blocks: int = 0) -> None:
+    """Refuse a paged pool of ``num_blocks`` (+ ``extra_blocks`` the owner adds, such as
+    the executor's scratch block) blocks that free memory cannot hold, before anything
+    (device pool or host bookkeeping) is allocated.
+
+    Raises:
+        InsufficientMemoryError: names ``FERRUM_KV_MAX_BLOCKS`` / ``--max-num-blocks``,
+            the bytes asked for and free, and the most blocks that fit.
+    """
+    per = bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype) + HOST_BYTES_PER_BLOCK
+    fits = max(0, config_module.available_memory_bytes() // per - extra_blocks)
+    check_memory(
+        (num_blocks + extra_blocks) * per,
+        f"a paged KV pool of {num_blocks} blocks (FERRUM_KV_MAX_BLOCKS / --max-num-blocks / "
+        f"RuntimeConfig.max_num_blocks; {per} bytes per block)",
+        f"set it to at most {fits} blocks, or leave it unset to size the pool from FERRUM_PAGED_MAX_SEQS",
+    )
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> int:

@@ -110,15 +110,40 @@ def resolve_model_path(path_or_repo_id: Union[str, os.PathLike], revision: Optio
 
         return Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=list(HUB_ALLOW_PATTERNS)))
     except Exception as exc:  # hub errors have many types (HTTP, offline, validation, OS)
-        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-        hint = (
-            "HF_HUB_OFFLINE is set and the repo is not in the local cache"
-            if offline
-            else "check the repo id, your network and, for gated repos, `huggingface-cli login`"
+        raise ModelLoadError(hub_error_message(name, exc)) from exc
+
+
+def hub_error_message(repo_id: str, exc: Exception) -> str:
+    """One line for a failed hub download of ``repo_id``: what went wrong, in words, and
+    the fix (``hf download``, the ``hf`` command that ships with huggingface_hub, or a
+    local folder), instead of huggingface_hub's multi-line message about its internals."""
+    from huggingface_hub import errors as hub_errors
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    where = f"{repo_id!r} is not a local folder, so it was looked up on the Hugging Face hub"
+    if isinstance(exc, hub_errors.LocalEntryNotFoundError):
+        reason = (
+            "HF_HUB_OFFLINE is set and it is not in the local cache" if offline
+            else "the hub cannot be reached (no network) and it is not in the local cache"
         )
-        raise ModelLoadError(
-            f"cannot download {name!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); {hint}"
-        ) from exc
+        return (f"{where}: {reason}; download it once with `hf download {repo_id}` (online), "
+                "or pass the path of a local checkpoint folder")
+    if isinstance(exc, hub_errors.GatedRepoError):
+        return (f"{where}: it is gated; accept its terms on huggingface.co, run `hf auth login`, then "
+                f"`hf download {repo_id}`")
+    if isinstance(exc, hub_errors.RepositoryNotFoundError):
+        return (f"{where}: no such repo (or it is private); check the id, or run `hf auth login` for a "
+                "private repo, or pass the path of a local checkpoint folder")
+    if isinstance(exc, hub_errors.RevisionNotFoundError):
+        return f"{where}: it has no such revision; check the branch, tag or commit"
+    if isinstance(exc, hub_errors.HFValidationError):
+        return (f"{where}: it is not a valid repo id either ('owner/name'); pass the path of a local "
+                "checkpoint folder or a hub repo id")
+    detail = " ".join(str(exc).split())  # one line: hub messages span several
+    if len(detail) > 200:
+        detail = detail[:200] + "..."
+    return (f"{where}: the download failed ({type(exc).__name__}: {detail}); check the repo id and your "
+            f"network, try `hf download {repo_id}`, or pass the path of a local checkpoint folder")
 
 
 def load_config(path: Union[str, os.PathLike]) -> dict:

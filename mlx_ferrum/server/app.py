@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Optional
+from typing import Callable, Optional
 
 import pydantic
 import uvicorn
@@ -267,6 +267,8 @@ def run_server(
     chat_template: Optional[str] = None,
     log_level: str = "info",
     limits: Optional[ServerLimits] = None,
+    sockets: Optional[list] = None,
+    on_ready: Optional[Callable[[], None]] = None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -279,6 +281,9 @@ def run_server(
         chat_template: a Jinja template string overriding the checkpoint's.
         log_level: uvicorn's log level.
         limits: the :class:`ServerLimits` (None: the defaults).
+        sockets: already bound sockets to serve on instead of binding ``host:port``
+            (the CLI binds first, so a taken port fails before the model loads).
+        on_ready: called once the engine is built, just before serving starts.
     """
     from ..engine import AsyncEngine, Engine
 
@@ -292,8 +297,10 @@ def run_server(
         backlog=2048, timeout_keep_alive=30,
     )
     server = _GracefulServer(uv_config, serving)
+    if on_ready is not None:
+        on_ready()
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         async_engine.shutdown()
     return 0
