@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "GenerationChunk": ".api",
     "executor_for": ".api",
+    "engine_for": ".api",
     "generate": ".api",
     "load": ".api",
     "stream_generate": ".api",
@@ -90,6 +91,7 @@ __all__ = [
     "Tokenizer",
     "errors",
     "executor_for",
+    "engine_for",
     "generate",
     "load",
     "stream_generate",

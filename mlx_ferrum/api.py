@@ -1,9 +1,9 @@
 """load(), generate(), stream_generate(): thin conveniences over the engine.
 
-One stream at a time: the prompt runs as one request of an
-:class:`~mlx_ferrum.engine.Engine` built over the model's cached
-:class:`~mlx_ferrum.executor.LlmExecutor`, so it goes through the same scheduler,
-pipelined step, sampler and stop handling as batched serving. For many concurrent
+One stream at a time: the prompt runs as one request of the
+:class:`~mlx_ferrum.engine.Engine` cached on the model for its configuration
+(:func:`engine_for`), so it goes through the same scheduler, pipelined step, sampler
+and stop handling as batched serving, and repeated calls build nothing twice. For many concurrent
 requests use the :class:`~mlx_ferrum.engine.Engine` directly.
 """
 
@@ -64,6 +64,30 @@ def executor_for(model, config: Optional[RuntimeConfig] = None) -> LlmExecutor:
     if ex is None:
         ex = cache[key] = LlmExecutor(model, cfg, model_id=str(getattr(model, "path", "model")))
     return ex
+
+
+def engine_for(model, tokenizer: Optional[Tokenizer], config: Optional[RuntimeConfig] = None) -> Engine:
+    """The engine cached on ``model`` for this tokenizer and configuration (built on first use).
+
+    Repeated :func:`generate` / :func:`stream_generate` calls reuse it, so its KV pool,
+    compiled decode steps and speculative proposer (a draft checkpoint is loaded once)
+    are built once per configuration. The engine is safe to share between threads.
+
+    Args:
+        model: from :func:`load`.
+        tokenizer: its tokenizer (or None for token-id prompts).
+        config: runtime settings; None reads the environment.
+
+    Returns:
+        The cached :class:`~mlx_ferrum.engine.Engine`.
+    """
+    ex = executor_for(model, config)
+    key = (id(ex), id(tokenizer))
+    cache = model.__dict__.setdefault("_mf_engines", {})
+    engine = cache.get(key)
+    if engine is None or engine.tokenizer is not tokenizer:
+        engine = cache[key] = Engine(model, tokenizer, ex.config, executor=ex)
+    return engine
 
 
 @dataclass
@@ -138,7 +162,7 @@ def stream_generate(
     # stops), so single-stream and batched generation share every line of request logic.
     # The engine's stream aborts the request in its finally, so its cache is freed even
     # when Ctrl-C lands inside the prefill.
-    engine = Engine(model, tokenizer, ex.config, executor=ex)
+    engine = engine_for(model, tokenizer, config)
     want_logprobs = params.logprobs is not None
     t0 = time.perf_counter()
     t_first = None

@@ -63,3 +63,27 @@ def test_messages_use_the_chat_template():
     via_messages = mf.generate(model, tok, msgs, max_tokens=12, temperature=0.0, ignore_eos=True)
     via_ids = mf.generate(model, tok, ids, max_tokens=12, temperature=0.0, ignore_eos=True)
     assert via_messages == via_ids and via_messages
+
+
+def test_repeated_calls_reuse_one_engine_and_load_a_draft_checkpoint_once(stories, stories_path, monkeypatch):
+    """mf.generate builds its engine (pool, compiled steps, proposer) once per model and
+    configuration: a draft-model speculative config must not reload the draft per call."""
+    import mlx_ferrum.models.loader as loader
+
+    model, tok = stories
+    loads = []
+    real = loader.load_model
+
+    def counting(*args, **kwargs):
+        loads.append(args[0] if args else kwargs.get("path_or_repo_id"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", counting)
+    cfg = mf.RuntimeConfig(kv_layout="paged", speculative=str(stories_path), num_speculative_tokens=2)
+    first = mf.generate(model, tok, "Once upon a time", max_tokens=12, temperature=0.0, config=cfg)
+    second = mf.generate(model, tok, "Once upon a time", max_tokens=12, temperature=0.0, config=cfg)
+    assert first == second
+    assert loads == [str(stories_path)], f"draft loaded {len(loads)} times"
+    assert mf.engine_for(model, tok, cfg) is mf.engine_for(model, tok, cfg)
+    # the same text as without speculation (greedy): the cached engine is a normal engine
+    assert first == mf.generate(model, tok, "Once upon a time", max_tokens=12, temperature=0.0)
