@@ -119,7 +119,9 @@ class RequestOutput:
         request_id: the request.
         text: all text generated so far (stop strings trimmed).
         delta: text added by this step.
-        token_ids: all generated token ids.
+        token_ids: all generated token ids that were read back and emitted (never a
+            placeholder of a token still being computed): ``text`` is their text and
+            ``logprobs`` has one entry per id.
         new_token_ids: ids added by this step.
         finished: True once it ended; then ``finish_reason`` is ``"stop"``,
             ``"length"``, ``"abort"`` or ``"error"`` (with ``error`` set).
@@ -289,11 +291,17 @@ class Engine:
 
     def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
+        ids = seq.output_ids
+        if _IN_FLIGHT in ids:
+            # the pipelined step queues the next token before this one is emitted: its
+            # placeholder sits at the end until read back and is no part of the output
+            # (token_ids, logprobs and text then all cover the same tokens)
+            ids = ids[: ids.index(_IN_FLIGHT)]
         return RequestOutput(
             request_id=seq.request_id,
             text=seq.text,
             delta=delta,
-            token_ids=list(seq.output_ids),
+            token_ids=list(ids),
             new_token_ids=new_ids,
             finished=seq.finished,
             finish_reason=seq.finish_reason,

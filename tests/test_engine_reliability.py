@@ -1,0 +1,120 @@
+"""The engine's public outputs, its use from several threads, and its end of life.
+
+- Every ``RequestOutput`` (from ``Engine.stream`` and ``AsyncEngine.astream``, in every
+  mode) carries only read-back tokens: ``token_ids``, ``logprobs`` and ``text`` agree, and
+  the pipelined step gives the synchronous step's outputs token for token.
+- One ``Engine`` driven from 8 threads at once gives every caller its own outputs.
+- ``AsyncEngine`` after ``shutdown()`` raises :class:`EngineShutdownError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import mlx_ferrum as mf
+from mlx_ferrum.config import RuntimeConfig
+from mlx_ferrum.engine import Engine, SamplingParams
+from mlx_ferrum.engine.async_engine import AsyncEngine
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    return mf.load(stories_path)
+
+
+def stories_config(pipelined: bool, **kw) -> RuntimeConfig:
+    base = dict(kv_layout="paged", block_size=16, max_num_blocks=128, max_num_seqs=8, async_scheduling=pipelined)
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def _params(mode: str, i: int, stop_text: str | None = None) -> SamplingParams:
+    kw = dict(max_tokens=24, logprobs=2, seed=10 + i)
+    if mode == "penalties":
+        kw.update(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, temperature=0.8)
+    elif mode == "stop":
+        kw.update(temperature=0.0, stop=[stop_text])
+    else:
+        kw.update(temperature=0.0 if i % 2 == 0 else 0.9)
+    return SamplingParams(**kw)
+
+
+MODES = ["plain", "penalties", "speculative", "prefix_cache", "stop"]
+
+
+def _mode_config(mode: str, pipelined: bool) -> RuntimeConfig:
+    extra = {}
+    if mode == "speculative":
+        extra = dict(speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    elif mode == "prefix_cache":
+        extra = dict(prefix_cache=True)
+    return stories_config(pipelined, **extra)
+
+
+def _stop_text(model, tok) -> str:
+    """A piece of the greedy continuation of PROMPTS[0] (so the stop string does fire)."""
+    out = Engine(model, tok, stories_config(False)).generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    words = out.text.split()
+    assert len(words) > 4, out.text
+    return " ".join(words[2:4])
+
+
+def _stream_all(model, tok, mode: str, pipelined: bool, stop_text) -> list[list]:
+    """Each prompt's outputs, streamed at once through an AsyncEngine."""
+    aeng = AsyncEngine(Engine(model, tok, _mode_config(mode, pipelined)))
+
+    async def collect(i, prompt):
+        return [o async for o in aeng.astream(prompt, _params(mode, i, stop_text))]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(collect(i, p) for i, p in enumerate(PROMPTS))), 60)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        aeng.shutdown()
+
+
+def _check_consistent(outs, tok, mode):
+    text = ""
+    for o in outs:
+        assert all(t >= 0 for t in o.token_ids), f"placeholder in token_ids: {o.token_ids}"
+        assert all(t >= 0 for t in o.new_token_ids), o.new_token_ids
+        assert len(o.logprobs) == len(o.token_ids), (o.token_ids, o.logprobs)
+        if o.top_logprobs is not None:
+            assert len(o.top_logprobs) == len(o.token_ids)
+        text += o.delta
+        assert o.text == text
+    last = outs[-1]
+    assert last.finished
+    if mode != "stop":
+        assert last.text == tok.decode(last.token_ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_astream_outputs_never_carry_placeholders_and_match_synchronous_step(stories, mode):
+    model, tok = stories
+    stop_text = _stop_text(model, tok) if mode == "stop" else None
+    pipelined = _stream_all(model, tok, mode, True, stop_text)
+    synchronous = _stream_all(model, tok, mode, False, stop_text)
+    for p_outs, s_outs in zip(pipelined, synchronous):
+        _check_consistent(p_outs, tok, mode)
+        _check_consistent(s_outs, tok, mode)
+        assert [o.token_ids for o in p_outs] == [o.token_ids for o in s_outs]
+        assert [o.text for o in p_outs] == [o.text for o in s_outs]
+        assert p_outs[-1].finish_reason == s_outs[-1].finish_reason
+    if mode == "stop":
+        assert synchronous[0][-1].finish_reason == "stop"
+
+
+def test_engine_stream_outputs_never_carry_placeholders(stories):
+    model, tok = stories
+    eng = Engine(model, tok, stories_config(True))
+    outs = list(eng.stream(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)))
+    _check_consistent(outs, tok, "plain")
+    assert len(outs[-1].token_ids) == 12
