@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -118,3 +120,68 @@ def test_engine_stream_outputs_never_carry_placeholders(stories):
     outs = list(eng.stream(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)))
     _check_consistent(outs, tok, "plain")
     assert len(outs[-1].token_ids) == 12
+
+
+# ------------------------------------------------------------------ threads
+THREAD_PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day, a bird", "Tom had a red ball",
+                  "The sun was", "Mom said", "A big cat"]
+
+
+def _thread_params(i):
+    return SamplingParams(max_tokens=16 + i, temperature=0.0 if i % 2 == 0 else 0.9, seed=i, logprobs=0)
+
+
+def _run_threads(target, n, timeout=60):
+    results, errors = [None] * n, [None] * n
+    barrier = threading.Barrier(n)
+
+    def work(i):
+        try:
+            barrier.wait()
+            results[i] = target(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"threads {stuck} never returned"
+    assert errors == [None] * n, errors
+    return results
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_eight_threads_sharing_one_engine_each_get_their_own_outputs(stories, pipelined):
+    model, tok = stories
+    alone = [Engine(model, tok, stories_config(pipelined)).generate([p], _thread_params(i))[0]
+             for i, p in enumerate(THREAD_PROMPTS)]
+    eng = Engine(model, tok, stories_config(pipelined))
+
+    def call(i):
+        if i % 2 == 0:
+            return eng.generate([THREAD_PROMPTS[i]], _thread_params(i))[0]
+        return list(eng.stream(THREAD_PROMPTS[i], _thread_params(i)))[-1]
+
+    together = _run_threads(call, len(THREAD_PROMPTS))
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert b.finished and b.finish_reason == a.finish_reason, i
+        assert b.token_ids == a.token_ids, i
+        assert b.text == a.text, i
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4), i
+    assert not eng.has_unfinished_requests()
+    assert eng.stats()["kv_blocks_used"] == 0
+    assert not eng._boxes
+
+
+def test_threads_each_generating_several_prompts(stories):
+    model, tok = stories
+    eng = Engine(model, tok, stories_config(True))
+    prompts = THREAD_PROMPTS[:3]
+    alone = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    together = _run_threads(lambda i: eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0)), 8)
+    for outs in together:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in alone]

@@ -6,13 +6,16 @@ chunks and decode tokens together) into ONE executor call, samples the sequences
 whose chunk reached their last token in one batched ``sample()``, detokenizes, checks
 stops, and frees the caches of finished requests at once.
 
-``add_request`` and ``abort`` are thread-safe: any thread may submit while another
-drives ``step()``. :meth:`Engine.stream` drives the loop itself; :class:`AsyncEngine`
+``add_request``, ``abort``, ``step``, ``generate`` and ``stream`` are thread-safe: any
+thread may submit while another drives ``step()``, and several threads may call
+``generate`` / ``stream`` on one engine at once (one steps while the others wait; each
+gets its own requests' outputs). :meth:`Engine.stream` drives the loop itself; :class:`AsyncEngine`
 (``mlx_ferrum.engine.async_engine``) drives it from a background thread for asyncio.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -159,6 +162,14 @@ class Engine:
             ``DraftModelProposer`` from :mod:`mlx_ferrum.engine.speculative`) to use
             instead of the one ``config.speculative`` names.
 
+    Threads: one engine may be shared. :meth:`add_request` and :meth:`abort` may be
+    called from any thread; :meth:`step` runs one step at a time (a second caller waits);
+    :meth:`generate` and :meth:`stream` may run on several threads at once: whichever
+    thread steps routes every output to the caller waiting for that request, so each
+    caller gets exactly its own outputs, the same as when it runs alone (with greedy or
+    seeded sampling). Outputs of requests added with :meth:`add_request` go only to
+    whoever calls :meth:`step`.
+
     Raises (from its calls):
         RequestError: unknown request id, or a request that alone cannot fit the pool.
         PromptTooLongError: a prompt that fills the context.
@@ -174,7 +185,14 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.executor.manager, self.executor.kv_capacity())
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._lock = threading.RLock()  # guards scheduler and sequences
-        self._step_lock = threading.Lock()  # one step at a time
+        # one step at a time; reentrant so that a caller of generate/stream may hold it
+        # around step() (which takes it too) while it routes the step's outputs
+        self._step_lock = threading.RLock()
+        # outputs of requests whose caller (generate / stream, on any thread) waits for
+        # them: whichever thread steps puts each output in its request's box
+        self._boxes: dict[str, collections.deque] = {}
+        self._boxes_changed = threading.Condition(threading.Lock())
+        self._steps_routed = 0
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
         # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
@@ -324,19 +342,71 @@ class Engine:
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
         """
-        if self._proposer is not None:
-            return self._speculative_step()
         with self._step_lock:
-            outputs: list[RequestOutput] = []
-            try:
-                self._step_body(outputs)
-            except BaseException:
-                # Ctrl-C (or a failure past the isolation below): what this step already
-                # produced is returned by the next call instead of being lost
-                with self._lock:
-                    self._pending[:0] = outputs
-                raise
+            if self._proposer is not None:
+                outputs = self._speculative_step()
+            else:
+                outputs = []
+                try:
+                    self._step_body(outputs)
+                except BaseException:
+                    # Ctrl-C (or a failure past the isolation below): what this step already
+                    # produced is returned by the next call instead of being lost
+                    with self._lock:
+                        self._pending[:0] = outputs
+                    raise
+            self._route(outputs)
             return outputs
+
+    # ------------------------------------------------- outputs for waiting callers
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Put each output whose request a caller of :meth:`generate` / :meth:`stream`
+        waits for in that request's box, and wake the waiting callers. Called under the
+        step lock, so a box receives its outputs in step order."""
+        with self._boxes_changed:
+            for out in outputs:
+                box = self._boxes.get(out.request_id)
+                if box is not None:
+                    box.append(out)
+            self._steps_routed += 1
+            self._boxes_changed.notify_all()
+
+    def _close_box(self, request_id: str) -> None:
+        with self._boxes_changed:
+            self._boxes.pop(request_id, None)
+
+    def _wait_outputs(self, request_ids) -> list[RequestOutput]:
+        """The next outputs of ``request_ids`` (at least one), in step order.
+
+        Steps the engine while no other thread does; while one does, waits for it to
+        route this caller's outputs, so any number of threads may drive one engine and
+        each gets exactly its own requests' outputs.
+        """
+        while True:
+            with self._boxes_changed:
+                got = [out for rid in request_ids for out in self._drain(rid)]
+                if got:
+                    return got
+                seen = self._steps_routed
+            if self._step_lock.acquire(blocking=False):
+                try:
+                    self.step()
+                finally:
+                    self._step_lock.release()
+                continue
+            with self._boxes_changed:
+                # another thread is stepping: sleep until it routed a step (the timeout
+                # only bounds the wait should that thread stop stepping, e.g. on Ctrl-C)
+                if self._steps_routed == seen:
+                    self._boxes_changed.wait(timeout=0.05)
+
+    def _drain(self, request_id: str) -> list[RequestOutput]:
+        box = self._boxes.get(request_id)
+        if not box:
+            return []
+        got = list(box)
+        box.clear()
+        return got
 
     def _schedule(self, outputs: list[RequestOutput]) -> list:
         """The scheduler's items for this step; requests the pool can never hold end here
@@ -680,6 +750,12 @@ class Engine:
         """Run every prompt to completion; outputs in prompt order.
 
         ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        Thread-safe: several threads may call it (and :meth:`stream`) at once; each gets
+        its own outputs.
+
+        Raises:
+            RequestError, PromptTooLongError, SamplingParamsError: see :meth:`add_request`
+                (a bad prompt aborts the call's other requests).
         """
         if params is None or isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
@@ -691,11 +767,10 @@ class Engine:
         final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, plist):
-                ids.append(self.add_request(p, sp))
-            wanted = set(ids)
+                ids.append(self._add_boxed(p, sp))
             while len(final) < len(ids):
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self._wait_outputs([rid for rid in ids if rid not in final]):
+                    if out.finished:
                         final[out.request_id] = out
         finally:
             # a bad prompt or Ctrl-C: this call's other requests do not stay behind
@@ -705,7 +780,22 @@ class Engine:
                         self.abort(rid)
                     except RequestError:
                         pass
+                self._close_box(rid)
         return [final[i] for i in ids]
+
+    def _add_boxed(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str] = None) -> str:
+        """:meth:`add_request`, with a box that collects the request's outputs from any
+        thread's step (opened before the request can run, so none is missed)."""
+        rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
+        with self._boxes_changed:
+            if rid in self._boxes:
+                raise RequestError(f"request id {rid!r} is in use: pick another")
+            self._boxes[rid] = collections.deque()
+        try:
+            return self.add_request(prompt, params, rid)
+        except BaseException:
+            self._close_box(rid)
+            raise
 
     def stream(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
@@ -713,22 +803,23 @@ class Engine:
         """Add one request and yield its outputs as they come, stepping the engine.
 
         Other requests in the engine advance too. Closing the iterator early aborts
-        the request.
+        the request. Thread-safe: several threads may stream (and :meth:`generate`) at
+        once; each gets its own request's outputs.
         """
-        rid = self.add_request(prompt, params, request_id)
+        rid = self._add_boxed(prompt, params, request_id)
         done = False
         try:
             while not done:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        done = out.finished
+                for out in self._wait_outputs([rid]):
+                    yield out
+                    done = out.finished
         finally:
             if not done:
                 try:
                     self.abort(rid)
                 except RequestError:
                     pass
+            self._close_box(rid)
 
     # -------------------------------------------------------------- metrics
     def stats(self) -> dict:
