@@ -98,6 +98,12 @@ class RequestError(FerrumError):
     """An engine request cannot be served (unknown request id, or it alone cannot fit the pool)."""
 
 
+class EngineShutdownError(FerrumError, RuntimeError):
+    """An :class:`~mlx_ferrum.engine.AsyncEngine` was shut down: it takes no new request,
+    and a request still running at ``shutdown()`` ends with this error (create a new
+    engine to go on)."""
+
+
 class InvalidWeightError(ModelLoadError, ValueError):
     """A stored tensor cannot be used: an integer or bool dtype where floats belong, or
     NaN/Inf values (the message names the tensor and the fix)."""

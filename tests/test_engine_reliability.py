@@ -19,6 +19,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
+from mlx_ferrum.errors import EngineShutdownError
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
 
@@ -185,3 +186,36 @@ def test_threads_each_generating_several_prompts(stories):
     together = _run_threads(lambda i: eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0)), 8)
     for outs in together:
         assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+
+
+# --------------------------------------------------------------- shutdown
+def test_astream_and_generate_after_shutdown_raise_engine_shutdown_error(stories):
+    model, tok = stories
+    aeng = AsyncEngine(Engine(model, tok, stories_config(True)))
+    aeng.shutdown()
+
+    async def stream_once():
+        return [o async for o in aeng.astream("Once upon a time", SamplingParams(max_tokens=4))]
+
+    with pytest.raises(EngineShutdownError, match="shut down"):
+        asyncio.run(asyncio.wait_for(stream_once(), 10))
+    with pytest.raises(EngineShutdownError):
+        asyncio.run(asyncio.wait_for(aeng.generate([1, 2, 3], SamplingParams(max_tokens=4)), 10))
+
+
+def test_stream_running_at_shutdown_raises_and_frees_its_blocks(stories):
+    model, tok = stories
+    eng = Engine(model, tok, stories_config(True))
+    aeng = AsyncEngine(eng)
+    seen = []
+
+    async def main():
+        async for out in aeng.astream("Once upon a time", SamplingParams(max_tokens=100_000, ignore_eos=True)):
+            seen.append(out)
+            if len(seen) == 3:
+                await asyncio.to_thread(aeng.shutdown)
+
+    with pytest.raises(EngineShutdownError):
+        asyncio.run(asyncio.wait_for(main(), 30))
+    stats = eng.stats()
+    assert (stats["num_running"], stats["num_waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
