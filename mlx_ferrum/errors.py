@@ -90,6 +90,12 @@ class ExecutorError(FerrumError):
     """An executor was called in a way it cannot serve (shut down, bad input shape, ...)."""
 
 
+class InvalidInputIdsError(ExecutorError, ValueError):
+    """Executor ``input_ids`` that are not token ids: not an integer dtype (floats would be
+    truncated), not the ``[1, L]`` shape of one sequence, empty, or an id outside
+    ``[0, vocab_size)`` (the message names what was found and the fix)."""
+
+
 class KernelError(FerrumError):
     """A Metal kernel cannot be built or launched for the given shapes or dtypes."""
 
