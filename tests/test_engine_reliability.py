@@ -19,7 +19,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
-from mlx_ferrum.errors import EngineShutdownError
+from mlx_ferrum.errors import EngineShutdownError, PromptTooLongError
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
 
@@ -219,3 +219,64 @@ def test_stream_running_at_shutdown_raises_and_frees_its_blocks(stories):
         asyncio.run(asyncio.wait_for(main(), 30))
     stats = eng.stats()
     assert (stats["num_running"], stats["num_waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
+
+
+# ------------------------------------------------------ a request that outgrows the pool
+def _pool_config(pipelined, blocks=None, **kw):
+    return RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=blocks, async_scheduling=pipelined, **kw)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_request_outgrowing_a_small_pool_ends_with_length_and_spares_its_neighbour(stories, pipelined, monkeypatch):
+    model, tok = stories
+    big = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True, logprobs=0)
+    small = SamplingParams(max_tokens=6, temperature=0.7, seed=3, ignore_eos=True)
+    ids = tok.encode("Once upon a time")
+    roomy = Engine(model, tok, _pool_config(pipelined, blocks=256))
+    long_alone, neighbour_alone = roomy.generate([ids, "The dog"], [big, small])
+
+    monkeypatch.setenv("FERRUM_KV_MAX_BLOCKS", "4")  # 32 tokens
+    eng = Engine(model, tok, _pool_config(pipelined))
+    assert eng.max_sequence_tokens() == 32
+    aeng = AsyncEngine(eng)
+
+    async def collect(prompt, params):
+        return [o async for o in aeng.astream(prompt, params)]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(collect(ids, big), collect("The dog", small)), 60)
+
+    try:
+        long_outs, neighbour_outs = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    long_out, neighbour = long_outs[-1], neighbour_outs[-1]
+    assert long_out.finish_reason == "length" and long_out.error is None
+    assert len(ids) + len(long_out.token_ids) == 32
+    assert long_out.token_ids == long_alone.token_ids[: len(long_out.token_ids)]
+    assert long_out.text == tok.decode(long_out.token_ids)
+    assert len(long_out.logprobs) == len(long_out.token_ids)
+    assert (neighbour.finish_reason, neighbour.token_ids, neighbour.text) == (
+        neighbour_alone.finish_reason, neighbour_alone.token_ids, neighbour_alone.text)
+    stats = eng.stats()
+    assert (stats["num_running"], stats["num_waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
+
+
+def test_prompt_that_can_never_fit_the_pool_is_refused_at_admission(stories):
+    model, tok = stories
+    eng = Engine(model, tok, _pool_config(True, blocks=2))
+    with pytest.raises(PromptTooLongError, match="KV pool holds 16.*FERRUM_KV_MAX_BLOCKS"):
+        eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=4))
+    # one that fits still runs, to the pool's end
+    out = eng.generate([[1, 5, 6]], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 13
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_speculative_request_outgrowing_the_pool_ends_with_length(stories):
+    model, tok = stories
+    cfg = _pool_config(False, blocks=4, speculative="ngram", num_speculative_tokens=3)
+    eng = Engine(model, tok, cfg)
+    out = eng.generate(["Once upon a time"], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 32
+    assert eng.stats()["kv_blocks_used"] == 0

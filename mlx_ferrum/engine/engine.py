@@ -73,6 +73,18 @@ def _non_finite_error() -> str:
         "and rope_theta, or load it in float32"))
 
 
+def _pool_token_limit(manager) -> Optional[int]:
+    """Tokens one sequence can hold in a paged pool (``num_blocks * block_size``), or None
+    when no pool bounds it: the contiguous layout, or only sliding-window layers (they free
+    the blocks their window left behind)."""
+    if manager is None:
+        return None
+    windows = getattr(manager, "group_windows", None) or [getattr(manager, "sliding_window", None)]
+    if windows[0] is not None:  # full-attention layers come first when there are any
+        return None
+    return manager.num_blocks * manager.block_size
+
+
 def context_full_message(num_tokens: int, capacity: int, max_position_embeddings: int) -> str:
     """Why a prompt of ``num_tokens`` does not fit a context of ``capacity``, and the fix that
     exists: FERRUM_KV_CAPACITY can only be raised up to ``max_position_embeddings``."""
@@ -182,7 +194,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config if config is not None else RuntimeConfig()
         self.executor = executor if executor is not None else LlmExecutor(model, self.config)
-        self.scheduler = Scheduler(self.config, self.executor.manager, self.executor.kv_capacity())
+        self._pool_tokens = _pool_token_limit(self.executor.manager)
+        self.scheduler = Scheduler(self.config, self.executor.manager, self.max_sequence_tokens())
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._lock = threading.RLock()  # guards scheduler and sequences
         # one step at a time; reentrant so that a caller of generate/stream may hold it
@@ -225,7 +238,8 @@ class Engine:
         """Queue a request (text, chat messages or token ids); returns its id. Thread-safe.
 
         Raises:
-            PromptTooLongError: the prompt fills the context.
+            PromptTooLongError: the prompt fills the context, or the paged pool (it could
+                never produce a token: see :meth:`max_sequence_tokens`).
             RequestError: the id is in use, the prompt is empty or not a prompt type, or a
                 token id is outside ``[0, vocab_size)``.
             TokenizerError: the text cannot be tokenized (lone surrogates, too long ...).
@@ -235,6 +249,8 @@ class Engine:
         cap = self.executor.kv_capacity()
         if len(ids) >= cap:
             raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
+        if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
+            raise PromptTooLongError(self._pool_full_message(len(ids)))
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
         with self._lock:
@@ -243,6 +259,27 @@ class Engine:
             self._seqs[rid] = seq
             self.scheduler.add(seq)
         return rid
+
+    def max_sequence_tokens(self) -> int:
+        """Most tokens (prompt + output) one request may reach: the context
+        (``executor.kv_capacity()``), or fewer when a paged pool holds fewer tokens
+        (``max_num_blocks * block_size``, FERRUM_KV_MAX_BLOCKS).
+
+        A request is refused at :meth:`add_request` when its prompt alone reaches this
+        (it could never produce a token), and ends with ``finish_reason="length"`` and
+        its output so far when it reaches it while generating, as when the context is
+        full. ``max_tokens`` beyond it is not refused, since clients commonly ask for
+        the rest of the context. Requests that fit alone but not together are preempted
+        and recomputed instead, so a neighbour never ends early for lack of blocks.
+        """
+        cap = self.executor.kv_capacity()
+        return cap if self._pool_tokens is None else min(cap, self._pool_tokens)
+
+    def _pool_full_message(self, num_tokens: int) -> str:
+        mgr = self.executor.manager
+        return (f"the prompt has {num_tokens} tokens and the KV pool holds {self._pool_tokens} "
+                f"({mgr.num_blocks} KV blocks of {mgr.block_size} tokens): shorten it, or raise FERRUM_KV_MAX_BLOCKS "
+                "(RuntimeConfig.max_num_blocks) or FERRUM_KV_MEMORY_FRACTION")
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its KV blocks; its output ends with ``"abort"``.
@@ -620,7 +657,7 @@ class Engine:
                 return self._fail_seqs([s for s, _, _ in flight.rows] + flight.unsampled, e)
             host: dict[int, tuple] = {}
             now = time.time()
-            cap = self.executor.kv_capacity()
+            cap = self.max_sequence_tokens()
             for s, b, index in flight.rows:
                 if s.finished:
                     continue
@@ -700,7 +737,7 @@ class Engine:
         tokens, lps, tops, errors = self._sample_rows(rows, seqs)
         now = time.time()
         outs = []
-        cap = self.executor.kv_capacity()
+        cap = self.max_sequence_tokens()
         for b, (s, tok) in enumerate(zip(seqs, tokens)):
             if errors[b] is None:
                 try:
@@ -943,7 +980,7 @@ class Engine:
         ``num_speculative_tokens``, the tokens left before ``max_tokens``, the context,
         the step's token budget and (paged) the free blocks beside this step's own."""
         k_max = self.config.num_speculative_tokens
-        cap = self.executor.kv_capacity()
+        cap = self.max_sequence_tokens()
         budget = self.config.max_num_batched_tokens - sum(it.num_tokens for it in items)
         mgr = self.executor.manager
         free = None
@@ -977,7 +1014,7 @@ class Engine:
         or ``max_tokens`` ends the run where it would end without speculation."""
         seqs = [s for s, _, _ in verified]
         results = verify([r for _, r, _ in verified], [p for _, _, p in verified], [s.sampler for s in seqs])
-        cap = self.executor.kv_capacity()
+        cap = self.max_sequence_tokens()
         outs = []
         for (s, row, prop), res in zip(verified, results):
             self.spec_num_drafts += 1
