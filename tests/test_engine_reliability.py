@@ -280,3 +280,42 @@ def test_speculative_request_outgrowing_the_pool_ends_with_length(stories):
     out = eng.generate(["Once upon a time"], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 32
     assert eng.stats()["kv_blocks_used"] == 0
+
+
+# ------------------------------------------------------------ tiny temperatures
+TINY_TEMPERATURES = [1e-45, 1e-40, 5e-39, 1e-38, 1e-37, 1e-30]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sample_with_a_temperature_that_rounds_to_zero_is_greedy(dtype):
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_ferrum.engine.sampling import SamplerState, sample
+
+    rng = np.random.default_rng(0)
+    logits = mx.array((rng.normal(size=(6, 97)) * 8).astype(np.float32)).astype(getattr(mx, dtype))
+    logits = mx.concatenate([logits, -mx.abs(logits[:1]) - 50])  # every logit negative
+    greedy = sample(logits, [SamplerState.create(SamplingParams(temperature=0.0), [1]) for _ in range(7)]).tokens
+    for t in TINY_TEMPERATURES:
+        for top in (dict(), dict(top_k=5, top_p=0.9, min_p=0.05)):
+            states = [SamplerState.create(SamplingParams(temperature=t, seed=i, **top), [1]) for i in range(7)]
+            assert sample(logits, states).tokens.tolist() == greedy.tolist(), (t, top)
+    # a row with a tiny temperature next to ordinary sampled and greedy rows
+    mixed = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
+    got = sample(logits[:3], [SamplerState.create(p, [1]) for p in mixed]).tokens.tolist()
+    assert got[0] == greedy.tolist()[0] and got[2] == greedy.tolist()[2]
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_engine_output_at_tiny_temperature_equals_greedy(stories, pipelined, speculative):
+    model, tok = stories
+    cfg = stories_config(pipelined, speculative=speculative, num_speculative_tokens=3)
+    prompts = PROMPTS[:2]
+    greedy = Engine(model, tok, cfg).generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, logprobs=0))
+    for t in (1e-40, 1e-38, 1e-37):
+        outs = Engine(model, tok, cfg).generate(prompts, SamplingParams(max_tokens=20, temperature=t, seed=7, logprobs=0))
+        for g, o in zip(greedy, outs):
+            assert (o.token_ids, o.text, o.finish_reason) == (g.token_ids, g.text, g.finish_reason), t
+            assert o.logprobs == pytest.approx(g.logprobs, abs=1e-5)
