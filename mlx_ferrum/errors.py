@@ -47,6 +47,12 @@ class MissingWeightError(ModelLoadError, KeyError):
     """A parameter the model needs is absent from the checkpoint, or an unexpected one is present."""
 
 
+class VocabularyMismatchError(ModelLoadError, ValueError):
+    """The tokenizer cannot decode ids the model emits: its vocabulary (added tokens
+    included) is smaller than the model's ``vocab_size`` by more than padding (the
+    message names both sizes; pair the model with its own tokenizer)."""
+
+
 class TokenizerError(FerrumError):
     """The tokenizer files are missing or malformed, or a chat template cannot be rendered."""
 

@@ -27,6 +27,7 @@ import mlx.core as mx
 from ..config import RuntimeConfig
 from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
+from ..models.loader import tokenizer_id_limit
 from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
@@ -197,6 +198,12 @@ class Engine:
         self._pool_tokens = _pool_token_limit(self.executor.manager)
         self.scheduler = Scheduler(self.config, self.executor.manager, self.max_sequence_tokens())
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        # a checkpoint whose embedding is padded past its tokenizer (Qwen): the padding
+        # ids have no text, so they are never sampled (mlx_ferrum.load refuses a pair
+        # whose gap is more than padding: check_tokenizer_vocabulary)
+        limit = tokenizer_id_limit(tokenizer)
+        vocab = model.args.vocab_size
+        self._decodable = (mx.arange(vocab) < limit)[None] if limit is not None and limit < vocab else None
         self._lock = threading.RLock()  # guards scheduler and sequences
         # one step at a time; reentrant so that a caller of generate/stream may hold it
         # around step() (which takes it too) while it routes the step's outputs
@@ -366,6 +373,12 @@ class Engine:
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             error=seq.error,
         )
+
+    def _mask_undecodable(self, logits: mx.array) -> mx.array:
+        """``logits`` (``[..., vocab]``) with the ids the tokenizer cannot decode at ``-inf``."""
+        if self._decodable is None:
+            return logits
+        return mx.where(self._decodable, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -605,6 +618,7 @@ class Engine:
         states = [s.sampler for s in seqs]
         saved = [st.key for st in states]
         finite = mx.all(mx.isfinite(take), axis=-1)
+        take = self._mask_undecodable(take)
         errors: dict[int, str] = {}
         try:
             res = sample(take, states, record=False)
@@ -705,6 +719,7 @@ class Engine:
         n = len(seqs)
         saved = [(s.sampler.key, len(s.sampler.history)) for s in seqs]
         finite = mx.all(mx.isfinite(rows), axis=-1)
+        rows = self._mask_undecodable(rows)
         errors: list = [None] * n
         try:
             res = sample(rows, [s.sampler for s in seqs], record=False)
@@ -949,7 +964,7 @@ class Engine:
                         continue
                     if i in proposals:
                         s.num_computed += 1  # the proposals' K/V are settled by _verify_and_emit
-                        verified.append((s, row, proposals[i]))
+                        verified.append((s, self._mask_undecodable(row), proposals[i]))
                         continue
                     samples = it.samples
                     if s.num_computed < len(s.prompt_ids):
