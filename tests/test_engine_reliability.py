@@ -155,12 +155,23 @@ def _run_threads(target, n, timeout=60):
     return results
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
-def test_eight_threads_sharing_one_engine_each_get_their_own_outputs(stories, pipelined):
+THREAD_MODES = {
+    "pipelined": dict(async_scheduling=True),
+    "synchronous": dict(async_scheduling=False),
+    "contiguous": dict(async_scheduling=True, kv_layout="contiguous"),
+    "speculative": dict(async_scheduling=True, speculative="ngram", num_speculative_tokens=3),
+    "prefix_cache": dict(async_scheduling=True, prefix_cache=True),
+}
+
+
+@pytest.mark.parametrize("mode", list(THREAD_MODES))
+def test_eight_threads_sharing_one_engine_each_get_their_own_outputs(stories, mode):
     model, tok = stories
-    alone = [Engine(model, tok, stories_config(pipelined)).generate([p], _thread_params(i))[0]
+    kw = dict(THREAD_MODES[mode])
+    pipelined = kw.pop("async_scheduling")
+    alone = [Engine(model, tok, stories_config(pipelined, **kw)).generate([p], _thread_params(i))[0]
              for i, p in enumerate(THREAD_PROMPTS)]
-    eng = Engine(model, tok, stories_config(pipelined))
+    eng = Engine(model, tok, stories_config(pipelined, **kw))
 
     def call(i):
         if i % 2 == 0:
@@ -174,7 +185,7 @@ def test_eight_threads_sharing_one_engine_each_get_their_own_outputs(stories, pi
         assert b.text == a.text, i
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4), i
     assert not eng.has_unfinished_requests()
-    assert eng.stats()["kv_blocks_used"] == 0
+    assert not eng.stats()["kv_blocks_used"]
     assert not eng._boxes
 
 

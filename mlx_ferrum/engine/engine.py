@@ -392,6 +392,12 @@ class Engine:
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
         """
+        # MLX gives every thread its own streams, and an array still unscheduled on one
+        # thread's stream cannot be evaluated from another ("There is no Stream(cpu, n) in
+        # current thread"); once scheduled (mx.async_eval) any thread may use it. So every
+        # lazy array a step leaves for the next one (KV state, sampled tokens, the split
+        # sampler keys) is scheduled or evaluated before step() returns: the next step may
+        # run on another thread (generate / stream from several threads, AsyncEngine).
         with self._step_lock:
             if self._proposer is not None:
                 outputs = self._speculative_step()
@@ -488,6 +494,8 @@ class Engine:
             try:
                 launched = self._launch(items, work)
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+                # the pass's KV writes may be left lazy, bound to this thread: see step()
+                self.executor.schedule_kv_state()
                 outputs.extend(self._fail_step(items, e))
         with self._lock:
             previous, self._inflight = self._inflight, launched
@@ -585,8 +593,9 @@ class Engine:
             flight.unsampled = [it.seq for it in items if not it.seq.finished and id(it.seq) not in sampled_ids]
             extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
                      for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+            keys = [s.sampler.key for s in sampled]  # split by this step: see step()
             try:
-                mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+                mx.async_eval(flight.tokens, flight.finite, *extra, *state, *keys)
             except BaseException as e:
                 self._evaluation_failed(sampled, e)
                 raise
@@ -983,6 +992,8 @@ class Engine:
                         outputs.extend(self._sample_and_emit(sampled))
                     if verified:
                         outputs.extend(self._verify_and_emit(verified))
+                    # the keys split by sampling, verifying or drafting: see step()
+                    mx.eval(*[it.seq.sampler.key for it in items])
                 except BaseException as e:
                     # as in step: the KV holds this step, so its requests end now, then it propagates
                     self._pending.extend(outputs + self._fail_step(

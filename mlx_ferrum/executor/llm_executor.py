@@ -455,12 +455,32 @@ class LlmExecutor:
                 pieces.append(self._run_pass(work, kv_pass, prev, owner))
         except BaseException:  # Ctrl-C too: never leave slots appended twice
             undo()
+            self.schedule_kv_state()
             raise
         logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
         order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
         if order != list(range(len(order))):
             logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
         return logits, self.store.state([w.cache_id for w in work]), undo
+
+    def schedule_kv_state(self) -> None:
+        """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
+
+        A pass that failed part-way may leave the KV arrays as lazy writes nobody
+        evaluates. MLX binds an unscheduled array to the thread that built it (another
+        thread's evaluation raises "There is no Stream(cpu, n) in current thread"), and
+        the next pass may be built on another thread, so the failure paths queue them.
+        The writes went to slots the failed call released (they are written again before
+        anything reads them). An error of that evaluation is the failed call's, already
+        being reported, so it is not raised again here.
+        """
+        try:
+            with self._lock:
+                arrays = self.store.state(self.store.cache_ids())
+            if arrays:
+                mx.async_eval(*arrays)
+        except Exception:  # noqa: BLE001 - the failure being handled already reports it
+            pass
 
     def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
         """Build one pass's metadata and input ids and call the model (lazily); returns the
