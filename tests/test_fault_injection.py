@@ -160,6 +160,7 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
                 with live_lock:
                     live.append(rid)
             for out in eng.step():
+                _check_output_agrees(out)
                 if out.finished:
                     assert out.request_id not in finals, f"{out.request_id} finished twice"
                     finals[out.request_id] = out
