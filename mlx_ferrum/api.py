@@ -21,7 +21,7 @@ from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplingParams
 from .errors import FerrumError, NonFiniteLogitsError, PromptTooLongError
 from .executor import LlmExecutor
-from .models.loader import load_model
+from .models.loader import check_tokenizer_vocabulary, load_model
 from .tokenizer import Tokenizer
 
 
@@ -40,9 +40,13 @@ def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
     Raises:
         ConfigNotFoundError, MissingShardError, UnsupportedArchitectureError,
         WeightShapeError, MissingWeightError, TokenizerError: see :mod:`mlx_ferrum.errors`.
+        VocabularyMismatchError: the tokenizer cannot decode ids the model emits (its
+            vocabulary is smaller than the model's ``vocab_size`` by more than padding; see
+            :func:`~mlx_ferrum.models.loader.check_tokenizer_vocabulary`).
     """
     model, _config, path = load_model(path_or_repo_id, dtype=dtype)
     tokenizer = Tokenizer.from_pretrained(path)
+    check_tokenizer_vocabulary(model.args.vocab_size, tokenizer)
     model.path = path
     return model, tokenizer
 

@@ -47,6 +47,12 @@ class MissingWeightError(ModelLoadError, KeyError):
     """A parameter the model needs is absent from the checkpoint, or an unexpected one is present."""
 
 
+class VocabularyMismatchError(ModelLoadError, ValueError):
+    """The tokenizer cannot decode ids the model emits: its vocabulary (added tokens
+    included) is smaller than the model's ``vocab_size`` by more than padding (the
+    message names both sizes; pair the model with its own tokenizer)."""
+
+
 class TokenizerError(FerrumError):
     """The tokenizer files are missing or malformed, or a chat template cannot be rendered."""
 
@@ -90,12 +96,24 @@ class ExecutorError(FerrumError):
     """An executor was called in a way it cannot serve (shut down, bad input shape, ...)."""
 
 
+class InvalidInputIdsError(ExecutorError, ValueError):
+    """Executor ``input_ids`` that are not token ids: not an integer dtype (floats would be
+    truncated), not the ``[1, L]`` shape of one sequence, empty, or an id outside
+    ``[0, vocab_size)`` (the message names what was found and the fix)."""
+
+
 class KernelError(FerrumError):
     """A Metal kernel cannot be built or launched for the given shapes or dtypes."""
 
 
 class RequestError(FerrumError):
     """An engine request cannot be served (unknown request id, or it alone cannot fit the pool)."""
+
+
+class EngineShutdownError(FerrumError, RuntimeError):
+    """An :class:`~mlx_ferrum.engine.AsyncEngine` was shut down: it takes no new request,
+    and a request still running at ``shutdown()`` ends with this error (create a new
+    engine to go on)."""
 
 
 class InvalidWeightError(ModelLoadError, ValueError):

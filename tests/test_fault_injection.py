@@ -160,6 +160,7 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
                 with live_lock:
                     live.append(rid)
             for out in eng.step():
+                _check_output_agrees(out)
                 if out.finished:
                     assert out.request_id not in finals, f"{out.request_id} finished twice"
                     finals[out.request_id] = out
@@ -198,3 +199,150 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
             continue
         ref = solo.generate([prompt], params)[0]
         assert out.token_ids == ref.token_ids, f"{rid} differs from its solo run"
+
+
+# --------------------------------------------- threads sharing one engine, on a tiny pool
+POOL_BLOCKS, POOL_BLOCK_SIZE = 6, 8  # 48 tokens: long requests outgrow it while neighbours run
+
+
+def _check_output_agrees(out):
+    """No public output carries an in-flight placeholder, and ids and logprobs agree."""
+    assert all(t >= 0 for t in out.token_ids), f"placeholder in {out.token_ids}"
+    assert all(t >= 0 for t in out.new_token_ids), f"placeholder in {out.new_token_ids}"
+    if out.logprobs is not None:
+        assert len(out.logprobs) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, monkeypatch):
+    """8 threads call ``generate`` / ``stream`` on one engine whose pool holds 48 tokens,
+    while faults hit the model, the sampler and detokenizers and a thread aborts. Every
+    caller returns with its own outputs; a request that outgrows the pool ends with
+    ``"length"`` (never an error); every request no fault hit equals its solo run; no
+    output carries a placeholder; nothing is left behind."""
+    rng = random.Random(77 if pipelined else 78)
+    model = tiny_model("llama", seed=9)
+    cfg = RuntimeConfig(kv_layout="paged", block_size=POOL_BLOCK_SIZE, max_num_blocks=POOL_BLOCKS, max_num_seqs=8,
+                        async_scheduling=pipelined)
+    eng = Engine(model, None, cfg)
+    cap = eng.max_sequence_tokens()
+    assert cap == POOL_BLOCKS * POOL_BLOCK_SIZE
+    faulty = FaultyModel(model, rng, period=41)
+    eng.executor.model = faulty
+    real_sample = engine_module.sample
+    poisoned, calls = set(), {"sample": 0}
+    fault_lock = threading.Lock()
+
+    def sample(logits, states, *a, **k):
+        with fault_lock:
+            calls["sample"] += 1
+            if due(rng, calls["sample"], 37, 3):
+                poisoned.add(id(rng.choice(list(states))))
+        if any(id(s) in poisoned for s in states):
+            raise InjectedFault("injected sampler fault")
+        return real_sample(logits, states, *a, **k)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    real_add = eng.add_request
+
+    def add_request(prompt, params=None, request_id=None):
+        rid = real_add(prompt, params, request_id)
+        with fault_lock:
+            explode = rng.random() < 0.05
+        if explode:
+            with eng._lock:
+                seq = eng._seqs.get(rid)
+                if seq is not None:
+                    seq.detok = ExplodingDetokenizer()
+        return rid
+
+    eng.add_request = add_request
+
+    per_thread = []
+    r = random.Random(5)
+    for t in range(8):
+        reqs = []
+        for i in range(4):
+            prompt = [r.randrange(VOCAB) for _ in range(r.randint(2, 20))]
+            max_tokens = r.choice([4, 8, 60])  # 60 always outgrows the 48-token pool
+            if r.random() < 0.5:
+                p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+            else:
+                p = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=900 + 10 * t + i, ignore_eos=True,
+                                   logprobs=0)
+            reqs.append((prompt, p))
+        per_thread.append(reqs)
+
+    results, errors = [None] * 8, [None] * 8
+    stop = threading.Event()
+
+    def caller(t):
+        try:
+            reqs = per_thread[t]
+            if t % 2 == 0:
+                outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+                for o in outs:
+                    _check_output_agrees(o)
+                results[t] = outs
+            else:
+                finals = []
+                for prompt, sp in reqs:
+                    streamed = list(eng.stream(prompt, sp))
+                    for o in streamed:
+                        _check_output_agrees(o)
+                        assert o.request_id == streamed[0].request_id, "another caller's output"
+                    finals.append(streamed[-1])
+                results[t] = finals
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[t] = e
+
+    def aborter():
+        arng = random.Random(11)
+        while not stop.is_set():
+            time.sleep(arng.uniform(0.002, 0.01))
+            with eng._lock:
+                live = list(eng._seqs)
+            if live and arng.random() < 0.15:
+                try:
+                    eng.abort(arng.choice(live))
+                except RequestError:
+                    pass
+
+    threads = [threading.Thread(target=caller, args=(t,), daemon=True) for t in range(8)]
+    abort_thread = threading.Thread(target=aborter, daemon=True)
+    abort_thread.start()
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 120
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    stop.set()
+    abort_thread.join(5)
+    assert not [t for t, th in enumerate(threads) if th.is_alive()], "a caller never returned"
+    assert errors == [None] * 8, errors
+    monkeypatch.setattr(engine_module, "sample", real_sample)
+
+    solo = Engine(tiny_model("llama", seed=9), None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))
+    reasons = []
+    for reqs, outs in zip(per_thread, results):
+        assert len(outs) == len(reqs)
+        for (prompt, sp), out in zip(reqs, outs):
+            assert out.finished and out.prompt_token_ids == prompt, "a caller got another request's output"
+            reasons.append(out.finish_reason)
+            if out.finish_reason == "error":
+                assert "injected" in out.error, f"not an injected fault: {out.error}"
+                continue
+            if out.finish_reason == "abort":
+                continue
+            assert out.finish_reason == "length"
+            assert len(out.token_ids) == min(sp.max_tokens, cap - len(prompt))
+            ref = solo.generate([prompt], sp)[0].token_ids
+            assert out.token_ids == ref[: len(out.token_ids)], "a request no fault hit differs from its solo run"
+    assert reasons.count("length") >= len(reasons) // 3, reasons
+    assert any(len(prompt) + sp.max_tokens > cap for reqs in per_thread for prompt, sp in reqs)
+
+    mgr = eng.executor.manager
+    mgr.check_invariants()
+    assert not mgr.seqs and mgr.allocator.num_free == mgr.num_blocks
+    assert not eng._seqs and not eng._boxes
+    assert not eng.scheduler.running and not eng.scheduler.waiting

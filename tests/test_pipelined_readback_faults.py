@@ -535,6 +535,10 @@ def test_async_engine_loop_survives_a_failed_read_back(model, pipelined):
         ref = solo(model, PROMPTS[i], params_of(i))
         streamed = [t for o in outs for t in o.new_token_ids]
         assert streamed == final.token_ids, "the stream and the final output disagree"
+        so_far = []
+        for o in outs:  # every output, not only the last: the pipelined step's lag never shows
+            so_far += o.new_token_ids
+            assert o.token_ids == so_far, f"an output carries a placeholder: {o.token_ids}"
         if final.request_id in fault.step_requests:
             errors += 1
             assert final.finish_reason == "error" and "injected read-back fault (async)" in final.error
@@ -544,6 +548,55 @@ def test_async_engine_loop_survives_a_failed_read_back(model, pipelined):
     assert errors == len(fault.step_requests) > 0
     assert [o[-1].token_ids for o in later] == [solo(model, PROMPTS[5], SEEDED), solo(model, PROMPTS[0], GREEDY)]
     assert_clean(eng)
+
+
+@pytest.mark.parametrize("pipelined", MODES, ids=["pipelined", "synchronous"])
+def test_failed_read_back_while_six_threads_share_the_engine(model, pipelined):
+    """Six threads call ``generate`` / ``stream`` on one engine; whichever thread steps
+    hits a failed read-back. Every caller returns with its own requests' outputs (the
+    stepping thread routes them), the failed step's requests end with the error, every
+    other request equals its solo run, no streamed output carries a placeholder, and
+    nothing is left behind."""
+    import threading
+
+    eng = Engine(model, None, config("paged", pipelined, max_num_seqs=4))
+    fault = ReadBackFault(eng, InjectedReadBackFault("injected read-back fault (threads)"))
+    arm_before_step(eng, 6, fault)
+    results, errors = [None] * 6, [None] * 6
+
+    def call(i):
+        try:
+            if i % 2 == 0:
+                results[i] = eng.generate([PROMPTS[i]], params_of(i))[0]
+            else:
+                outs = list(eng.stream(PROMPTS[i], params_of(i)))
+                so_far = []
+                for o in outs:
+                    so_far += o.new_token_ids
+                    assert o.request_id == outs[0].request_id, "another caller's output"
+                    assert o.token_ids == so_far, f"an output carries a placeholder: {o.token_ids}"
+                results[i] = outs[-1]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a caller never returned"
+    assert errors == [None] * 6, errors
+    assert fault.step_requests, "the fault never fired"
+    for i, out in enumerate(results):
+        assert out.finished and out.prompt_token_ids == PROMPTS[i]
+        ref = solo(model, PROMPTS[i], params_of(i))
+        if out.request_id in fault.step_requests:
+            assert out.finish_reason == "error" and "injected read-back fault (threads)" in out.error
+            assert out.token_ids == ref[: len(out.token_ids)]
+        else:
+            assert (out.finish_reason, out.token_ids) == ("length", ref)
+    assert_clean(eng)
+    assert not eng._boxes
 
 
 # ---------------------------------------------------------------- Ctrl-C while async_eval waits

@@ -16,6 +16,7 @@ import time
 import weakref
 from typing import AsyncIterator, Optional
 
+from ..errors import EngineShutdownError, RequestError
 from .engine import Engine, RequestOutput
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
@@ -54,6 +55,13 @@ def _shutdown_live_engines() -> None:
         engine.shutdown()
 
 
+_SHUTDOWN_MESSAGE = "this AsyncEngine was shut down: create a new AsyncEngine to submit requests"
+
+
+class _Shutdown:
+    """Put in a request's queue by :meth:`AsyncEngine.shutdown`: its stream raises."""
+
+
 def _is_token_ids(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
 
@@ -63,6 +71,10 @@ class AsyncEngine:
 
     Args:
         engine: the engine to drive (its thread-safe ``add_request``/``abort`` are used).
+
+    After :meth:`shutdown`, :meth:`astream` and :meth:`generate` raise
+    :class:`~mlx_ferrum.errors.EngineShutdownError` at once, and so does a stream that
+    was still running when it was called (its request is aborted).
     """
 
     def __init__(self, engine: Engine):
@@ -118,7 +130,15 @@ class AsyncEngine:
     async def astream(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and ``async for`` over its outputs; leaving early aborts it."""
+        """Submit a request and ``async for`` over its outputs; leaving early aborts it.
+
+        Raises:
+            EngineShutdownError: the engine was shut down (before the call or while it ran).
+            PromptTooLongError, RequestError, SamplingParamsError, TokenizerError: see
+                :meth:`Engine.add_request`.
+        """
+        if self._stop:
+            raise EngineShutdownError(_SHUTDOWN_MESSAGE)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request_id
@@ -128,6 +148,10 @@ class AsyncEngine:
             vocab = getattr(getattr(self.engine.executor, "info", None), "vocab_size", None)
             prompt = await asyncio.to_thread(encode_prompt, self.engine.tokenizer, prompt, vocab)
         with self._lock:
+            # checked under the lock shutdown() takes: a request registered here is one
+            # shutdown() will end
+            if self._stop:
+                raise EngineShutdownError(_SHUTDOWN_MESSAGE)
             rid = self.engine.add_request(prompt, params, rid)
             self._queues[rid] = (loop, q)
         self._wake.set()
@@ -135,6 +159,8 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await q.get()
+                if isinstance(out, _Shutdown):
+                    raise EngineShutdownError(_SHUTDOWN_MESSAGE + " (it was shut down while this request ran)")
                 finished = out.finished
                 yield out
         finally:
@@ -147,7 +173,11 @@ class AsyncEngine:
                     pass
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> RequestOutput:
-        """Await the final output of one request."""
+        """Await the final output of one request.
+
+        Raises:
+            EngineShutdownError: the engine was shut down; others as :meth:`astream`.
+        """
         last = None
         async for out in self.astream(prompt, params):
             last = out
@@ -156,11 +186,25 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stop the background thread (after the step it is running); idempotent.
 
+        Streams still waiting raise :class:`~mlx_ferrum.errors.EngineShutdownError` and
+        their requests are aborted (their KV blocks freed); later calls raise it at once.
         Called for every live engine at interpreter exit as well.
         """
-        self._stop = True
+        with self._lock:
+            self._stop = True
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
             _wait_for_os_thread_exit(self._thread.native_id)
+        with self._lock:
+            waiting = list(self._queues.items())
+        for rid, (loop, q) in waiting:
+            try:
+                self.engine.abort(rid)
+            except RequestError:  # it finished meanwhile
+                pass
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, _Shutdown())
+            except RuntimeError:  # the client's event loop is closed: nobody is listening
+                pass
         _live_engines.discard(self)

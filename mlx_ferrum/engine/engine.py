@@ -6,13 +6,16 @@ chunks and decode tokens together) into ONE executor call, samples the sequences
 whose chunk reached their last token in one batched ``sample()``, detokenizes, checks
 stops, and frees the caches of finished requests at once.
 
-``add_request`` and ``abort`` are thread-safe: any thread may submit while another
-drives ``step()``. :meth:`Engine.stream` drives the loop itself; :class:`AsyncEngine`
+``add_request``, ``abort``, ``step``, ``generate`` and ``stream`` are thread-safe: any
+thread may submit while another drives ``step()``, and several threads may call
+``generate`` / ``stream`` on one engine at once (one steps while the others wait; each
+gets its own requests' outputs). :meth:`Engine.stream` drives the loop itself; :class:`AsyncEngine`
 (``mlx_ferrum.engine.async_engine``) drives it from a background thread for asyncio.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -24,6 +27,7 @@ import mlx.core as mx
 from ..config import RuntimeConfig
 from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
 from ..executor import LlmExecutor, SeqWork
+from ..models.loader import tokenizer_id_limit
 from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
@@ -68,6 +72,18 @@ def _non_finite_error() -> str:
     return f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
         "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
         "and rope_theta, or load it in float32"))
+
+
+def _pool_token_limit(manager) -> Optional[int]:
+    """Tokens one sequence can hold in a paged pool (``num_blocks * block_size``), or None
+    when no pool bounds it: the contiguous layout, or only sliding-window layers (they free
+    the blocks their window left behind)."""
+    if manager is None:
+        return None
+    windows = getattr(manager, "group_windows", None) or [getattr(manager, "sliding_window", None)]
+    if windows[0] is not None:  # full-attention layers come first when there are any
+        return None
+    return manager.num_blocks * manager.block_size
 
 
 def context_full_message(num_tokens: int, capacity: int, max_position_embeddings: int) -> str:
@@ -119,7 +135,9 @@ class RequestOutput:
         request_id: the request.
         text: all text generated so far (stop strings trimmed).
         delta: text added by this step.
-        token_ids: all generated token ids.
+        token_ids: all generated token ids that were read back and emitted (never a
+            placeholder of a token still being computed): ``text`` is their text and
+            ``logprobs`` has one entry per id.
         new_token_ids: ids added by this step.
         finished: True once it ended; then ``finish_reason`` is ``"stop"``,
             ``"length"``, ``"abort"`` or ``"error"`` (with ``error`` set).
@@ -157,6 +175,14 @@ class Engine:
             ``DraftModelProposer`` from :mod:`mlx_ferrum.engine.speculative`) to use
             instead of the one ``config.speculative`` names.
 
+    Threads: one engine may be shared. :meth:`add_request` and :meth:`abort` may be
+    called from any thread; :meth:`step` runs one step at a time (a second caller waits);
+    :meth:`generate` and :meth:`stream` may run on several threads at once: whichever
+    thread steps routes every output to the caller waiting for that request, so each
+    caller gets exactly its own outputs, the same as when it runs alone (with greedy or
+    seeded sampling). Outputs of requests added with :meth:`add_request` go only to
+    whoever calls :meth:`step`.
+
     Raises (from its calls):
         RequestError: unknown request id, or a request that alone cannot fit the pool.
         PromptTooLongError: a prompt that fills the context.
@@ -169,10 +195,24 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config if config is not None else RuntimeConfig()
         self.executor = executor if executor is not None else LlmExecutor(model, self.config)
-        self.scheduler = Scheduler(self.config, self.executor.manager, self.executor.kv_capacity())
+        self._pool_tokens = _pool_token_limit(self.executor.manager)
+        self.scheduler = Scheduler(self.config, self.executor.manager, self.max_sequence_tokens())
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        # a checkpoint whose embedding is padded past its tokenizer (Qwen): the padding
+        # ids have no text, so they are never sampled (mlx_ferrum.load refuses a pair
+        # whose gap is more than padding: check_tokenizer_vocabulary)
+        limit = tokenizer_id_limit(tokenizer)
+        vocab = model.args.vocab_size
+        self._decodable = (mx.arange(vocab) < limit)[None] if limit is not None and limit < vocab else None
         self._lock = threading.RLock()  # guards scheduler and sequences
-        self._step_lock = threading.Lock()  # one step at a time
+        # one step at a time; reentrant so that a caller of generate/stream may hold it
+        # around step() (which takes it too) while it routes the step's outputs
+        self._step_lock = threading.RLock()
+        # outputs of requests whose caller (generate / stream, on any thread) waits for
+        # them: whichever thread steps puts each output in its request's box
+        self._boxes: dict[str, collections.deque] = {}
+        self._boxes_changed = threading.Condition(threading.Lock())
+        self._steps_routed = 0
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
         # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
@@ -205,7 +245,8 @@ class Engine:
         """Queue a request (text, chat messages or token ids); returns its id. Thread-safe.
 
         Raises:
-            PromptTooLongError: the prompt fills the context.
+            PromptTooLongError: the prompt fills the context, or the paged pool (it could
+                never produce a token: see :meth:`max_sequence_tokens`).
             RequestError: the id is in use, the prompt is empty or not a prompt type, or a
                 token id is outside ``[0, vocab_size)``.
             TokenizerError: the text cannot be tokenized (lone surrogates, too long ...).
@@ -216,6 +257,8 @@ class Engine:
         cap = self.executor.kv_capacity()
         if len(ids) >= cap:
             raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
+        if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
+            raise PromptTooLongError(self._pool_full_message(len(ids)))
         params.check_vocab(self.model.args.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
@@ -225,6 +268,27 @@ class Engine:
             self._seqs[rid] = seq
             self.scheduler.add(seq)
         return rid
+
+    def max_sequence_tokens(self) -> int:
+        """Most tokens (prompt + output) one request may reach: the context
+        (``executor.kv_capacity()``), or fewer when a paged pool holds fewer tokens
+        (``max_num_blocks * block_size``, FERRUM_KV_MAX_BLOCKS).
+
+        A request is refused at :meth:`add_request` when its prompt alone reaches this
+        (it could never produce a token), and ends with ``finish_reason="length"`` and
+        its output so far when it reaches it while generating, as when the context is
+        full. ``max_tokens`` beyond it is not refused, since clients commonly ask for
+        the rest of the context. Requests that fit alone but not together are preempted
+        and recomputed instead, so a neighbour never ends early for lack of blocks.
+        """
+        cap = self.executor.kv_capacity()
+        return cap if self._pool_tokens is None else min(cap, self._pool_tokens)
+
+    def _pool_full_message(self, num_tokens: int) -> str:
+        mgr = self.executor.manager
+        return (f"the prompt has {num_tokens} tokens and the KV pool holds {self._pool_tokens} "
+                f"({mgr.num_blocks} KV blocks of {mgr.block_size} tokens): shorten it, or raise FERRUM_KV_MAX_BLOCKS "
+                "(RuntimeConfig.max_num_blocks) or FERRUM_KV_MEMORY_FRACTION")
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its KV blocks; its output ends with ``"abort"``.
@@ -291,11 +355,17 @@ class Engine:
 
     def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
+        ids = seq.output_ids
+        if _IN_FLIGHT in ids:
+            # the pipelined step queues the next token before this one is emitted: its
+            # placeholder sits at the end until read back and is no part of the output
+            # (token_ids, logprobs and text then all cover the same tokens)
+            ids = ids[: ids.index(_IN_FLIGHT)]
         return RequestOutput(
             request_id=seq.request_id,
             text=seq.text,
             delta=delta,
-            token_ids=list(seq.output_ids),
+            token_ids=list(ids),
             new_token_ids=new_ids,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
@@ -305,6 +375,12 @@ class Engine:
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             error=seq.error,
         )
+
+    def _mask_undecodable(self, logits: mx.array) -> mx.array:
+        """``logits`` (``[..., vocab]``) with the ids the tokenizer cannot decode at ``-inf``."""
+        if self._decodable is None:
+            return logits
+        return mx.where(self._decodable, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -318,19 +394,77 @@ class Engine:
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
         """
-        if self._proposer is not None:
-            return self._speculative_step()
+        # MLX gives every thread its own streams, and an array still unscheduled on one
+        # thread's stream cannot be evaluated from another ("There is no Stream(cpu, n) in
+        # current thread"); once scheduled (mx.async_eval) any thread may use it. So every
+        # lazy array a step leaves for the next one (KV state, sampled tokens, the split
+        # sampler keys) is scheduled or evaluated before step() returns: the next step may
+        # run on another thread (generate / stream from several threads, AsyncEngine).
         with self._step_lock:
-            outputs: list[RequestOutput] = []
-            try:
-                self._step_body(outputs)
-            except BaseException:
-                # Ctrl-C (or a failure past the isolation below): what this step already
-                # produced is returned by the next call instead of being lost
-                with self._lock:
-                    self._pending[:0] = outputs
-                raise
+            if self._proposer is not None:
+                outputs = self._speculative_step()
+            else:
+                outputs = []
+                try:
+                    self._step_body(outputs)
+                except BaseException:
+                    # Ctrl-C (or a failure past the isolation below): what this step already
+                    # produced is returned by the next call instead of being lost
+                    with self._lock:
+                        self._pending[:0] = outputs
+                    raise
+            self._route(outputs)
             return outputs
+
+    # ------------------------------------------------- outputs for waiting callers
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Put each output whose request a caller of :meth:`generate` / :meth:`stream`
+        waits for in that request's box, and wake the waiting callers. Called under the
+        step lock, so a box receives its outputs in step order."""
+        with self._boxes_changed:
+            for out in outputs:
+                box = self._boxes.get(out.request_id)
+                if box is not None:
+                    box.append(out)
+            self._steps_routed += 1
+            self._boxes_changed.notify_all()
+
+    def _close_box(self, request_id: str) -> None:
+        with self._boxes_changed:
+            self._boxes.pop(request_id, None)
+
+    def _wait_outputs(self, request_ids) -> list[RequestOutput]:
+        """The next outputs of ``request_ids`` (at least one), in step order.
+
+        Steps the engine while no other thread does; while one does, waits for it to
+        route this caller's outputs, so any number of threads may drive one engine and
+        each gets exactly its own requests' outputs.
+        """
+        while True:
+            with self._boxes_changed:
+                got = [out for rid in request_ids for out in self._drain(rid)]
+                if got:
+                    return got
+                seen = self._steps_routed
+            if self._step_lock.acquire(blocking=False):
+                try:
+                    self.step()
+                finally:
+                    self._step_lock.release()
+                continue
+            with self._boxes_changed:
+                # another thread is stepping: sleep until it routed a step (the timeout
+                # only bounds the wait should that thread stop stepping, e.g. on Ctrl-C)
+                if self._steps_routed == seen:
+                    self._boxes_changed.wait(timeout=0.05)
+
+    def _drain(self, request_id: str) -> list[RequestOutput]:
+        box = self._boxes.get(request_id)
+        if not box:
+            return []
+        got = list(box)
+        box.clear()
+        return got
 
     def _schedule(self, outputs: list[RequestOutput]) -> list:
         """The scheduler's items for this step; requests the pool can never hold end here
@@ -362,6 +496,8 @@ class Engine:
             try:
                 launched = self._launch(items, work)
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+                # the pass's KV writes may be left lazy, bound to this thread: see step()
+                self.executor.schedule_kv_state()
                 outputs.extend(self._fail_step(items, e))
         with self._lock:
             previous, self._inflight = self._inflight, launched
@@ -459,8 +595,9 @@ class Engine:
             flight.unsampled = [it.seq for it in items if not it.seq.finished and id(it.seq) not in sampled_ids]
             extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
                      for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
+            keys = [s.sampler.key for s in sampled]  # split by this step: see step()
             try:
-                mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+                mx.async_eval(flight.tokens, flight.finite, *extra, *state, *keys)
             except BaseException as e:
                 self._evaluation_failed(sampled, e)
                 raise
@@ -492,6 +629,7 @@ class Engine:
         states = [s.sampler for s in seqs]
         saved = [st.key for st in states]
         finite = mx.all(mx.isfinite(take), axis=-1)
+        take = self._mask_undecodable(take)
         errors: dict[int, str] = {}
         try:
             res = sample(take, states, record=False)
@@ -544,7 +682,7 @@ class Engine:
                 return self._fail_seqs([s for s, _, _ in flight.rows] + flight.unsampled, e)
             host: dict[int, tuple] = {}
             now = time.time()
-            cap = self.executor.kv_capacity()
+            cap = self.max_sequence_tokens()
             for s, b, index in flight.rows:
                 if s.finished:
                     continue
@@ -592,6 +730,7 @@ class Engine:
         n = len(seqs)
         saved = [(s.sampler.key, len(s.sampler.history)) for s in seqs]
         finite = mx.all(mx.isfinite(rows), axis=-1)
+        rows = self._mask_undecodable(rows)
         errors: list = [None] * n
         try:
             res = sample(rows, [s.sampler for s in seqs], record=False)
@@ -624,7 +763,7 @@ class Engine:
         tokens, lps, tops, errors = self._sample_rows(rows, seqs)
         now = time.time()
         outs = []
-        cap = self.executor.kv_capacity()
+        cap = self.max_sequence_tokens()
         for b, (s, tok) in enumerate(zip(seqs, tokens)):
             if errors[b] is None:
                 try:
@@ -674,6 +813,12 @@ class Engine:
         """Run every prompt to completion; outputs in prompt order.
 
         ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        Thread-safe: several threads may call it (and :meth:`stream`) at once; each gets
+        its own outputs.
+
+        Raises:
+            RequestError, PromptTooLongError, SamplingParamsError: see :meth:`add_request`
+                (a bad prompt aborts the call's other requests).
         """
         if params is None or isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
@@ -685,11 +830,10 @@ class Engine:
         final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, plist):
-                ids.append(self.add_request(p, sp))
-            wanted = set(ids)
+                ids.append(self._add_boxed(p, sp))
             while len(final) < len(ids):
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self._wait_outputs([rid for rid in ids if rid not in final]):
+                    if out.finished:
                         final[out.request_id] = out
         finally:
             # a bad prompt or Ctrl-C: this call's other requests do not stay behind
@@ -699,7 +843,22 @@ class Engine:
                         self.abort(rid)
                     except RequestError:
                         pass
+                self._close_box(rid)
         return [final[i] for i in ids]
+
+    def _add_boxed(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str] = None) -> str:
+        """:meth:`add_request`, with a box that collects the request's outputs from any
+        thread's step (opened before the request can run, so none is missed)."""
+        rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
+        with self._boxes_changed:
+            if rid in self._boxes:
+                raise RequestError(f"request id {rid!r} is in use: pick another")
+            self._boxes[rid] = collections.deque()
+        try:
+            return self.add_request(prompt, params, rid)
+        except BaseException:
+            self._close_box(rid)
+            raise
 
     def stream(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
@@ -707,22 +866,23 @@ class Engine:
         """Add one request and yield its outputs as they come, stepping the engine.
 
         Other requests in the engine advance too. Closing the iterator early aborts
-        the request.
+        the request. Thread-safe: several threads may stream (and :meth:`generate`) at
+        once; each gets its own request's outputs.
         """
-        rid = self.add_request(prompt, params, request_id)
+        rid = self._add_boxed(prompt, params, request_id)
         done = False
         try:
             while not done:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        done = out.finished
+                for out in self._wait_outputs([rid]):
+                    yield out
+                    done = out.finished
         finally:
             if not done:
                 try:
                     self.abort(rid)
                 except RequestError:
                     pass
+            self._close_box(rid)
 
     # -------------------------------------------------------------- metrics
     def stats(self) -> dict:
@@ -815,7 +975,7 @@ class Engine:
                         continue
                     if i in proposals:
                         s.num_computed += 1  # the proposals' K/V are settled by _verify_and_emit
-                        verified.append((s, row, proposals[i]))
+                        verified.append((s, self._mask_undecodable(row), proposals[i]))
                         continue
                     samples = it.samples
                     if s.num_computed < len(s.prompt_ids):
@@ -834,6 +994,8 @@ class Engine:
                         outputs.extend(self._sample_and_emit(sampled))
                     if verified:
                         outputs.extend(self._verify_and_emit(verified))
+                    # the keys split by sampling, verifying or drafting: see step()
+                    mx.eval(*[it.seq.sampler.key for it in items])
                 except BaseException as e:
                     # as in step: the KV holds this step, so its requests end now, then it propagates
                     self._pending.extend(outputs + self._fail_step(
@@ -846,7 +1008,7 @@ class Engine:
         ``num_speculative_tokens``, the tokens left before ``max_tokens``, the context,
         the step's token budget and (paged) the free blocks beside this step's own."""
         k_max = self.config.num_speculative_tokens
-        cap = self.executor.kv_capacity()
+        cap = self.max_sequence_tokens()
         budget = self.config.max_num_batched_tokens - sum(it.num_tokens for it in items)
         mgr = self.executor.manager
         free = None
@@ -880,7 +1042,7 @@ class Engine:
         or ``max_tokens`` ends the run where it would end without speculation."""
         seqs = [s for s, _, _ in verified]
         results = verify([r for _, r, _ in verified], [p for _, _, p in verified], [s.sampler for s in seqs])
-        cap = self.executor.kv_capacity()
+        cap = self.max_sequence_tokens()
         outs = []
         for (s, row, prop), res in zip(verified, results):
             self.spec_num_drafts += 1

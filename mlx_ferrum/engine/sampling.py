@@ -62,6 +62,16 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: Temperatures below float32's smallest normal number act as 0: such a value is a
+#: denormal (flushed to zero on some backends) whose reciprocal overflows float32, so
+#: dividing the logits by it gives inf/NaN rather than a sharper distribution.
+_GREEDY_BELOW = 1.1754943508222875e-38
+
+#: Below this temperature ``sample`` checks a sampled row for logits that overflowed when
+#: scaled (``logit / temperature`` beyond float32's range) and takes its argmax instead.
+_OVERFLOW_CHECK_BELOW = 1e-20
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -72,7 +82,9 @@ class SamplingParams:
 
     Fields (validated on construction):
 
-    - ``temperature`` (float >= 0): divides the logits; ``0`` means greedy (argmax).
+    - ``temperature`` (float >= 0): divides the logits; ``0`` means greedy (argmax), and so
+      does any temperature below float32's smallest normal number (about 1.2e-38: it is
+      flushed to zero, or its reciprocal overflows, in the float32 the sampler computes in).
     - ``top_p`` (float in (0, 1]): nucleus sampling; ``1`` is off.
     - ``top_k`` (int >= 1, or ``0`` / ``-1`` for off): keep the ``k`` largest logits. A
       ``top_k`` at or above the vocabulary size is clamped to it, i.e. keeps every token.
@@ -189,8 +201,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when ``temperature == 0``: the sampler takes the argmax."""
-        return self.temperature == 0
+        """True when the sampler takes the argmax: ``temperature`` is 0 or rounds to zero
+        in float32 (below its smallest normal number, ``_GREEDY_BELOW``)."""
+        return self.temperature < _GREEDY_BELOW
 
 
 # ---------------------------------------------------------------------------
@@ -593,7 +606,12 @@ def sample(
     if all(greedy_rows):
         tokens = argmax
     else:
-        y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
+        y = apply_temperature(x, [p.temperature if not p.greedy else 1.0 for p in params])
+        overflowed = None
+        if any(not p.greedy and p.temperature < _OVERFLOW_CHECK_BELOW for p in params):
+            # a tiny temperature can push finite logits past float32's range: such a row
+            # is as sharp as greedy, and its scaled logits no longer rank the tokens
+            overflowed = mx.any(mx.isinf(y) & mx.isfinite(x), axis=-1)
         ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]  # top_k > vocab keeps all
         if any(ks):
             y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
@@ -606,7 +624,10 @@ def sample(
             at = mx.array([b for b, g in enumerate(greedy_rows) if not g], dtype=mx.int32)
             noise = mx.zeros((batch, vocab), dtype=mx.float32).at[at].add(noise)
         sampled = mx.argmax(y + noise, axis=-1).astype(mx.int32)
-        tokens = mx.where(mx.array(greedy_rows), argmax, sampled)
+        take_argmax = mx.array(greedy_rows)
+        if overflowed is not None:
+            take_argmax = take_argmax | overflowed
+        tokens = mx.where(take_argmax, argmax, sampled)
 
     result = SampleResult(tokens=tokens)
     asked = [p.logprobs for p in params if p.logprobs is not None]

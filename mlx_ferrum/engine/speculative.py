@@ -147,7 +147,7 @@ def processed_logits(
         x = apply_logit_bias(x, [p.logit_bias for p in params])
     if all(p.greedy for p in params):
         return x, None
-    y = apply_temperature(x, [p.temperature if p.temperature > 0 else 1.0 for p in params])
+    y = apply_temperature(x, [p.temperature if not p.greedy else 1.0 for p in params])
     ks = [p.top_k if p.top_k > 0 else 0 for p in params]
     if any(ks):
         y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)

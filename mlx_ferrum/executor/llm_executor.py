@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
-from ..errors import ExecutorError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
+from ..errors import ExecutorError, InvalidInputIdsError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
 from ..kv_cache import ContiguousKvCache, LayerGroupKvManager, PagedKvCacheManager, PagedKvPool, default_num_blocks
 from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.pool import check_pool_fits
@@ -151,17 +151,32 @@ def layer_windows(model: nn.Module) -> list[Optional[int]]:
 
 
 def _as_token_list(ids: mx.array, what: str) -> list[int]:
+    """The token ids of one sequence's ``input_ids`` (an ``mx.array``, or anything
+    ``mx.array`` takes) as Python ints.
+
+    Raises:
+        InvalidInputIdsError: not an integer dtype (float ids would be silently
+            truncated), not shaped ``[1, L]`` (a 1-D array is refused rather than guessed
+            at), or empty. The vocabulary range is checked by ``LlmExecutor.run``.
+    """
     if not isinstance(ids, mx.array):
-        ids = mx.array(ids)
-    if ids.ndim == 1:
-        ids = ids[None]
+        try:
+            ids = mx.array(ids)
+        except (TypeError, ValueError) as e:
+            raise InvalidInputIdsError(f"{what}.input_ids is not an array of token ids ({e}): pass "
+                                       "mx.array([[id, ...]], dtype=mx.int32)") from None
+    if not mx.issubdtype(ids.dtype, mx.integer):
+        raise InvalidInputIdsError(
+            f"{what}.input_ids has dtype {ids.dtype}, not an integer dtype: token ids are integers; pass "
+            "mx.array([[id, ...]], dtype=mx.int32) (a float id would be truncated to a different token)"
+        )
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise ExecutorError(
-            f"{what}.input_ids must have shape [1, L], got {tuple(ids.shape)}: pass one sequence per input "
-            "and use batch_prefill/batch_decode for several"
+        raise InvalidInputIdsError(
+            f"{what}.input_ids must have shape [1, L], got {tuple(ids.shape)}: wrap one sequence's ids as "
+            "[[id, ...]], one sequence per input, and use batch_prefill/batch_decode for several"
         )
     if ids.shape[1] == 0:
-        raise ExecutorError(f"{what}.input_ids is empty: give at least one token")
+        raise InvalidInputIdsError(f"{what}.input_ids is empty: give at least one token")
     return [int(t) for t in ids[0].tolist()]
 
 
@@ -179,7 +194,10 @@ class LlmExecutor:
         PromptTooLongError: tokens beyond ``kv_capacity()``.
         KvCacheExhaustedError: the paged pool is full (the failed call's blocks are released).
         UnknownCacheError: a handle whose cache was released.
-        ExecutorError: malformed input, or a call after ``shutdown``.
+        InvalidInputIdsError (an ``ExecutorError``): ``input_ids`` not an integer array of
+            shape ``[1, L]`` (one sequence; ``[1, 1]`` for ``decode``), or an id outside
+            ``[0, vocab_size)``.
+        ExecutorError: other malformed input, or a call after ``shutdown``.
     """
 
     def __init__(
@@ -417,7 +435,8 @@ class LlmExecutor:
             host = w.tokens[:-1] if w.prev_row >= 0 else w.tokens
             if host and not (0 <= min(host) and max(host) < vocab):
                 bad = next(t for t in host if not 0 <= t < vocab)
-                raise ExecutorError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+                raise InvalidInputIdsError(f"token id {bad} is outside the vocabulary [0, {vocab}): pass ids the "
+                                           "model's tokenizer produced")
             have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
             if have + len(w.tokens) > self.max_seq_len:
                 raise PromptTooLongError(
@@ -449,12 +468,32 @@ class LlmExecutor:
                 pieces.append(self._run_pass(work, kv_pass, prev, owner))
         except BaseException:  # Ctrl-C too: never leave slots appended twice
             undo()
+            self.schedule_kv_state()
             raise
         logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
         order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
         if order != list(range(len(order))):
             logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
         return logits, self.store.state([w.cache_id for w in work]), undo
+
+    def schedule_kv_state(self) -> None:
+        """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
+
+        A pass that failed part-way may leave the KV arrays as lazy writes nobody
+        evaluates. MLX binds an unscheduled array to the thread that built it (another
+        thread's evaluation raises "There is no Stream(cpu, n) in current thread"), and
+        the next pass may be built on another thread, so the failure paths queue them.
+        The writes went to slots the failed call released (they are written again before
+        anything reads them). An error of that evaluation is the failed call's, already
+        being reported, so it is not raised again here.
+        """
+        try:
+            with self._lock:
+                arrays = self.store.state(self.store.cache_ids())
+            if arrays:
+                mx.async_eval(*arrays)
+        except Exception:  # noqa: BLE001 - the failure being handled already reports it
+            pass
 
     def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
         """Build one pass's metadata and input ids and call the model (lazily); returns the
@@ -627,6 +666,10 @@ class LlmExecutor:
         Returns:
             ``PrefillOutput`` with logits ``[1, L, vocab]`` when ``return_all_logits``
             else ``[1, 1, vocab]``.
+
+        Raises:
+            InvalidInputIdsError: ``input.input_ids`` is not an integer ``[1, L]`` array of
+                ids in ``[0, vocab_size)``.
         """
         return self.batch_prefill([input])[0]
 
@@ -650,7 +693,12 @@ class LlmExecutor:
         return [PrefillOutput(l[None], self._handle(w.cache_id)) for l, w in zip(logits, work)]
 
     def decode(self, input: DecodeInput) -> DecodeOutput:
-        """One token of one sequence; logits ``[1, vocab]``."""
+        """One token of one sequence; logits ``[1, vocab]``.
+
+        Raises:
+            InvalidInputIdsError: ``input.input_ids`` is not an integer ``[1, 1]`` array of
+                an id in ``[0, vocab_size)``.
+        """
         return self.batch_decode([input])[0]
 
     def batch_decode(self, inputs: Sequence[DecodeInput]) -> list[DecodeOutput]:

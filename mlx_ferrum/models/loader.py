@@ -35,6 +35,7 @@ from ..errors import (
     MissingWeightError,
     ModelLoadError,
     UnsupportedArchitectureError,
+    VocabularyMismatchError,
     WeightShapeError,
 )
 from .config_validation import validate_weights
@@ -354,3 +355,59 @@ __all__ = [
     "load_weights",
     "resolve_model_path",
 ]
+
+
+#: Checkpoints pad the embedding past the tokenizer to a multiple of this (or a larger
+#: power of two) for faster matmuls: Qwen2/2.5/3 (151936 rows, 151665 tokens), Phi-3
+#: (32064, 32011), GPT-NeoX (50432, 50277), DeepSeek LLM (102400, 100015).
+_PAD_MULTIPLE = 64
+
+
+def tokenizer_id_limit(tokenizer) -> Optional[int]:
+    """One past the largest id ``tokenizer`` can decode (added tokens included), or None
+    when it cannot tell (no tokenizer, or an object without a vocabulary)."""
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend", None)
+    get_vocab = getattr(backend, "get_vocab", None)
+    if callable(get_vocab):
+        vocab = get_vocab(with_added_tokens=True)
+        if vocab:
+            return max(vocab.values()) + 1
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def check_tokenizer_vocabulary(vocab_size: int, tokenizer) -> Optional[int]:
+    """Check that ``tokenizer`` can decode what a model of ``vocab_size`` logits emits.
+
+    The rule: a tokenizer at least as large as the model's vocabulary is fine. A smaller
+    one is accepted only when the model's extra embedding rows are padding, as real
+    checkpoints pad (Qwen's embedding has 271 rows more than its tokenizer): the model's
+    ``vocab_size`` is a multiple of 64 and exceeds the tokenizer by less than
+    ``max(64, vocab_size / 20)``. Then the ids the tokenizer cannot decode are never
+    sampled: the :class:`~mlx_ferrum.engine.Engine` masks their logits to ``-inf``, so
+    no output is ever an id without text. Anything else is a mismatched pair (another
+    model's tokenizer), whose output would be undecodable ids or the wrong text.
+
+    Args:
+        vocab_size: the model's ``vocab_size`` (logits per position).
+        tokenizer: a :class:`~mlx_ferrum.tokenizer.Tokenizer` (or None: nothing to check).
+
+    Returns:
+        The tokenizer's id limit when the model's padding rows must be masked, else None.
+
+    Raises:
+        VocabularyMismatchError: the tokenizer is smaller than the model's vocabulary by
+            more than padding (the message names both sizes).
+    """
+    limit = tokenizer_id_limit(tokenizer)
+    if limit is None or limit >= vocab_size:
+        return None
+    if vocab_size % _PAD_MULTIPLE == 0 and vocab_size - limit < max(_PAD_MULTIPLE, vocab_size // 20):
+        return limit
+    raise VocabularyMismatchError(
+        f"the tokenizer decodes ids below {limit} but the model's vocab_size is {vocab_size}: ids {limit}.."
+        f"{vocab_size - 1} would be generated without text. Load the model with the tokenizer it was "
+        "trained with (tokenizer.json from the same checkpoint), or fix vocab_size in config.json"
+    )
