@@ -70,7 +70,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "max_num_seqs": ("FERRUM_PAGED_MAX_SEQS", _parse_int, 32),
     "prefill_chunk_size": ("FERRUM_CHUNKED_PREFILL", _parse_int, 512),
     "max_num_batched_tokens": ("FERRUM_MAX_BATCHED_TOKENS", _parse_int, 2048),
-    "prefix_cache": ("FERRUM_PREFIX_CACHE", _parse_bool, False),
+    "prefix_cache": ("FERRUM_PREFIX_CACHE", _parse_bool, True),
     "metal_kernels": ("FERRUM_METAL_KERNELS", _parse_bool, True),
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
     "kv_cache_step": ("FERRUM_KV_CACHE_STEP", _parse_int, 256),
@@ -80,6 +80,8 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "num_speculative_tokens": ("FERRUM_NUM_SPECULATIVE_TOKENS", _parse_int, 4),
     "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
     "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
+    "speculative_disable_by_batch_size": ("FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE", _parse_int, 8),
+    "speculative_min_acceptance": ("FERRUM_SPECULATIVE_MIN_ACCEPTANCE", _parse_float, 0.3),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -101,6 +103,10 @@ FIELD_HELP: dict[str, str] = {
     "num_speculative_tokens": "tokens proposed per decode step and request",
     "prompt_lookup_min": "shortest n-gram the 'ngram' proposer matches",
     "prompt_lookup_max": "longest n-gram the 'ngram' proposer matches",
+    "speculative_disable_by_batch_size": "no speculation in a step while at least this many requests run "
+    "(verifying drafts costs more than it saves in a full batch)",
+    "speculative_min_acceptance": "a request whose recent drafts were accepted less than this fraction of the time, "
+    "or that found nothing to propose, stops proposing for a growing number of steps (0 never backs off)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -196,7 +202,8 @@ class RuntimeConfig:
     - ``max_num_seqs`` (``FERRUM_PAGED_MAX_SEQS``, 32): max sequences per engine step.
     - ``prefill_chunk_size`` (``FERRUM_CHUNKED_PREFILL``, 512): max prompt tokens per sequence per step.
     - ``max_num_batched_tokens`` (``FERRUM_MAX_BATCHED_TOKENS``, 2048): token budget of one engine step.
-    - ``prefix_cache`` (``FERRUM_PREFIX_CACHE``, 0): share full prompt blocks by hash.
+    - ``prefix_cache`` (``FERRUM_PREFIX_CACHE``, 1): share full prompt blocks by hash (paged
+      layout; on by default, as in vLLM V1; outputs are identical with it off).
     - ``metal_kernels`` (``FERRUM_METAL_KERNELS``, 1): 0 forces the pure-MLX reference attention.
     - ``kv_memory_fraction`` (``FERRUM_KV_MEMORY_FRACTION``, 0.5): share of the Metal
       working set (minus weights) given to the paged pool when ``max_num_blocks`` is unset.
@@ -212,6 +219,14 @@ class RuntimeConfig:
       decode step and request (k).
     - ``prompt_lookup_min`` / ``prompt_lookup_max`` (``FERRUM_PROMPT_LOOKUP_MIN`` / ``_MAX``,
       2 / 4): shortest and longest n-gram the prompt-lookup proposer matches.
+    - ``speculative_disable_by_batch_size`` (``FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE``, 8):
+      no request speculates in a step while at least this many requests run (vLLM's
+      ``speculative_disable_by_batch_size``): a full batch already keeps the device busy,
+      and verification rows cost more than the tokens they save.
+    - ``speculative_min_acceptance`` (``FERRUM_SPECULATIVE_MIN_ACCEPTANCE``, 0.3): a request
+      whose drafts are accepted less often than this (a moving average of accepted /
+      proposed), or whose proposer finds nothing, stops proposing for 1, 2, 4 ... up to
+      64 steps, so text that does not repeat itself runs on the pipelined plain step.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -234,6 +249,8 @@ class RuntimeConfig:
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
+    speculative_disable_by_batch_size: Optional[int] = None
+    speculative_min_acceptance: Optional[float] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -290,6 +307,17 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        v = self.speculative_disable_by_batch_size
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigurationError(
+                f"{n('speculative_disable_by_batch_size')}={v!r} is not valid: use a positive integer "
+                "(a large value never disables speculation)"
+            )
+        v = self.speculative_min_acceptance
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+            raise ConfigurationError(
+                f"{n('speculative_min_acceptance')}={v!r} is not valid: use a number in [0, 1] (0 never backs off)"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(
                 f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "

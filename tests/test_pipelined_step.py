@@ -170,11 +170,128 @@ def test_explicit_metal_kernels_true_beats_the_environment(model, monkeypatch):
     assert calls, "RuntimeConfig(metal_kernels=True) lost to FERRUM_METAL_KERNELS=0"
 
 
-def test_ferrum_async_scheduling_variable_and_prefix_cache_turn_pipelining_off(model, monkeypatch):
+def test_ferrum_async_scheduling_variable_turns_pipelining_off_and_every_mode_keeps_it(model, monkeypatch):
     monkeypatch.setenv("FERRUM_ASYNC_SCHEDULING", "0")
     assert not Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))._pipelined
     monkeypatch.delenv("FERRUM_ASYNC_SCHEDULING")
     assert Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64))._pipelined
-    # the manager hashes token ids on the host, so prefix caching runs synchronous steps
-    assert not Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
-                                                 prefix_cache=True))._pipelined
+    # prefix caching and speculation run on the same pipelined step
+    assert Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
+                                             prefix_cache=True, speculative="ngram"))._pipelined
+
+
+# ----------------------------------------------------------------------------- every mode
+
+
+def mixed_requests(n, seed, vocab=97, shared_prefix=24):
+    """Requests mixing every mode: penalties, stop strings are not available without a
+    tokenizer, so stop token ids; seeds; greedy and sampled; repeated text (n-gram drafts
+    fire) and a shared prefix (prefix-cache hits)."""
+    r = random.Random(seed)
+    prefix = [r.randrange(vocab) for _ in range(shared_prefix)]
+    out = []
+    for i in range(n):
+        body = [r.randrange(vocab) for _ in range(r.randint(1, 12))]
+        prompt = prefix + body * r.choice([1, 3])
+        kw = dict(max_tokens=r.randint(4, 24), ignore_eos=True, stop_token_ids=[r.randrange(vocab)])
+        if r.random() < 0.4:
+            kw.update(repetition_penalty=r.choice([1.2, 0.8]), presence_penalty=r.choice([0.0, 0.5]),
+                      frequency_penalty=r.choice([0.0, 0.3]))
+        if r.random() < 0.5:
+            sp = SamplingParams(temperature=0.0, **kw)
+        else:
+            sp = SamplingParams(temperature=0.9, top_k=r.choice([0, 20]), seed=1000 + i, **kw)
+        out.append((prompt, sp))
+    return out
+
+
+MODES = {
+    "plain": {},
+    "prefix_cache": {"prefix_cache": True},
+    "ngram": {"speculative": "ngram", "speculative_disable_by_batch_size": 1 << 20,
+              "speculative_min_acceptance": 0.0},
+    "ngram_policy": {"speculative": "ngram"},
+    "all": {"speculative": "ngram", "prefix_cache": True, "speculative_disable_by_batch_size": 1 << 20},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipelined_equals_synchronous_in_every_mode(model, layout, mode):
+    """Penalties, seeds, stop ids, prefix caching and speculation, alone and together: the
+    pipelined step gives exactly the tokens of the synchronous one, and of a plain run
+    (greedy rows; sampled rows under speculation keep their distribution, not their draws)."""
+    if layout == "contiguous" and "prefix_cache" in MODES[mode]:
+        pytest.skip("prefix caching is a paged-layout feature")
+    reqs = mixed_requests(16, seed=7)
+    eng_p, pipelined = run_all(model, config(layout, True, **MODES[mode]), reqs)
+    eng_s, synchronous = run_all(model, config(layout, False, **MODES[mode]), reqs)
+    assert pipelined == synchronous
+    if "speculative" not in MODES[mode]:
+        _, plain = run_all(model, config(layout, False), reqs)
+        assert pipelined == plain
+    else:
+        _, plain = run_all(model, config(layout, False), reqs)
+        greedy = [i for i, (_, sp) in enumerate(reqs) if sp.temperature == 0.0]
+        assert [pipelined[i] for i in greedy] == [plain[i] for i in greedy]
+    assert_no_leak(eng_p)
+    assert_no_leak(eng_s)
+
+
+def test_prefix_cache_hits_on_the_pipelined_step_equal_no_cache(model):
+    """Two waves of requests sharing a long prefix: the second wave hits the blocks the
+    first wrote while its tokens were being read back one step late; outputs equal a run
+    without prefix caching, and the hits are counted."""
+    reqs = mixed_requests(8, seed=11, shared_prefix=40)
+    cfg = config("paged", True, prefix_cache=True)
+    eng = Engine(model, None, cfg)
+    first = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    second = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert eng.stats()["prefix_cache_hit_rate"] > 0.3
+    _, plain = run_all(model, config("paged", True, prefix_cache=False), reqs)
+    assert [(o.token_ids, o.finish_reason) for o in first] == plain
+    assert [(o.token_ids, o.finish_reason) for o in second] == plain
+    assert_no_leak(eng)
+
+
+def test_generated_blocks_are_hashed_once_read_back(model):
+    """A block completed by a token still in flight is registered under the token's real
+    id: a later prompt equal to that request's prompt + output hits every full block."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    params = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
+    eng = Engine(model, None, config("paged", True, prefix_cache=True))
+    out = eng.generate([prompt], params)[0]
+    # the KV holds the prompt and every output but the last: 24 tokens, 3 full blocks of 8;
+    # token 23 (output 16) was stored while it was still being sampled
+    full = prompt + out.token_ids[:-1]
+    mgr = eng.executor.manager
+    assert mgr.longest_cached_prefix(full + [1]) == 24
+
+
+def test_preemption_and_aborts_inside_the_lag_in_every_mode(model):
+    """A pool small enough to preempt, aborts while tokens are in flight, prefix caching and
+    speculation on: the pipelined and synchronous steps agree and no block is left."""
+    results = []
+    for pipelined in (True, False):
+        cfg = config("paged", pipelined, max_num_blocks=24, max_num_seqs=8, prefix_cache=True, speculative="ngram",
+                     speculative_disable_by_batch_size=1 << 20, speculative_min_acceptance=0.0)
+        eng = Engine(model, None, cfg)
+        reqs = mixed_requests(12, seed=13)
+        ids = [eng.add_request(p, sp) for p, sp in reqs]
+        done, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = (o.token_ids, o.finish_reason)
+            steps += 1
+            if steps == 6:
+                eng.abort(ids[3])
+            eng.executor.manager.check_invariants()
+        assert eng.stats()["num_preemptions"] > 0
+        results.append([done[i] for i in ids])
+        assert_no_leak(eng)
+    # the abort lands one token earlier in the pipelined run (its outputs trail by a step)
+    pipelined_abort, synchronous_abort = results[0].pop(3), results[1].pop(3)
+    assert pipelined_abort[1] == synchronous_abort[1] == "abort"
+    assert synchronous_abort[0][: len(pipelined_abort[0])] == pipelined_abort[0]
+    assert results[0] == results[1]

@@ -39,7 +39,10 @@ def random_draft():
 
 
 def config(layout, **kw):
-    base = dict(kv_layout=layout, block_size=8, max_num_blocks=512, max_num_seqs=32)
+    # these tests exercise the mechanics of drafting and verifying: every eligible row
+    # speculates every step (the policy that turns it off is tested on its own)
+    base = dict(kv_layout=layout, block_size=8, max_num_blocks=512, max_num_seqs=32,
+                speculative_disable_by_batch_size=1 << 20, speculative_min_acceptance=0.0)
     base.update(kw)
     return RuntimeConfig(**base)
 

@@ -33,8 +33,7 @@ from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
-from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
-from ..executor import KvCacheHandle
+from .speculative import Proposal, SpeculationPolicy, SpeculativeRequest, make_proposer, token_logprobs, verify
 from .stop import emit_token
 
 _req_ids = itertools.count()
@@ -222,15 +221,18 @@ class Engine:
         # cache only after the executor call, so forward() never re-creates a released cache
         self._in_flight: set[str] = set()
         self._deferred_release: list[str] = []
-        self._pipelined = bool(self.config.async_scheduling) and not (
-            self.executor.manager is not None and self.executor.manager.prefix_cache
-        )
+        # every mode runs on the pipelined step: prefix caching hashes a block once its
+        # ids are read back (executor.set_token_ids), penalties count the token still in
+        # flight on the device, and only a row about to speculate waits for its token
+        self._pipelined = bool(self.config.async_scheduling)
+        self._prefix_cache = bool(getattr(self.executor.manager, "prefix_cache", False))
         self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
         self.num_generated_tokens = 0
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
+        self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
         self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
@@ -325,6 +327,7 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         if self._proposer is not None:
             self._proposer.release(seq.request_id)
+            self._policy.release(seq.request_id)
         m = seq.metrics
         if m.ttft is not None:
             self._ttft.add(m.ttft)
@@ -393,6 +396,12 @@ class Engine:
         ``generate_step`` overlaps the same way). Outputs therefore trail by one step;
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
+
+        Every mode runs through this one step: the scheduler (:meth:`_schedule`) plans the
+        rows and their speculative lookahead, the proposer fills it, the executor runs one
+        forward pass, the sampling stage gives each row 1 to k+1 tokens (:meth:`_sample_flight`
+        for plain rows, lazily; :meth:`_verify` for rows carrying a draft), and the output
+        stage (:meth:`_emit`) records them.
         """
         # MLX gives every thread its own streams, and an array still unscheduled on one
         # thread's stream cannot be evaluated from another ("There is no Stream(cpu, n) in
@@ -401,18 +410,15 @@ class Engine:
         # sampler keys) is scheduled or evaluated before step() returns: the next step may
         # run on another thread (generate / stream from several threads, AsyncEngine).
         with self._step_lock:
-            if self._proposer is not None:
-                outputs = self._speculative_step()
-            else:
-                outputs = []
-                try:
-                    self._step_body(outputs)
-                except BaseException:
-                    # Ctrl-C (or a failure past the isolation below): what this step already
-                    # produced is returned by the next call instead of being lost
-                    with self._lock:
-                        self._pending[:0] = outputs
-                    raise
+            outputs: list[RequestOutput] = []
+            try:
+                self._step_body(outputs)
+            except BaseException:
+                # Ctrl-C (or a failure past the isolation below): what this step already
+                # produced is returned by the next call instead of being lost
+                with self._lock:
+                    self._pending[:0] = outputs
+                raise
             self._route(outputs)
             return outputs
 
@@ -469,7 +475,11 @@ class Engine:
     def _schedule(self, outputs: list[RequestOutput]) -> list:
         """The scheduler's items for this step; requests the pool can never hold end here
         with ``"error"`` (their outputs are appended to ``outputs``). Call with the lock held."""
-        plan = self.scheduler.schedule()
+        lookahead = None
+        if self._policy is not None and self._policy.enabled_for_batch(len(self.scheduler.running)
+                                                                       + len(self.scheduler.waiting)):
+            lookahead = self._lookahead
+        plan = self.scheduler.schedule(lookahead)
         # the scheduler only reads the manager: its releases and prefix claims land here
         for seq, exc in apply_kv_plan(self.executor, plan):
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
@@ -488,51 +498,87 @@ class Engine:
                 flight, self._inflight = self._inflight, None
                 outputs.extend(self._resolve(flight))
             items = self._schedule(outputs)
-            work = self._build_work(items)
+            drafts = [(i, SpeculativeRequest(it.seq.request_id, it.seq.token_at(0, it.seq.num_tokens),
+                                             it.num_lookahead, it.seq.sampler))
+                      for i, it in enumerate(items) if it.num_lookahead > 0]
             # aborts from here until the executor call returns are released after it
             self._in_flight = {it.seq.request_id for it in items}
-        launched = None
+        if not items:
+            self._end_flight()
+        proposals: dict[int, Proposal] = {}
+        launched, verified = None, []
         if items:
             try:
-                launched = self._launch(items, work)
+                if drafts:
+                    found = self._proposer.propose([r for _, r in drafts])
+                    for (i, request), proposal in zip(drafts, found):
+                        if proposal.token_ids:
+                            proposals[i] = proposal
+                        else:
+                            self._policy.record(request.request_id, 0, 0, self.num_steps)
+                with self._lock:
+                    work = self._build_work(items, proposals)
+                launched, verified = self._launch(items, work, proposals)
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
                 # the pass's KV writes may be left lazy, bound to this thread: see step()
                 self.executor.schedule_kv_state()
+                self._end_flight()
                 outputs.extend(self._fail_step(items, e))
         with self._lock:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
                 outputs.extend(self._resolve(previous))
+            if verified:
+                outputs.extend(self._verify(verified))
             if launched is not None and not self._pipelined:
                 self._inflight = None
                 outputs.extend(self._resolve(launched))
 
+    def _lookahead(self, seq: Sequence) -> int:
+        """Speculative tokens ``seq`` would like this step (the scheduler bounds them by
+        budget and blocks): none while its last token is still in flight (a proposal
+        extends it), while it backs off or opted out, or past ``max_tokens`` / the context."""
+        if not seq.params.speculative or not seq.output_ids or seq.output_ids[-1] == _IN_FLIGHT:
+            return 0
+        if not self._policy.wants(seq.request_id, self.num_steps):
+            return 0
+        room = min(seq.params.max_tokens - len(seq.output_ids), self.max_sequence_tokens() - seq.num_tokens) - 1
+        return max(0, min(self._policy.k, room))
+
     def _can_overlap(self) -> bool:
         """True when the next step may be queued before the in-flight tokens are known.
 
-        Not with prefix caching (the manager hashes token ids on the host) and not while
-        an in-flight row uses a repetition, presence or frequency penalty (its history
-        needs the token).
+        Prefix caching and penalties never need to wait (see ``__init__``); a row that
+        will propose a draft next step does, since its draft continues that token.
         """
         if not self._pipelined:
             return False
+        if self._policy is None:
+            return True
+        if not self._policy.enabled_for_batch(len(self.scheduler.running) + len(self.scheduler.waiting)):
+            return True
         return not any(
-            s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+            s.params.speculative and self._policy.wants(s.request_id, self.num_steps + 1)
             for s, _, _ in self._inflight.rows
         )
 
-    def _build_work(self, items: list) -> list[SeqWork]:
+    def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
         """The executor's work for ``items``; a token still in flight is taken on the device
-        from the previous step's sampled tokens (``prev_row``)."""
+        from the previous step's sampled tokens (``prev_row``); a row with a proposal
+        carries it after its token and returns the logits of every position."""
         now = time.time()
         rows = self._inflight.row_of if self._inflight is not None else {}
+        proposals = proposals or {}
         work = []
-        for it in items:
+        for i, it in enumerate(items):
             s = it.seq
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
             end = s.num_computed + it.num_tokens
             tokens = s.token_at(s.num_computed, end)
+            if i in proposals:
+                work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True))
+                continue
             prev_row = -1
             if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
                 prev_row = rows[s.request_id]
@@ -540,8 +586,12 @@ class Engine:
             work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row))
         return work
 
-    def _launch(self, items: list, work: list[SeqWork]) -> Optional["_InFlight"]:
+    def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None):
         """Queue the forward pass and the sampling of ``items``; nothing is read back.
+
+        Returns ``(flight, verified)``: the :class:`_InFlight` of the plain sampled rows
+        (or None), and ``(sequence, logits [1 + m, V], proposal)`` for each row that carried
+        a draft of ``m`` tokens, which :meth:`_verify` settles after this step's launch.
 
         Isolation (issue 13) as in a synchronous step: an ``Exception`` from the executor
         fails this step's requests (the caller does that; the executor restored every
@@ -550,6 +600,7 @@ class Engine:
         ``BaseException`` while sampling ends this step's sampled requests, then propagates.
         When ``mx.async_eval`` raises, see :meth:`_evaluation_failed`.
         """
+        proposals = proposals or {}
         prev = self._inflight.tokens if self._inflight is not None else None
         try:
             # a BaseException (Ctrl-C) propagates after the executor restored every cache
@@ -558,11 +609,23 @@ class Engine:
             self._end_flight()
         with self._lock:
             self.num_steps += 1
-            sampled = []
+            sampled, verified = [], []
             samples = [it.samples for it in items]  # read before num_computed moves
-            for it in items:
+            row_of_item = []
+            r = 0
+            for w in work:
+                row_of_item.append(r)
+                r += w.num_logit_rows
+            pending_rows = []
+            for i, it in enumerate(items):
                 s = it.seq
                 if s.finished:  # aborted while the step was built: released by _end_flight
+                    continue
+                if i in proposals:
+                    # the draft's K/V are kept or trimmed by _verify
+                    s.num_computed += 1
+                    start = row_of_item[i]
+                    verified.append((s, logits[start : start + work[i].num_logit_rows], proposals[i]))
                     continue
                 if s.num_computed < len(s.prompt_ids):
                     self.num_prefilled_tokens += it.num_tokens
@@ -570,29 +633,33 @@ class Engine:
                 s.num_computed += it.num_tokens
                 if s.num_computed == s.num_tokens:
                     sampled.append(s)
-            row_of_item = []
-            r = 0
-            for w in work:
-                row_of_item.append(r)
-                r += w.num_logit_rows
-            rows = [row_of_item[i] for i, it in enumerate(items) if samples[i] and not it.seq.finished]
+                    in_flight = bool(s.output_ids) and s.output_ids[-1] == _IN_FLIGHT
+                    pending_rows.append(self._inflight.row_of[s.request_id] if in_flight else -1)
+            rows = [row_of_item[i] for i, it in enumerate(items)
+                    if samples[i] and not it.seq.finished and i not in proposals]
             if not sampled:
                 try:
                     mx.async_eval(state)
                 except BaseException as e:
                     self._evaluation_failed([], e)
                     raise
-                return None
+                return None, verified
             take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
+            pending = None
+            if prev is not None and any(p >= 0 for p in pending_rows):
+                # the penalties count each row's token still in flight, on the device
+                index = mx.array(pending_rows, dtype=mx.int32)
+                pending = mx.where(index >= 0, prev.astype(mx.int32)[mx.maximum(index, 0)], -1)
             try:
-                flight = self._sample_flight(take, sampled)
+                flight = self._sample_flight(take, sampled, pending)
             except BaseException as e:
                 # the KV already holds this step, so its sampled requests end now rather
                 # than stall; then it propagates
                 self._pending.extend(self._fail_seqs(sampled, e))
                 raise
             sampled_ids = {id(s) for s in sampled}
-            flight.unsampled = [it.seq for it in items if not it.seq.finished and id(it.seq) not in sampled_ids]
+            flight.unsampled = [it.seq for i, it in enumerate(items)
+                                if not it.seq.finished and id(it.seq) not in sampled_ids and i not in proposals]
             extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
                      for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
             keys = [s.sampler.key for s in sampled]  # split by this step: see step()
@@ -601,7 +668,7 @@ class Engine:
             except BaseException as e:
                 self._evaluation_failed(sampled, e)
                 raise
-            return flight if flight.rows else None
+            return (flight if flight.rows else None), verified
 
     def _evaluation_failed(self, sampled: list, exc: BaseException) -> None:
         """``mx.async_eval`` of the step being launched raised. Call with the lock held.
@@ -622,17 +689,20 @@ class Engine:
         else:
             self._pending.extend(self._fail_seqs(sampled, exc))
 
-    def _sample_flight(self, take: mx.array, seqs: list[Sequence]) -> "_InFlight":
+    def _sample_flight(self, take: mx.array, seqs: list[Sequence], pending: Optional[mx.array] = None) -> "_InFlight":
         """Sample every row of ``take`` at once (lazily); when that raises, row by row with
         the random keys restored, so a failure (a bad parameter, a fault) ends only the
-        request it belongs to (finished here with ``"error"``; its output is pending)."""
+        request it belongs to (finished here with ``"error"``; its output is pending).
+
+        ``pending``: ``[B]`` int32 on the device, each row's generated token still in
+        flight (``-1``: none), which the penalties count (see :func:`sample`)."""
         states = [s.sampler for s in seqs]
         saved = [st.key for st in states]
         finite = mx.all(mx.isfinite(take), axis=-1)
         take = self._mask_undecodable(take)
         errors: dict[int, str] = {}
         try:
-            res = sample(take, states, record=False)
+            res = sample(take, states, record=False, pending=pending)
             results = [(res, b) for b in range(len(seqs))]
             tokens = res.tokens
         except Exception:  # noqa: BLE001 - find the row(s) at fault
@@ -640,7 +710,8 @@ class Engine:
             for b, st in enumerate(states):
                 st.key = saved[b]  # the failed batched call may have split it
                 try:
-                    r = sample(take[b : b + 1], [st], record=False)
+                    r = sample(take[b : b + 1], [st], record=False,
+                               pending=pending[b : b + 1] if pending is not None else None)
                     results.append((r, 0))
                     pieces.append(r.tokens.astype(mx.int32))
                 except Exception as e:  # noqa: BLE001
@@ -692,7 +763,11 @@ class Engine:
                         tok = tokens[b]
                         lp, top = self._host_logprobs(flight.results[b], host)
                         s.sampler.append(tok)
-                        outs.append(self._emit(s, tok, lp, top, now, cap, index=index))
+                        if self._prefix_cache:
+                            # stored as UNKNOWN_TOKEN when the next step was queued: its
+                            # block can be hashed now
+                            self.executor.set_token_ids(s.request_id, len(s.prompt_ids) + index, [tok])
+                        outs.append(self._emit(s, [tok], [lp], [top], now, cap, index=index))
                         continue
                     except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
                         error = f"{type(e).__name__}: {e}"
@@ -719,90 +794,100 @@ class Engine:
         lps, tops = got
         return lps[r], ((tops[0][r], tops[1][r]) if tops is not None else None)
 
-    def _sample_rows(self, rows: mx.array, seqs: list[Sequence]):
-        """Sample every row at once; when that raises, sample row by row so a failure
-        (a bad parameter, a fault) ends only the request it belongs to.
+    def _emit(self, s: Sequence, tokens: list[int], lps: list, tops: list, now: float, cap: int,
+              index: Optional[int] = None) -> RequestOutput:
+        """The output stage: record 1 or more sampled tokens of ``s`` in order (metrics,
+        logprobs, text, stop checks), stopping at the first that ends the request, so EOS,
+        a stop string or ``max_tokens`` ends it where it would end one token at a time.
 
-        Returns ``(tokens, logprobs, tops, errors)``: per row a token (None on error),
-        logprobs and top alternatives as :func:`sample` gives them (or None), and an
-        error message or None. A row of NaN/Inf logits gets a :class:`NonFiniteLogitsError`.
+        Args:
+            tokens: the ids; ``lps`` / ``tops``: per id its logprob and top alternatives
+                (``(ids, logprobs)``) or None.
+            index: the placeholder in ``output_ids`` the first token replaces (pipelined
+                step); None appends.
         """
-        n = len(seqs)
-        saved = [(s.sampler.key, len(s.sampler.history)) for s in seqs]
-        finite = mx.all(mx.isfinite(rows), axis=-1)
-        rows = self._mask_undecodable(rows)
-        errors: list = [None] * n
-        try:
-            res = sample(rows, [s.sampler for s in seqs], record=False)
-            mx.eval(res.tokens, finite)
-            tokens = res.tokens.tolist()
-            for s, tok in zip(seqs, tokens):
-                s.sampler.append(tok)
-            lps = res.logprobs.tolist() if res.logprobs is not None else [None] * n
-            tops = list(zip(res.top_ids.tolist(), res.top_logprobs.tolist())) if res.top_ids is not None else [None] * n
-        except Exception:  # noqa: BLE001 - find the row(s) at fault
-            tokens, lps, tops = [None] * n, [None] * n, [None] * n
-            for b, (s, (key, hist)) in enumerate(zip(seqs, saved)):
-                s.sampler.key = key  # the failed batched call may have split it
-                del s.sampler.history[hist:]
-                try:
-                    r = sample(rows[b : b + 1], [s.sampler])
-                    tokens[b] = r.tokens.tolist()[0]
-                    lps[b] = r.logprobs.tolist()[0] if r.logprobs is not None else None
-                    tops[b] = (r.top_ids.tolist()[0], r.top_logprobs.tolist()[0]) if r.top_ids is not None else None
-                except Exception as e:  # noqa: BLE001
-                    errors[b] = f"{type(e).__name__}: sampling failed: {e}"
-        for b, ok in enumerate(finite.tolist()):
-            if not ok:
-                errors[b] = _non_finite_error()
-        return tokens, lps, tops, errors
-
-    def _sample_and_emit(self, sampled: list) -> list[RequestOutput]:
-        seqs = [s for s, _ in sampled]
-        rows = mx.concatenate([r for _, r in sampled], axis=0)
-        tokens, lps, tops, errors = self._sample_rows(rows, seqs)
-        now = time.time()
-        outs = []
-        cap = self.max_sequence_tokens()
-        for b, (s, tok) in enumerate(zip(seqs, tokens)):
-            if errors[b] is None:
-                try:
-                    outs.append(self._emit(s, tok, lps[b], tops[b], now, cap))
-                    continue
-                except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
-                    errors[b] = f"{type(e).__name__}: {e}"
-            if not s.finished:
-                self._finish(s, "error", errors[b])
-            outs.append(self._output(s, "", []))
-        return outs
-
-    def _emit(self, s: Sequence, tok: int, lp, top, now: float, cap: int, index: Optional[int] = None) -> RequestOutput:
-        """Record one sampled token of ``s``: metrics, logprobs, text, stop checks.
-
-        ``index``: the placeholder in ``output_ids`` the token replaces (pipelined step);
-        None appends it."""
         m = s.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.token_times.append(now)
-        self.num_generated_tokens += 1
-        if lp is not None and s.params.logprobs is not None:
-            s.logprobs.append(lp)
-            if top is not None and s.params.logprobs:
-                k = s.params.logprobs
-                s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
-        if index is None:
-            s.output_ids.append(tok)
-            index = len(s.output_ids) - 1
-        else:
-            s.output_ids[index] = tok
-        out_of_room = index + 1 >= s.params.max_tokens or len(s.prompt_ids) + index + 1 >= cap
-        delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
-        s.text += delta
-        if reason is not None:
-            del s.output_ids[index + 1 :]  # a token queued in the pipeline's lag is dropped
-            self._finish(s, reason)
-        return self._output(s, delta, [tok])
+        delta, new_ids = "", []
+        for j, tok in enumerate(tokens):
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.token_times.append(now)
+            self.num_generated_tokens += 1
+            lp, top = lps[j], tops[j]
+            if lp is not None and s.params.logprobs is not None:
+                s.logprobs.append(lp)
+                if top is not None and s.params.logprobs:
+                    k = s.params.logprobs
+                    s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
+            if index is not None and j == 0:
+                s.output_ids[index] = tok
+                at = index
+            else:
+                s.output_ids.append(tok)
+                at = len(s.output_ids) - 1
+            new_ids.append(tok)
+            out_of_room = at + 1 >= s.params.max_tokens or len(s.prompt_ids) + at + 1 >= cap
+            text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+            s.text += text
+            delta += text
+            if reason is not None:
+                del s.output_ids[at + 1 :]  # a token queued in the pipeline's lag is dropped
+                self._finish(s, reason)
+                break
+        return self._output(s, delta, new_ids)
+
+    def _verify(self, verified: list) -> list[RequestOutput]:
+        """The sampling stage of rows that carried a draft: accept a prefix of each draft
+        and add one token of the target's (:func:`~mlx_ferrum.engine.speculative.verify`:
+        the target's own choice for greedy rows, rejection sampling for sampled ones), trim
+        each cache to the accepted length (whole blocks past it are freed, with the draft
+        model's cache), and emit the tokens. Call with the lock held.
+
+        Isolation: a failure verifying or emitting ends only the rows of this step's drafts;
+        NaN/Inf logits end their request with :class:`NonFiniteLogitsError`.
+        """
+        live = [(s, row, prop) for s, row, prop in verified if not s.finished]
+        if not live:
+            return []
+        seqs = [s for s, _, _ in live]
+        try:
+            finite = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1).tolist()
+            results = verify([self._mask_undecodable(row) for _, row, _ in live], [p for _, _, p in live],
+                             [s.sampler for s in seqs])
+        except Exception as e:  # noqa: BLE001 - this step's drafts only
+            return self._fail_seqs(seqs, e)
+        cap = self.max_sequence_tokens()
+        now = time.time()
+        outs, offset = [], 0
+        for (s, row, prop), res in zip(live, results):
+            rows = 1 + len(prop.token_ids)
+            ok = all(finite[offset : offset + rows])
+            offset += rows
+            try:
+                if not ok:
+                    raise NonFiniteLogitsError(_non_finite_error().split(": ", 1)[1])
+                self.spec_num_drafts += 1
+                self.spec_proposed_tokens += len(prop.token_ids)
+                self.spec_accepted_tokens += res.num_accepted
+                self._policy.record(s.request_id, len(prop.token_ids), res.num_accepted, self.num_steps)
+                kept = s.num_computed + res.num_accepted  # prompt + output + accepted draft tokens
+                self.executor.trim_cache(s.request_id, kept)
+                self._proposer.committed(s.request_id, kept)
+                s.num_computed = kept
+                lps = tops = [None] * len(res.token_ids)
+                if s.params.logprobs is not None:
+                    chosen, top_ids, top_lps = token_logprobs(row[: len(res.token_ids)], res.token_ids,
+                                                              s.params.logprobs or 0)
+                    lps = chosen
+                    tops = list(zip(top_ids, top_lps)) if top_ids is not None else [None] * len(chosen)
+                for tok in res.token_ids:
+                    s.sampler.append(tok)
+                outs.append(self._emit(s, res.token_ids, lps, tops, now, cap))
+            except Exception as e:  # noqa: BLE001 - this request only
+                if not s.finished:
+                    self._finish(s, "error", f"{type(e).__name__}: {e}")
+                outs.append(self._output(s, "", []))
+        return outs
 
     # -------------------------------------------------------- conveniences
     def generate(
@@ -922,162 +1007,3 @@ class Engine:
                                               if self.spec_num_drafts else 0.0),
                 "kv": kv,
             }
-
-    # --------------------------------------------------- speculative decoding
-    # Speculation runs on this synchronous step: proposals must be known before the
-    # verification pass is built, and the accepted length decides the next step's input.
-    def _speculative_step(self) -> list[RequestOutput]:
-        """:meth:`step` with speculative decoding (``config.speculative`` set).
-
-        The same schedule and the same single forward pass, except that a decoding
-        request with ``k`` proposals brings ``k + 1`` tokens (a multi-token row in either
-        KV layout) and is finished by :meth:`_verify_and_emit`. Requests without a
-        proposal (prefill chunks, opted out, nothing found) run exactly as in ``step``.
-        """
-        with self._step_lock:
-            with self._lock:
-                outputs, self._pending = self._pending, []
-                items = self._schedule(outputs)
-                now = time.time()
-                for it in items:
-                    if it.seq.metrics.first_scheduled_time is None:
-                        it.seq.metrics.first_scheduled_time = now
-                candidates = self._speculation_requests(items)
-                # aborts from here until the pass ends are released after it (as in step)
-                self._in_flight = {it.seq.request_id for it in items}
-            if not items:
-                return outputs
-            try:
-                proposals = {}
-                if candidates:
-                    found = self._proposer.propose([r for _, r in candidates])
-                    proposals = {i: p for (i, _), p in zip(candidates, found) if p.token_ids}
-                with self._lock:
-                    work = []
-                    for i, it in enumerate(items):
-                        s = it.seq
-                        tokens = s.token_at(s.num_computed, s.num_computed + it.num_tokens)
-                        if i in proposals:
-                            work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True))
-                        else:
-                            work.append(SeqWork(s.request_id, tokens))
-                logits = self.executor.run(work)
-            except Exception as e:  # noqa: BLE001 - a failed proposal or pass fails this step only
-                return outputs + self._fail_step(items, e)
-            finally:
-                self._end_flight()
-            with self._lock:
-                self.num_steps += 1
-                sampled, verified = [], []
-                for i, (it, row) in enumerate(zip(items, logits)):
-                    s = it.seq
-                    if s.finished:  # aborted while the step ran
-                        continue
-                    if i in proposals:
-                        s.num_computed += 1  # the proposals' K/V are settled by _verify_and_emit
-                        verified.append((s, self._mask_undecodable(row), proposals[i]))
-                        continue
-                    samples = it.samples
-                    if s.num_computed < len(s.prompt_ids):
-                        self.num_prefilled_tokens += it.num_tokens
-                        s.metrics.num_prefilled_tokens += it.num_tokens
-                    s.num_computed += it.num_tokens
-                    if samples:
-                        sampled.append((s, row))
-                for i, r in candidates:
-                    if items[i].seq.finished:  # aborted while it proposed: drop a draft cache made meanwhile
-                        self._proposer.release(r.request_id)
-                    elif i not in proposals:
-                        self._proposer.committed(r.request_id, items[i].seq.num_computed)
-                try:
-                    if sampled:
-                        outputs.extend(self._sample_and_emit(sampled))
-                    if verified:
-                        outputs.extend(self._verify_and_emit(verified))
-                    # the keys split by sampling, verifying or drafting: see step()
-                    mx.eval(*[it.seq.sampler.key for it in items])
-                except BaseException as e:
-                    # as in step: the KV holds this step, so its requests end now, then it propagates
-                    self._pending.extend(outputs + self._fail_step(
-                        [it for i, it in enumerate(items) if it.samples or i in proposals], e))
-                    raise
-            return outputs
-
-    def _speculation_requests(self, items) -> list[tuple[int, SpeculativeRequest]]:
-        """Scheduled decode rows that may speculate, each with its ``k``: bounded by
-        ``num_speculative_tokens``, the tokens left before ``max_tokens``, the context,
-        the step's token budget and (paged) the free blocks beside this step's own."""
-        k_max = self.config.num_speculative_tokens
-        cap = self.max_sequence_tokens()
-        budget = self.config.max_num_batched_tokens - sum(it.num_tokens for it in items)
-        mgr = self.executor.manager
-        free = None
-        if mgr is not None:
-            needed = sum(
-                mgr.blocks_needed(it.seq.request_id if mgr.has(it.seq.request_id) else None, it.num_tokens)
-                for it in items
-            )
-            free = mgr.allocator.num_free - needed
-        out = []
-        for i, it in enumerate(items):
-            s = it.seq
-            if it.num_tokens != 1 or not it.samples or not s.output_ids or not s.params.speculative:
-                continue
-            k = min(k_max, s.params.max_tokens - len(s.output_ids) - 1, cap - s.num_tokens, budget)
-            if mgr is not None and k > 0:
-                cid = s.request_id if mgr.has(s.request_id) else None
-                while k > 0 and mgr.blocks_needed(cid, 1 + k) - mgr.blocks_needed(cid, 1) > free:
-                    k -= 1
-                free -= mgr.blocks_needed(cid, 1 + k) - mgr.blocks_needed(cid, 1)
-            if k < 1:
-                continue
-            budget -= k
-            out.append((i, SpeculativeRequest(s.request_id, s.token_at(0, s.num_tokens), k, s.sampler)))
-        return out
-
-    def _verify_and_emit(self, verified: list) -> list[RequestOutput]:
-        """Accept proposals (:func:`~mlx_ferrum.engine.speculative.verify`), roll the
-        target and draft caches back to the accepted length (``truncate_kv`` frees the
-        whole blocks past it), and emit the tokens one by one so that EOS, a stop string
-        or ``max_tokens`` ends the run where it would end without speculation."""
-        seqs = [s for s, _, _ in verified]
-        results = verify([r for _, r, _ in verified], [p for _, _, p in verified], [s.sampler for s in seqs])
-        cap = self.max_sequence_tokens()
-        outs = []
-        for (s, row, prop), res in zip(verified, results):
-            self.spec_num_drafts += 1
-            self.spec_proposed_tokens += len(prop.token_ids)
-            self.spec_accepted_tokens += res.num_accepted
-            kept = s.num_computed + res.num_accepted  # prompt + output + accepted proposals
-            self.executor.truncate_kv(KvCacheHandle(s.request_id, kept + len(prop.token_ids) - res.num_accepted,
-                                                    self.executor.layout), kept)
-            self._proposer.committed(s.request_id, kept)
-            s.num_computed = kept
-            want_lp = s.params.logprobs is not None
-            if want_lp:
-                n = len(res.token_ids)
-                lps, top_ids, top_lps = token_logprobs(row[:n], res.token_ids, s.params.logprobs or 0)
-            now = time.time()
-            delta, new_ids = "", []
-            for j, tok in enumerate(res.token_ids):
-                m = s.metrics
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                m.token_times.append(now)
-                self.num_generated_tokens += 1
-                if want_lp:
-                    s.logprobs.append(lps[j])
-                    if top_ids is not None:
-                        s.top_logprobs.append(dict(zip(top_ids[j], top_lps[j])))
-                s.output_ids.append(tok)
-                s.sampler.append(tok)
-                new_ids.append(tok)
-                out_of_room = len(s.output_ids) >= s.params.max_tokens or s.num_tokens >= cap
-                text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
-                s.text += text
-                delta += text
-                if reason is not None:
-                    self._finish(s, reason)
-                    break
-            outs.append(self._output(s, delta, new_ids))
-        return outs

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..config import RuntimeConfig
 from ..kv_cache import PagedKvCacheManager
@@ -37,10 +37,16 @@ from .sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledItem:
-    """``num_tokens`` new tokens of ``seq`` (from ``seq.num_computed`` on) for this step."""
+    """``num_tokens`` new tokens of ``seq`` (from ``seq.num_computed`` on) for this step.
+
+    ``num_lookahead``: speculative tokens this decode row may add after its one token
+    (vLLM's ``num_lookahead_slots``): the step's token budget and the pool's free blocks
+    already count them, so the engine may append up to that many proposed tokens.
+    """
 
     seq: Sequence
     num_tokens: int
+    num_lookahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -162,8 +168,16 @@ class Scheduler:
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the next step (see the module docstring)."""
+    def schedule(self, lookahead: Optional[Callable[[Sequence], int]] = None) -> SchedulerOutput:
+        """Plan the next step (see the module docstring).
+
+        Args:
+            lookahead: speculative tokens a decoding sequence would like to add this step
+                (0: none), or None when nothing speculates. After every sequence got its
+                tokens, each decode row that asks is granted as many as the remaining token
+                budget and free blocks allow (``ScheduledItem.num_lookahead``), oldest first:
+                speculation never takes budget or blocks from ordinary work.
+        """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk = self.config.prefill_chunk_size
@@ -234,4 +248,25 @@ class Scheduler:
             self._reserve(seq, n)
             out.items.append(ScheduledItem(seq, n))
             budget -= n
+        if lookahead is not None:
+            self._grant_lookahead(out, budget, lookahead)
         return out
+
+    def _grant_lookahead(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Sequence], int]) -> None:
+        for item in out.items:
+            seq = item.seq
+            if budget <= 0:
+                return
+            if item.num_tokens != 1 or not item.samples or not seq.output_ids:
+                continue
+            k = min(lookahead(seq), budget)
+            if k <= 0:
+                continue
+            if self._plan is not None:
+                base = self._plan.blocks_needed(seq.request_id, 1)
+                room = self._plan.num_free - self._reserved
+                while k > 0 and self._plan.blocks_needed(seq.request_id, 1 + k) - base > room:
+                    k -= 1
+                self._reserved += self._plan.blocks_needed(seq.request_id, 1 + k) - base
+            item.num_lookahead = k
+            budget -= k

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
-from ..executor import KvCacheHandle, LlmExecutor, SeqWork
+from ..executor import LlmExecutor, SeqWork
 from .sampling import (
     apply_logit_bias,
     apply_presence_frequency_penalty,
@@ -57,6 +57,7 @@ from .sampling import (
 )
 
 __all__ = [
+    "SpeculationPolicy",
     "SpeculativeRequest",
     "Proposal",
     "Verified",
@@ -376,7 +377,7 @@ class DraftModelProposer:
                 continue
             have = ex.num_tokens(r.request_id) if ex.has_cache(r.request_id) else 0
             if have >= n:  # the draft must recompute the last token to get its logits
-                ex.truncate_kv(_handle(ex, r.request_id), n - 1)
+                ex.trim_cache(r.request_id, n - 1)
                 have = n - 1
             feed[b] = r.token_ids[have:]
         while feed:
@@ -414,15 +415,80 @@ class DraftModelProposer:
         """The request's first ``num_tokens`` tokens are final: drop draft K/V past them."""
         ex = self.executor
         if ex.has_cache(request_id) and ex.num_tokens(request_id) > num_tokens:
-            ex.truncate_kv(_handle(ex, request_id), num_tokens)
+            ex.trim_cache(request_id, num_tokens)
 
     def release(self, request_id: str) -> None:
         """Free the request's draft cache (idempotent)."""
         self.executor.release_cache(request_id)
 
 
-def _handle(executor: LlmExecutor, cache_id: str) -> KvCacheHandle:
-    return KvCacheHandle(cache_id, executor.num_tokens(cache_id), executor.layout)
+@dataclass
+class _RequestRecord:
+    """What the policy remembers of one request's drafts."""
+
+    acceptance: float = 1.0  # moving average of accepted / proposed
+    backoff: int = 0  # steps the next failure skips (0: none yet)
+    skip_until: int = 0  # the first step this request may propose again
+
+
+class SpeculationPolicy:
+    """Decides, per step and request, whether speculating is worth its cost.
+
+    Speculation is exact (it never changes what a request generates) but not free: a
+    verified row carries ``k`` extra tokens through the forward pass, and a request that
+    proposes must have its previous token on the host, which stops the engine from
+    queuing the next step before the current one is read back. So it pays only where
+    drafts are accepted. The rules:
+
+    - **By batch size** (vLLM's ``speculative_disable_by_batch_size``): no request
+      speculates while ``speculative_disable_by_batch_size`` or more requests run; a
+      full batch already keeps the device busy.
+    - **By measured acceptance**: each request keeps a moving average of its drafts'
+      acceptance (accepted / proposed, weight 1/2 on the newest). A draft that finds
+      nothing, or an average below ``speculative_min_acceptance``, sends the request
+      into back-off: it skips the next 1, then 2, 4 ... up to :data:`MAX_BACKOFF` steps
+      before it proposes again; a well-accepted draft clears the back-off. Requests in
+      back-off decode on the pipelined plain step.
+
+    Args:
+        config: ``num_speculative_tokens``, ``speculative_disable_by_batch_size``,
+            ``speculative_min_acceptance``.
+    """
+
+    MAX_BACKOFF = 64
+
+    def __init__(self, config: RuntimeConfig):
+        self.k = config.num_speculative_tokens
+        self.disable_by_batch_size = config.speculative_disable_by_batch_size
+        self.min_acceptance = config.speculative_min_acceptance
+        self._records: dict[str, _RequestRecord] = {}
+
+    def enabled_for_batch(self, num_running: int) -> bool:
+        """False while ``num_running`` requests are too many to speculate."""
+        return num_running < self.disable_by_batch_size
+
+    def wants(self, request_id: str, step: int) -> bool:
+        """True when ``request_id`` is not backing off at ``step``."""
+        record = self._records.get(request_id)
+        return record is None or step >= record.skip_until
+
+    def record(self, request_id: str, proposed: int, accepted: int, step: int) -> None:
+        """Note one draft of ``request_id`` at ``step``: ``proposed`` tokens (0 when the
+        proposer found nothing), ``accepted`` of them."""
+        record = self._records.setdefault(request_id, _RequestRecord())
+        if proposed > 0:
+            record.acceptance = 0.5 * record.acceptance + 0.5 * (accepted / proposed)
+        if self.min_acceptance <= 0.0:
+            return  # back-off turned off
+        if proposed == 0 or record.acceptance < self.min_acceptance:
+            record.backoff = min(max(1, 2 * record.backoff), self.MAX_BACKOFF)
+            record.skip_until = step + 1 + record.backoff
+        else:
+            record.backoff = 0
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self._records.pop(request_id, None)
 
 
 def make_proposer(config: RuntimeConfig, vocab_size: int):

@@ -751,6 +751,16 @@ class LlmExecutor:
             self.store.truncate(cid, new_len)
         return self._handle(cid)
 
+    def trim_cache(self, cache_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of a cache (the engine's rollback of a
+        rejected draft); whole paged blocks past them are freed.
+
+        Raises:
+            UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
+        """
+        with self._lock:
+            self.store.truncate(cache_id, num_tokens)
+
     def fork_cache(self, kv_cache: KvCacheHandle, new_cache_id: Optional[str] = None) -> KvCacheHandle:
         """A new sequence starting with ``kv_cache``'s tokens (paged: shared blocks, copy-on-write)."""
         new_id = new_cache_id or f"seq-{next(_ids)}"
