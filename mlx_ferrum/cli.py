@@ -178,6 +178,13 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer (default: $FERRUM_SPECULATIVE, else off)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="tokens proposed per step (default: $FERRUM_NUM_SPECULATIVE_TOKENS, else 4)")
+    p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None, metavar="N",
+                   help="no speculation while at least N requests run (default: "
+                        "$FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE, else 8)")
+    p.add_argument("--speculative-min-acceptance", type=unit_interval, default=None, metavar="F",
+                   help="a request whose drafts are accepted less often than F, or find nothing, backs off "
+                        "from speculating for a growing number of steps; 0 never backs off (default: "
+                        "$FERRUM_SPECULATIVE_MIN_ACCEPTANCE, else 0.3)")
 
 
 def _config(args) -> RuntimeConfig:
@@ -186,8 +193,9 @@ def _config(args) -> RuntimeConfig:
         overrides["kv_layout"] = "paged"
     if getattr(args, "speculative", None):
         overrides["speculative"] = args.speculative
-    if getattr(args, "num_speculative_tokens", None) is not None:
-        overrides["num_speculative_tokens"] = args.num_speculative_tokens
+    for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_min_acceptance"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
     return _runtime_config(overrides)
 
 
@@ -414,14 +422,29 @@ def cmd_bench(args) -> int:
     return run_bench_cli(args)
 
 
-def _runtime_flag_type(parse):
+def unit_interval(raw: str) -> float:
+    """A number in [0, 1].
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or outside [0, 1].
+    """
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number: give a number in [0, 1], e.g. 0.3") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give a number in [0, 1], e.g. 0.3")
+    return value
+
+
+def _runtime_flag_type(parse, name: str = ""):
     """The argparse type of a RuntimeConfig field's flag (None: argparse ``choices`` check it)."""
     from .config import _parse_bool, _parse_float, _parse_int
 
     if parse is _parse_bool:
         return boolean
     if parse is _parse_float:
-        return fraction  # kv_memory_fraction, the only float field
+        return unit_interval if name == "speculative_min_acceptance" else fraction
     if parse is _parse_int:
         return positive_int
     return None
@@ -446,12 +469,13 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
             default = "off"
         elif isinstance(default, bool):
             default = int(default)
-        kind = _runtime_flag_type(parse)
+        kind = _runtime_flag_type(parse, f.name)
         p.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None,
             type=int if f.name == "block_size" else (str.lower if f.name == "kv_layout" else kind),
             choices=choices.get(f.name),
-            metavar={boolean: "{1,0}", positive_int: "N", fraction: "F"}.get(kind) if f.name not in choices else None,
+            metavar={boolean: "{1,0}", positive_int: "N", fraction: "F", unit_interval: "F"}.get(kind)
+            if f.name not in choices else None,
             help=f"{FIELD_HELP[f.name]} (default: ${var}, else {default})",
         )
 
@@ -508,6 +532,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_config(args) -> RuntimeConfig:
+    """The engine configuration of ``serve``: its flags over the ``FERRUM_*`` variables over
+    the defaults, with the paged layout unless a flag or variable says otherwise.
+
+    Raises:
+        ConfigurationError: a malformed value (the message names the flag).
+    """
+    import os
+    from dataclasses import fields
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if getattr(args, f.name) is not None}
+    if args.enable_prefix_caching is not None:
+        overrides["prefix_cache"] = args.enable_prefix_caching
+    if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
+        overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
+    return _runtime_config(overrides)
+
+
 def cmd_serve(args) -> int:
     """The OpenAI-compatible HTTP server (see ``mlx_ferrum.server``)."""
     import logging
@@ -516,12 +558,7 @@ def cmd_serve(args) -> int:
 
     from .server import run_server
 
-    overrides = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if getattr(args, f.name) is not None}
-    if args.enable_prefix_caching:
-        overrides["prefix_cache"] = True
-    if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
-        overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
-    config = _runtime_config(overrides)
+    config = serve_config(args)
     from .server.limits import ServerLimits
 
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})  # checked before the model loads
@@ -601,7 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: no key needed)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the checkpoint's own)")
-    s.add_argument("--enable-prefix-caching", action="store_true", help="same as --prefix-cache 1 / FERRUM_PREFIX_CACHE=1")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share full prompt blocks across requests (vLLM's flag; the same as --prefix-cache 1/0; "
+                        "default: $FERRUM_PREFIX_CACHE, else on)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and mlx_ferrum's log level")
     _add_runtime_args(s)

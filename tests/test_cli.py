@@ -336,3 +336,31 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback():
                 p.kill()
         assert p.returncode == 130, err
         assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
+
+
+def test_serve_turns_prefix_caching_on_by_default_and_off_by_flag(monkeypatch):
+    """vLLM V1 and mlx_lm.server cache prompts by default; so does serve, and
+    --no-enable-prefix-caching / FERRUM_PREFIX_CACHE=0 turn it off."""
+    from mlx_ferrum.cli import build_parser, serve_config
+
+    monkeypatch.delenv("FERRUM_PREFIX_CACHE", raising=False)
+    monkeypatch.delenv("FERRUM_METAL_PAGED_KV", raising=False)
+    parse = build_parser().parse_args
+    on = serve_config(parse(["serve", "--model", "m"]))
+    assert on.prefix_cache is True and on.kv_layout == "paged"
+    assert serve_config(parse(["serve", "--model", "m", "--no-enable-prefix-caching"])).prefix_cache is False
+    assert serve_config(parse(["serve", "--model", "m", "--prefix-cache", "0"])).prefix_cache is False
+    monkeypatch.setenv("FERRUM_PREFIX_CACHE", "0")
+    assert serve_config(parse(["serve", "--model", "m"])).prefix_cache is False
+    assert serve_config(parse(["serve", "--model", "m", "--enable-prefix-caching"])).prefix_cache is True
+
+
+def test_speculation_policy_flags_reach_the_config(monkeypatch):
+    from mlx_ferrum.cli import _config, build_parser, serve_config
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--speculative", "ngram",
+                                      "--speculative-disable-by-batch-size", "3", "--speculative-min-acceptance", "0"])
+    cfg = _config(args)
+    assert (cfg.speculative_disable_by_batch_size, cfg.speculative_min_acceptance) == (3, 0.0)
+    served = serve_config(build_parser().parse_args(["serve", "--model", "m", "--speculative-min-acceptance", "0.5"]))
+    assert served.speculative_min_acceptance == 0.5

@@ -18,7 +18,9 @@ def clean_env(monkeypatch):
 def test_defaults():
     c = RuntimeConfig()
     assert (c.kv_layout, c.block_size, c.max_num_blocks, c.kv_capacity) == ("contiguous", 16, None, None)
-    assert (c.max_num_seqs, c.prefill_chunk_size, c.prefix_cache, c.metal_kernels) == (32, 512, False, True)
+    # prefix caching is on by default, as in vLLM V1 (and mlx_lm.server's prompt cache)
+    assert (c.max_num_seqs, c.prefill_chunk_size, c.prefix_cache, c.metal_kernels) == (32, 512, True, True)
+    assert (c.speculative_disable_by_batch_size, c.speculative_min_acceptance) == (8, 0.3)
 
 
 def test_environment_and_explicit_precedence(monkeypatch):

@@ -444,11 +444,13 @@ class SpeculationPolicy:
       speculates while ``speculative_disable_by_batch_size`` or more requests run; a
       full batch already keeps the device busy.
     - **By measured acceptance**: each request keeps a moving average of its drafts'
-      acceptance (accepted / proposed, weight 1/2 on the newest). A draft that finds
-      nothing, or an average below ``speculative_min_acceptance``, sends the request
-      into back-off: it skips the next 1, then 2, 4 ... up to :data:`MAX_BACKOFF` steps
-      before it proposes again; a well-accepted draft clears the back-off. Requests in
-      back-off decode on the pipelined plain step.
+      acceptance (accepted / proposed, weight 1/2 on the newest). An average below
+      ``speculative_min_acceptance`` sends the request into back-off: it skips the next
+      1, then 2, 4 ... up to :attr:`MAX_BACKOFF` steps before it proposes again. A draft
+      that finds nothing backs off the same way but at most :attr:`MAX_NO_MATCH_BACKOFF`
+      steps (it costs only one step's overlap, and repetitive text soon matches again).
+      A well-accepted draft clears the back-off. Requests in back-off decode on the
+      pipelined plain step.
 
     Args:
         config: ``num_speculative_tokens``, ``speculative_disable_by_batch_size``,
@@ -456,6 +458,7 @@ class SpeculationPolicy:
     """
 
     MAX_BACKOFF = 64
+    MAX_NO_MATCH_BACKOFF = 4
 
     def __init__(self, config: RuntimeConfig):
         self.k = config.num_speculative_tokens
@@ -480,11 +483,16 @@ class SpeculationPolicy:
             record.acceptance = 0.5 * record.acceptance + 0.5 * (accepted / proposed)
         if self.min_acceptance <= 0.0:
             return  # back-off turned off
-        if proposed == 0 or record.acceptance < self.min_acceptance:
+        if proposed > 0 and record.acceptance < self.min_acceptance:
             record.backoff = min(max(1, 2 * record.backoff), self.MAX_BACKOFF)
-            record.skip_until = step + 1 + record.backoff
+        elif proposed == 0:
+            # finding nothing costs only the step's overlap, and text that repeats itself
+            # soon matches again: a short back-off
+            record.backoff = min(max(1, 2 * record.backoff), self.MAX_NO_MATCH_BACKOFF)
         else:
             record.backoff = 0
+            return
+        record.skip_until = step + 1 + record.backoff
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
