@@ -284,7 +284,6 @@ def test_a_content_part_whose_text_is_not_a_string_is_a_400(server, part):
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/completions", "suffix", "The end."),
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "echo", True),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),

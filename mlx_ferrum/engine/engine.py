@@ -32,6 +32,7 @@ from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .speculative import SpeculativeRequest, make_proposer, token_logprobs, verify
 from ..executor import KvCacheHandle
 from .stop import emit_token
+from . import prompt_logprobs as _prompt_lp
 
 _req_ids = itertools.count()
 
@@ -127,6 +128,9 @@ class RequestOutput:
         top_logprobs: per token, ``{token_id: logprob}`` of the top alternatives, when asked.
         metrics: timings (:class:`~mlx_ferrum.engine.sequence.RequestMetrics`).
         prompt_token_ids: the prompt.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token
+            ``None`` (the first) or ``{token id: logprob}`` (its own id and the top
+            alternatives); None until every prompt token is scored.
     """
 
     request_id: str
@@ -141,6 +145,7 @@ class RequestOutput:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[dict]] = None
     error: Optional[str] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class Engine:
@@ -304,6 +309,7 @@ class Engine:
             logprobs=list(seq.logprobs) if want_lp else None,
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             error=seq.error,
+            prompt_logprobs=_prompt_lp.materialize(seq) if seq.params.prompt_logprobs is not None else None,
         )
 
     # ---------------------------------------------------------------- step
@@ -401,8 +407,28 @@ class Engine:
             if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
                 prev_row = rows[s.request_id]
                 tokens[-1] = 0
-            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row))
+            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
+                                all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
         return work
+
+    @staticmethod
+    def _score_prompts(items: list, work: list[SeqWork], logits: mx.array) -> list[mx.array]:
+        """Queue the prompt scores of every chunk that returned all its rows (prompt
+        logprobs); returns the arrays to evaluate with the step. Call before
+        ``num_computed`` moves. ``logits`` holds every item's rows in ``work`` order, or is
+        one array per item (the synchronous ``executor.run``)."""
+        arrays = []
+        r = 0
+        for i, (it, w) in enumerate(zip(items, work)):
+            n = w.num_logit_rows
+            if w.all_logits and it.seq.params.prompt_logprobs is not None:
+                rows = logits[i] if isinstance(logits, list) else logits[r : r + n]
+                chunk = _prompt_lp.chunk_scores(rows, it.seq.prompt_ids, it.seq.num_computed, it.seq.params.prompt_logprobs)
+                if chunk is not None:
+                    it.seq.prompt_score_chunks.append(chunk)
+                    arrays.extend(chunk.arrays())
+            r += n
+        return arrays
 
     def _launch(self, items: list, work: list[SeqWork]) -> Optional["_InFlight"]:
         """Queue the forward pass and the sampling of ``items``; nothing is read back.
@@ -424,6 +450,7 @@ class Engine:
             self.num_steps += 1
             sampled = []
             samples = [it.samples for it in items]  # read before num_computed moves
+            scores = self._score_prompts(items, work, logits)
             for it in items:
                 s = it.seq
                 if s.finished:  # aborted while the step was built: released by _end_flight
@@ -439,10 +466,12 @@ class Engine:
             for w in work:
                 row_of_item.append(r)
                 r += w.num_logit_rows
-            rows = [row_of_item[i] for i, it in enumerate(items) if samples[i] and not it.seq.finished]
+            # an item's sampled row is its last one (a prompt-logprobs chunk returns them all)
+            rows = [row_of_item[i] + work[i].num_logit_rows - 1 for i, it in enumerate(items)
+                    if samples[i] and not it.seq.finished]
             if not sampled:
                 try:
-                    mx.async_eval(state)
+                    mx.async_eval(state, *scores)
                 except BaseException as e:
                     self._evaluation_failed([], e)
                     raise
@@ -460,7 +489,7 @@ class Engine:
             extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
                      for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
             try:
-                mx.async_eval(flight.tokens, flight.finite, *extra, *state)
+                mx.async_eval(flight.tokens, flight.finite, *extra, *state, *scores)
             except BaseException as e:
                 self._evaluation_failed(sampled, e)
                 raise
@@ -800,8 +829,12 @@ class Engine:
                         if i in proposals:
                             work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True))
                         else:
-                            work.append(SeqWork(s.request_id, tokens))
+                            work.append(SeqWork(s.request_id, tokens,
+                                                all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
                 logits = self.executor.run(work)
+                scores = self._score_prompts(items, work, logits)
+                if scores:
+                    mx.eval(*scores)
             except Exception as e:  # noqa: BLE001 - a failed proposal or pass fails this step only
                 return outputs + self._fail_step(items, e)
             finally:
@@ -823,7 +856,7 @@ class Engine:
                         s.metrics.num_prefilled_tokens += it.num_tokens
                     s.num_computed += it.num_tokens
                     if samples:
-                        sampled.append((s, row))
+                        sampled.append((s, row[-1:]))
                 for i, r in candidates:
                     if items[i].seq.finished:  # aborted while it proposed: drop a draft cache made meanwhile
                         self._proposer.release(r.request_id)

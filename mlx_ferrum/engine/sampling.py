@@ -99,6 +99,10 @@ class SamplingParams:
       Ids are checked against the vocabulary when the engine takes the request.
     - ``speculative`` (bool, default True): ``False`` opts this request out of
       speculative decoding when the engine runs it (``RuntimeConfig.speculative``).
+    - ``prompt_logprobs`` (int >= 0 or ``None``): also return, per prompt token, its
+      log-probability given the tokens before it and that many top alternatives
+      (``RequestOutput.prompt_logprobs``; the first token's entry is ``None``). Computed
+      in the batched prefill; such a request does not read the prefix cache.
 
     Raises:
         SamplingParamsError: a field is out of range (the message names the field and
@@ -120,6 +124,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -157,6 +162,8 @@ class SamplingParams:
             bad("stop_token_ids", "use a list of ints >= 0")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "use None or an int >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "use None or an int >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "use True or False")
         if not isinstance(self.speculative, bool):

@@ -5,7 +5,7 @@ Shapes follow OpenAI's API reference (https://platform.openai.com/docs/api-refer
 and vLLM's ``entrypoints/openai/protocol.py`` for the extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``) and ``/tokenize``. Fields OpenAI does not define are
 ignored; OpenAI fields this server does not implement (``suffix``, ``best_of`` other
-than 1 or ``n``, ``echo``, ``functions``, ``function_call``, ``tools``, ``tool_choice``,
+than 1 or ``n``, ``functions``, ``function_call``, ``tools``, ``tool_choice``,
 ``response_format`` other than text, ``audio``, non-text ``modalities``) are parsed as
 any JSON value so that :mod:`mlx_ferrum.server.serving` can refuse them by name.
 """
@@ -87,10 +87,12 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Any
     logprobs: Optional[int] = None
+    #: return the prompt before the completion; with ``logprobs``, the prompt tokens'
+    #: log-probabilities too (the first is null); ``max_tokens: 0`` then scores the prompt only
+    echo: bool = False
     # OpenAI fields the server does not implement: refused by name when set
     suffix: Optional[Any] = None
     best_of: Optional[Any] = None
-    echo: Optional[Any] = None
 
 
 class TokenizeRequest(_Request):

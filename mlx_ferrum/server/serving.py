@@ -95,8 +95,6 @@ def _check_unimplemented(req: p._SamplingFields) -> None:
             raise _refuse_field("suffix", "fill-in-the-middle is not implemented")
         if req.best_of is not None and req.best_of not in (1, req.n):
             raise _refuse_field("best_of", "it returns every choice it generates; leave best_of out or set it to n")
-        if req.echo not in (None, False):
-            raise _refuse_field("echo", "it does not return the prompt with the completion")
     if isinstance(req, p.ChatCompletionRequest):
         if req.functions is not None:
             raise _refuse_field("functions", "function calling is not implemented")
@@ -246,19 +244,21 @@ class OpenAIServing:
             out[tid] = float(bias)
         return out
 
-    def _plan(self, req: p._SamplingFields, prompts: list[list[int]], max_tokens, logprobs) -> list[tuple[int, list[int], SamplingParams]]:
-        """``(prompt index, ids, params)`` for each of the ``n`` choices of each prompt."""
+    def _plan(self, req: p._SamplingFields, prompts: list[list[int]], max_tokens, logprobs,
+              extra: Optional[dict] = None) -> list[tuple[int, list[int], SamplingParams]]:
+        """``(prompt index, ids, params)`` for each of the ``n`` choices of each prompt;
+        ``extra``: more :class:`SamplingParams` fields (prompt logprobs, a constraint)."""
         for i, ids in enumerate(prompts):
             if len(ids) >= self.max_model_len:
                 # the engine would refuse it too, but only after checking every id on the event loop
                 message = context_full_message(len(ids), self.max_model_len, self.engine.model.args.max_position_embeddings)
                 raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt")
         bias = self._logit_bias(req.logit_bias)
-        return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias))
+        return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias, extra))
                 for pi, ids in enumerate(prompts) for j in range(req.n)]
 
     def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int,
-                logit_bias: Optional[dict[int, float]] = None) -> SamplingParams:
+                logit_bias: Optional[dict[int, float]] = None, extra: Optional[dict] = None) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
         seed = req.seed
@@ -280,6 +280,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos,
             logit_bias=logit_bias,
         )
+        fields.update(extra or {})
         try:
             return SamplingParams(**fields)
         except SamplingParamsError as e:
@@ -424,13 +425,13 @@ class OpenAIServing:
             self._token_text[tid] = text
         return text
 
-    def _usage(self, choices: list[_Choice]) -> p.UsageInfo:
+    def _usage(self, choices: list[_Choice], prompt_only: bool = False) -> p.UsageInfo:
         firsts = {}
         for c in choices:
             firsts.setdefault(c.prompt_index, c)
         prompt = sum(len(c.prompt_ids) for c in firsts.values())
         cached = sum((c.last or c.first).metrics.num_cached_tokens for c in firsts.values())
-        completion = sum(len((c.last or c.first).token_ids) for c in choices)
+        completion = 0 if prompt_only else sum(len((c.last or c.first).token_ids) for c in choices)
         return p.UsageInfo(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
@@ -450,6 +451,21 @@ class OpenAIServing:
             ]
             content.append(p.ChatLogprob(token=tok, logprob=out.logprobs[i], bytes=list(tok.encode()), top_logprobs=alts))
         return p.ChatChoiceLogprobs(content=content)
+
+    def _echo_logprobs(self, out: RequestOutput, prompt_ids: list[int]) -> p.CompletionLogprobs:
+        """The prompt part of an ``echo`` completion's ``logprobs``: every prompt token with
+        its log-probability (null for the first) and top alternatives, offsets from 0."""
+        lp = p.CompletionLogprobs()
+        table = out.prompt_logprobs or [None] * len(prompt_ids)
+        offset = 0
+        for tid, entry in zip(prompt_ids, table):
+            tok = self._token_str(tid)
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(entry[tid] if entry is not None else None)
+            lp.top_logprobs.append({self._token_str(a): v for a, v in entry.items()} if entry is not None else None)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return lp
 
     def _completion_logprobs(self, out: RequestOutput, start: int, offset: int) -> Optional[p.CompletionLogprobs]:
         if out.logprobs is None:
@@ -558,23 +574,40 @@ class OpenAIServing:
         self._check_counts(req.n, len(prompt) if several else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= _TOP_LOGPROBS_MAX:
             raise ServingError(400, f"logprobs={req.logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="logprobs")
-        choices = await self._submit(await run_in_threadpool(self._completion_plan, req))
+        plan = await run_in_threadpool(self._completion_plan, req)
+        choices = await self._submit(plan.items)
         rid = f"cmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
-            return self._completion_stream(req, choices, rid, name)
+            return self._completion_stream(req, choices, rid, name, plan)
         async for _ in self._merged(choices):
             pass
         self._raise_failed(choices)
         return p.CompletionResponse(
-            id=rid, model=name, usage=self._usage(choices),
-            choices=[
-                p.CompletionChoice(index=c.index, text=c.last.text, logprobs=self._completion_logprobs(c.last, 0, 0), finish_reason=c.last.finish_reason)
-                for c in choices
-            ],
+            id=rid, model=name, usage=self._usage(choices, plan.prompt_only),
+            choices=[self._completion_choice(req, c, plan) for c in choices],
         )
 
-    def _completion_plan(self, req: p.CompletionRequest) -> list:
+    def _completion_choice(self, req: p.CompletionRequest, c: _Choice, plan: "_CompletionPlan") -> p.CompletionChoice:
+        """A finished choice; with ``echo`` the prompt (and its logprobs) comes first, and
+        with ``max_tokens: 0`` only the prompt (the one token generated is dropped)."""
+        out = c.last
+        if not req.echo:
+            return p.CompletionChoice(index=c.index, text=out.text, logprobs=self._completion_logprobs(out, 0, 0),
+                                      finish_reason=out.finish_reason)
+        head = plan.texts[c.prompt_index]
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self._echo_logprobs(out, c.prompt_ids)
+            if not plan.prompt_only:
+                tail = self._completion_logprobs(out, 0, len(head))
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(logprobs, key).extend(getattr(tail, key))
+        if plan.prompt_only:
+            return p.CompletionChoice(index=c.index, text=head, logprobs=logprobs, finish_reason="length")
+        return p.CompletionChoice(index=c.index, text=head + out.text, logprobs=logprobs, finish_reason=out.finish_reason)
+
+    def _completion_plan(self, req: p.CompletionRequest) -> "_CompletionPlan":
         """Tokenize and check the prompts under the prompt-token limit, then build each
         choice's parameters (worker thread: a large prompt never blocks the event loop)."""
         prompt = req.prompt
@@ -600,16 +633,38 @@ class OpenAIServing:
             total += len(ids)
             self._count_prompt_tokens(total)  # stop tokenizing as soon as the request is over
             prompts.append(self._check_ids(ids, what="the prompt" if count == 1 else f"prompt {i}"))
-        return self._plan(req, prompts, req.max_tokens, req.logprobs)
+        extra, max_tokens, prompt_only = {}, req.max_tokens, False
+        if req.echo:
+            if req.logprobs is not None:
+                extra["prompt_logprobs"] = req.logprobs
+            if max_tokens == 0:  # score the prompt only: one token is generated and dropped
+                max_tokens, prompt_only = 1, True
+        echo_texts = None
+        if req.echo:
+            echo_texts = list(texts) if texts is not None else [self.tokenizer.decode(ids) for ids in prompts]
+        return _CompletionPlan(self._plan(req, prompts, max_tokens, req.logprobs, extra), echo_texts, prompt_only)
 
-    async def _completion_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
+    async def _completion_stream(self, req, choices, rid, name, plan: "_CompletionPlan") -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = _chunk_head(rid, "text_completion", name)
         merged = self._merged(choices)
         try:
             sent = {c.index: 0 for c in choices}
             offsets = {c.index: 0 for c in choices}
+            echoed: set[int] = set()
             async for c, out in merged:
+                if req.echo and c.index not in echoed:
+                    # the prompt first (its logprobs arrive with the request's first output)
+                    echoed.add(c.index)
+                    text = plan.texts[c.prompt_index]
+                    offsets[c.index] = len(text)
+                    choice = {"index": c.index, "text": text,
+                              "finish_reason": "length" if plan.prompt_only and out.finished else None}
+                    if req.logprobs is not None:
+                        choice["logprobs"] = self._echo_logprobs(out, c.prompt_ids).model_dump(exclude_none=True)
+                    yield head + _json(choice) + "]}\n\n"
+                if plan.prompt_only:
+                    continue
                 fresh = out.logprobs is not None and _scored(out) > sent[c.index]
                 if not out.delta and not out.finished and not fresh:
                     continue
@@ -621,7 +676,7 @@ class OpenAIServing:
                 offsets[c.index] += len(out.delta)
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
-                u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices))
+                u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices, plan.prompt_only))
                 yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -651,6 +706,17 @@ class OpenAIServing:
         if req.tokens:
             self._check_ids(list(req.tokens), param="tokens", what="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+@dataclass
+class _CompletionPlan:
+    """A completions request's engine requests, plus what ``echo`` needs: the prompt
+    texts (one per prompt; None without echo) and whether only the prompt is returned
+    (``max_tokens: 0``)."""
+
+    items: list
+    texts: Optional[list[str]]
+    prompt_only: bool
 
 
 def _scored(out: RequestOutput) -> int:
