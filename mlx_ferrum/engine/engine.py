@@ -33,6 +33,7 @@ from .speculative import SpeculativeRequest, make_proposer, token_logprobs, veri
 from ..executor import KvCacheHandle
 from .stop import emit_token
 from . import prompt_logprobs as _prompt_lp
+from .structured import GrammarBackend
 
 _req_ids = itertools.count()
 
@@ -199,6 +200,46 @@ class Engine:
         self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
+        self._grammar_backend: Optional[GrammarBackend] = None  # built with the first constrained request
+        self._grammar_init_lock = threading.Lock()
+
+    # ------------------------------------------------------ structured output
+    def grammar_backend(self) -> GrammarBackend:
+        """The engine's :class:`~mlx_ferrum.engine.structured.GrammarBackend` (built once).
+
+        Raises:
+            StructuredOutputError: no tokenizer, llguidance missing, or a tokenizer it cannot read.
+        """
+        with self._grammar_init_lock:
+            if self._grammar_backend is None:
+                if self.tokenizer is None:
+                    from ..errors import StructuredOutputError
+
+                    raise StructuredOutputError("structured output needs a tokenizer: load the model with mlx_ferrum.load")
+                self._grammar_backend = GrammarBackend(self.tokenizer, self.model.args.vocab_size)
+            return self._grammar_backend
+
+    def compile_constraint(self, params: SamplingParams):
+        """The request's grammar state (None without a constraint). Thread-safe; the server
+        calls it in a worker thread first, so that a bad schema is a 400 before admission
+        and the compile is cached when :meth:`add_request` asks again.
+
+        Raises:
+            StructuredOutputError: the constraint does not compile.
+        """
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_backend().matcher(params.structured_outputs)
+
+    def _grammar_mask(self, seqs: list, queued: Optional[mx.array] = None) -> Optional[mx.array]:
+        """The packed ``[B, ceil(V / 32)]`` token bitmask of ``seqs`` (None when none is
+        constrained). ``queued``: the logits being sampled, started on the device first so
+        that the host computes the masks while the forward pass runs."""
+        if not any(s.grammar is not None for s in seqs):
+            return None
+        if queued is not None:
+            mx.async_eval(queued)
+        return mx.array(self._grammar_backend.fill_bitmask([s.grammar for s in seqs]))
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -223,7 +264,9 @@ class Engine:
             raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
         params.check_vocab(self.model.args.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
+        grammar = self.compile_constraint(params)
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
+        seq.grammar = grammar
         with self._lock:
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is in use: pick another")
@@ -380,14 +423,16 @@ class Engine:
     def _can_overlap(self) -> bool:
         """True when the next step may be queued before the in-flight tokens are known.
 
-        Not with prefix caching (the manager hashes token ids on the host) and not while
+        Not with prefix caching (the manager hashes token ids on the host), not while
         an in-flight row uses a repetition, presence or frequency penalty (its history
-        needs the token).
+        needs the token), and not while an in-flight row is constrained (its grammar must
+        take the token before the next mask exists).
         """
         if not self._pipelined:
             return False
         return not any(
             s.params.repetition_penalty != 1.0 or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+            or s.grammar is not None
             for s, _, _ in self._inflight.rows
         )
 
@@ -478,7 +523,7 @@ class Engine:
                 return None
             take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
             try:
-                flight = self._sample_flight(take, sampled)
+                flight = self._sample_flight(take, sampled, self._grammar_mask(sampled, take))
             except BaseException as e:
                 # the KV already holds this step, so its sampled requests end now rather
                 # than stall; then it propagates
@@ -514,16 +559,17 @@ class Engine:
         else:
             self._pending.extend(self._fail_seqs(sampled, exc))
 
-    def _sample_flight(self, take: mx.array, seqs: list[Sequence]) -> "_InFlight":
+    def _sample_flight(self, take: mx.array, seqs: list[Sequence], allowed: Optional[mx.array] = None) -> "_InFlight":
         """Sample every row of ``take`` at once (lazily); when that raises, row by row with
         the random keys restored, so a failure (a bad parameter, a fault) ends only the
-        request it belongs to (finished here with ``"error"``; its output is pending)."""
+        request it belongs to (finished here with ``"error"``; its output is pending).
+        ``allowed``: the grammar bitmask of the rows (structured output), or None."""
         states = [s.sampler for s in seqs]
         saved = [st.key for st in states]
         finite = mx.all(mx.isfinite(take), axis=-1)
         errors: dict[int, str] = {}
         try:
-            res = sample(take, states, record=False)
+            res = sample(take, states, record=False, allowed=allowed)
             results = [(res, b) for b in range(len(seqs))]
             tokens = res.tokens
         except Exception:  # noqa: BLE001 - find the row(s) at fault
@@ -531,7 +577,8 @@ class Engine:
             for b, st in enumerate(states):
                 st.key = saved[b]  # the failed batched call may have split it
                 try:
-                    r = sample(take[b : b + 1], [st], record=False)
+                    r = sample(take[b : b + 1], [st], record=False,
+                               allowed=allowed[b : b + 1] if allowed is not None else None)
                     results.append((r, 0))
                     pieces.append(r.tokens.astype(mx.int32))
                 except Exception as e:  # noqa: BLE001
@@ -622,8 +669,9 @@ class Engine:
         saved = [(s.sampler.key, len(s.sampler.history)) for s in seqs]
         finite = mx.all(mx.isfinite(rows), axis=-1)
         errors: list = [None] * n
+        allowed = self._grammar_mask(seqs, rows)
         try:
-            res = sample(rows, [s.sampler for s in seqs], record=False)
+            res = sample(rows, [s.sampler for s in seqs], record=False, allowed=allowed)
             mx.eval(res.tokens, finite)
             tokens = res.tokens.tolist()
             for s, tok in zip(seqs, tokens):
@@ -636,7 +684,7 @@ class Engine:
                 s.sampler.key = key  # the failed batched call may have split it
                 del s.sampler.history[hist:]
                 try:
-                    r = sample(rows[b : b + 1], [s.sampler])
+                    r = sample(rows[b : b + 1], [s.sampler], allowed=allowed[b : b + 1] if allowed is not None else None)
                     tokens[b] = r.tokens.tolist()[0]
                     lps[b] = r.logprobs.tolist()[0] if r.logprobs is not None else None
                     tops[b] = (r.top_ids.tolist()[0], r.top_logprobs.tolist()[0]) if r.top_ids is not None else None
@@ -687,7 +735,13 @@ class Engine:
         else:
             s.output_ids[index] = tok
         out_of_room = index + 1 >= s.params.max_tokens or len(s.prompt_ids) + index + 1 >= cap
-        delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+        grammar_done = False
+        if s.grammar is not None and tok not in s.stop_ids:
+            s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
+            grammar_done = s.grammar.done
+        delta, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
+        if grammar_done and reason == "length" and not out_of_room:
+            reason = "stop"  # the constraint is complete: nothing may follow
         s.text += delta
         if reason is not None:
             del s.output_ids[index + 1 :]  # a token queued in the pipeline's lag is dropped
@@ -892,7 +946,7 @@ class Engine:
         out = []
         for i, it in enumerate(items):
             s = it.seq
-            if it.num_tokens != 1 or not it.samples or not s.output_ids or not s.params.speculative:
+            if it.num_tokens != 1 or not it.samples or not s.output_ids or not s.params.speculative or s.grammar is not None:
                 continue
             k = min(k_max, s.params.max_tokens - len(s.output_ids) - 1, cap - s.num_tokens, budget)
             if mgr is not None and k > 0:

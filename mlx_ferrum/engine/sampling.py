@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 
 from ..errors import ExecutorError, SamplingParamsError
+from .structured import StructuredOutputsParams, apply_token_bitmask
 
 __all__ = [
     "SamplingParams",
@@ -103,6 +104,12 @@ class SamplingParams:
       log-probability given the tokens before it and that many top alternatives
       (``RequestOutput.prompt_logprobs``; the first token's entry is ``None``). Computed
       in the batched prefill; such a request does not read the prefix cache.
+    - ``structured_outputs`` (:class:`~mlx_ferrum.engine.structured.StructuredOutputsParams`,
+      a dict of its fields, or ``None``): constrain the output to a JSON schema, any JSON
+      object, a regex, a Lark grammar or a choice of strings. The request opts out of
+      speculative decoding. A constraint that cannot be completed within ``max_tokens``
+      ends with ``"length"``; one that does not compile raises
+      :class:`~mlx_ferrum.errors.StructuredOutputError` when the engine takes the request.
 
     Raises:
         SamplingParamsError: a field is out of range (the message names the field and
@@ -125,6 +132,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -164,6 +172,10 @@ class SamplingParams:
             bad("logprobs", "use None or an int >= 0")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             bad("prompt_logprobs", "use None or an int >= 0")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "use None, a StructuredOutputsParams or a dict of its fields")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "use True or False")
         if not isinstance(self.speculative, bool):
@@ -546,7 +558,8 @@ def _uniform_rows(keys: mx.array, vocab: int) -> mx.array:
 
 
 def sample(
-    logits: mx.array, states: Sequence[SamplerState], record: bool = True, pending: Optional[mx.array] = None
+    logits: mx.array, states: Sequence[SamplerState], record: bool = True, pending: Optional[mx.array] = None,
+    allowed: Optional[mx.array] = None,
 ) -> SampleResult:
     """Pick one token per row of ``logits``.
 
@@ -565,6 +578,10 @@ def sample(
             history does not hold yet (``-1``: none). The pipelined engine samples step
             ``t + 1`` before step ``t``'s token is read back; the penalties count that
             token from here, on the device, so they stay exact without a host wait.
+        allowed: optional ``[B, ceil(V / 32)]`` int32 packed token bitmask (structured
+            output; llguidance's layout, see
+            :func:`~mlx_ferrum.engine.structured.apply_token_bitmask`), applied to the
+            whole batch in one op after ``logit_bias``; rows of all ones are unchanged.
 
     Returns:
         :class:`SampleResult`.
@@ -594,6 +611,8 @@ def sample(
         )
     if any(p.logit_bias for p in params):
         x = apply_logit_bias(x, [p.logit_bias for p in params])
+    if allowed is not None:
+        x = apply_token_bitmask(x, allowed)
 
     greedy_rows = [p.greedy for p in params]
     argmax = mx.argmax(x, axis=-1).astype(mx.int32)
