@@ -112,3 +112,159 @@ def test_loglikelihood_multiple_choice_through_the_server_matches_mlx_lm(server,
             theirs.append(sum(want[p - 1][ids[p]] for p in range(n_ctx, len(ids))))
         assert ours == pytest.approx(theirs, abs=1e-3)
         assert max(range(len(endings)), key=ours.__getitem__) == max(range(len(endings)), key=theirs.__getitem__)
+
+
+# ------------------------------------------------------------------ response_format
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "pet": {"enum": ["cat", "dog"]}},
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_json_object_on_chat_and_completions(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    msgs = [{"role": "user", "content": "Lily"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=120, temperature=1.0, seed=seed,
+                                           response_format=rf)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = client.completions.create(model=MODEL, prompt="Lily", max_tokens=120, temperature=1.0, seed=5,
+                                  extra_body={"response_format": rf})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, seed=1,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    text = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                          response_format={"type": "text"}).choices[0].message.content
+    assert text == client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0).choices[0].message.content
+    # vLLM's guided fields
+    r = client.completions.create(model=MODEL, prompt="Lily", max_tokens=20, temperature=1.0,
+                                  extra_body={"guided_regex": "(yes|no)!"})
+    assert r.choices[0].text in ("yes!", "no!")
+
+
+def test_parse_with_a_pydantic_model(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog", "fish"]
+        legs: int = Field(ge=0, le=8)
+        happy: bool
+
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    r = parse(model=MODEL, messages=[{"role": "user", "content": "Lily"}], response_format=Pet, max_tokens=100,
+              temperature=1.0, seed=2)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and pet.kind in ("cat", "dog", "fish") and 0 <= pet.legs <= 8
+
+
+def test_a_schema_that_does_not_compile_is_a_400(server, client):
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+                 {"response_format": {"type": "json_schema"}},
+                 {"response_format": {"type": "yaml"}},
+                 {"guided_regex": "[a-"}):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Lily"}], "max_tokens": 4, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] in ("response_format", "guided_regex"), err
+    # the server serves on
+    assert client.completions.create(model=MODEL, prompt="Lily", max_tokens=2, temperature=0).choices[0].text
+
+
+# ------------------------------------------------------------------ tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                                       "additionalProperties": False}}}
+MSGS = [{"role": "user", "content": "Lily"}]
+
+
+def test_tool_choice_required_and_named_always_parse(client):
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, TIME], tool_choice="required",
+                                           max_tokens=120, temperature=1.0, seed=seed, parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            assert call.function.name in ("get_weather", "get_time")
+            json.loads(call.function.arguments)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, TIME], max_tokens=60, temperature=1.0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+
+
+def test_auto_tool_calls_are_parsed_from_the_model_output_streamed_and_not(client):
+    # a scripted reply: the regex makes the model write a Hermes tool call after some text
+    script = {"guided_regex": "Sure\\. " + HERMES_CALL.replace("{", "\\{").replace("}", "\\}")}
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=100, temperature=0,
+                                       extra_body=script)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Sure."
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome", "days": 2}
+    stream = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=100, temperature=0,
+                                            extra_body=script, stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        calls.extend(d.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert content.strip() == "Sure." and finish == "tool_calls"
+    assert [(k.index, k.function.name, json.loads(k.function.arguments)) for k in calls] == [(0, "get_weather", {"city": "Rome", "days": 2})]
+    # no call in the reply: plain content, finish_reason stop/length
+    plain = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_required_tool_calls_stream_as_deltas(client):
+    stream = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice="required",
+                                            max_tokens=120, temperature=1.0, seed=4, stream=True, parallel_tool_calls=False)
+    calls, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            calls.extend(chunk.choices[0].delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls and all(k.function.name == "get_weather" for k in calls)
+
+
+def test_tool_messages_go_back_into_the_template(client):
+    history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_malformed_tools_are_400s(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": MSGS, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -29,8 +29,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine import AsyncEngine, RequestOutput, SamplingParams
 from ..engine.engine import context_full_message
-from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError
+from ..engine.structured import StructuredOutputsParams
+from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError, StructuredOutputError
 from . import protocol as p
+from . import tool_parsers
 from .limits import ServerLimits, flag_of
 
 
@@ -100,12 +102,117 @@ def _check_unimplemented(req: p._SamplingFields) -> None:
             raise _refuse_field("functions", "function calling is not implemented")
         if req.function_call is not None and req.function_call != "none":
             raise _refuse_field("function_call", "function calling is not implemented")
-        if req.tools is not None and req.tools != []:
-            raise _refuse_field("tools", "tool calling is not implemented")
-        if req.tool_choice is not None and req.tool_choice != "none":
-            raise _refuse_field("tool_choice", "tool calling is not implemented")
-        if req.response_format is not None and not (isinstance(req.response_format, dict) and req.response_format.get("type") == "text"):
-            raise _refuse_field("response_format", "structured output is not implemented; only {\"type\": \"text\"}")
+
+
+
+def _constraint(req: p._SamplingFields) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's output constraint and the field that set it: OpenAI's
+    ``response_format``, or one of vLLM's ``structured_outputs`` / ``guided_*`` fields.
+
+    Raises:
+        ServingError: 400 for a malformed ``response_format``, or more than one constraint.
+    """
+    found = []
+    rf = req.response_format
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ServingError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                               "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                               param="response_format")
+        if rf["type"] == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf["type"] == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ServingError(400, "response_format json_schema needs \"json_schema\": {\"name\": ..., \"schema\": "
+                                   "{a JSON schema object}}", param="response_format")
+            found.append(("response_format", StructuredOutputsParams(json=schema)))
+    try:
+        if req.structured_outputs is not None:
+            found.append(("structured_outputs", StructuredOutputsParams(**req.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
+                          ("guided_choice", "choice")):
+            if getattr(req, name) is not None:
+                found.append((name, StructuredOutputsParams(**{key: getattr(req, name)})))
+    except (StructuredOutputError, TypeError) as e:
+        raise ServingError(400, f"invalid constraint: {e}", param="structured_outputs") from None
+    if len(found) > 1:
+        raise ServingError(400, f"give one output constraint, got {[n for n, _ in found]}", param=found[1][0])
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+@dataclass
+class _ToolMode:
+    """How a chat request uses tools: ``kind`` ``auto`` (parse the model's own syntax),
+    ``required`` or ``named`` (the output is constrained JSON), or None (no tools)."""
+
+    kind: Optional[str] = None
+    name: Optional[str] = None
+    tools: Optional[list] = None
+
+
+def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
+    """Validate ``tools`` / ``tool_choice``.
+
+    Raises:
+        ServingError: 400 for a malformed tool, an unknown choice, or a named function
+            that is not among the tools.
+    """
+    tools, choice = req.tools, req.tool_choice
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise ServingError(400, "tool_choice needs tools: send the functions in 'tools'", param="tool_choice")
+        return _ToolMode()
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
+        raise ServingError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                           "\"parameters\": {...}}}", param="tools")
+    for t in tools:
+        params = t["function"].get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ServingError(400, f"tool {t['function']['name']!r}: parameters must be a JSON schema object", param="tools")
+    names = [t["function"]["name"] for t in tools]
+    if choice in (None, "auto"):
+        return _ToolMode("auto", tools=tools)
+    if choice == "none":
+        return _ToolMode()
+    if choice == "required":
+        return _ToolMode("required", tools=tools)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise ServingError(400, f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
+        return _ToolMode("named", name=name, tools=tools)
+    raise ServingError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def _template_message(m: p.ChatMessage, i: int) -> dict:
+    """A message as chat templates read it: ``tool_calls`` with their arguments as dicts
+    (vLLM does the same: templates write them with ``tojson``), ``tool_call_id`` and
+    ``name`` of tool results kept."""
+    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
+    extra = m.model_extra or {}
+    calls = extra.get("tool_calls")
+    if calls:
+        out = []
+        for call in calls:
+            call = dict(call)
+            f = dict(call.get("function") or {})
+            if isinstance(f.get("arguments"), str):
+                try:
+                    f["arguments"] = json.loads(f["arguments"])
+                except ValueError:
+                    pass
+            call["function"] = f
+            out.append(call)
+        msg["tool_calls"] = out
+    for key in ("tool_call_id", "name"):
+        if extra.get(key) is not None:
+            msg[key] = extra[key]
+    return msg
 
 
 @dataclass
@@ -130,10 +237,12 @@ class OpenAIServing:
         chat_template: a Jinja template string overriding the checkpoint's, or None.
         metrics: a :class:`~mlx_ferrum.server.metrics.ServerMetrics` to record into, or None.
         limits: the :class:`ServerLimits` (None: the defaults).
+        tool_call_parser: ``hermes`` / ``llama3_json`` / ``mistral``; None detects it from
+            the chat template (``hermes`` when it shows none).
     """
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None,
-                 limits: Optional[ServerLimits] = None):
+                 limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -153,6 +262,13 @@ class OpenAIServing:
         self._anchor = list(self.tokenizer.encode("a", add_special_tokens=False))[:1]
         self._anchor_text = self.tokenizer.decode(self._anchor, skip_special_tokens=False)
         self._token_text: dict[int, str] = {}
+        if tool_call_parser is None:
+            try:
+                source = self.tokenizer._template_source(chat_template)
+            except FerrumError:
+                source = None
+            tool_call_parser = tool_parsers.detect_parser(source if isinstance(source, str) else None)
+        self.tool_parser = tool_parsers.get_parser(tool_call_parser)
 
     # -------------------------------------------------------------- checks
     def check_model(self, name: Optional[str]) -> None:
@@ -209,11 +325,13 @@ class OpenAIServing:
         except FerrumError as e:
             raise ServingError(400, str(e), param=param) from None
 
-    def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        msgs = [{"role": m.role, "content": _content_text(m.content, f"messages.{i}")} for i, m in enumerate(messages)]
+    def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                      tools: Optional[list] = None) -> list[int]:
+        msgs = [_template_message(m, i) for i, m in enumerate(messages)]
+        kwargs = {"tools": tools} if tools else {}
         try:
             return list(self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template, **kwargs
             ))
         except ChatTemplateError as e:
             raise ServingError(400, f"{e} (or start the server with --chat-template FILE)", param="messages") from None
@@ -256,6 +374,21 @@ class OpenAIServing:
         bias = self._logit_bias(req.logit_bias)
         return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias, extra))
                 for pi, ids in enumerate(prompts) for j in range(req.n)]
+
+    def _constraint_fields(self, spec: Optional[StructuredOutputsParams], field: Optional[str]) -> dict:
+        """``{"structured_outputs": spec}``, compiled once here (a worker thread; the engine
+        reuses the compiled grammar), or ``{}`` without a constraint.
+
+        Raises:
+            ServingError: 400 naming ``field`` when the constraint does not compile.
+        """
+        if spec is None:
+            return {}
+        try:
+            self.engine.compile_constraint(SamplingParams(structured_outputs=spec))
+        except StructuredOutputError as e:
+            raise ServingError(400, str(e), param=field) from None
+        return {"structured_outputs": spec}
 
     def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int,
                 logit_bias: Optional[dict[int, float]] = None, extra: Optional[dict] = None) -> SamplingParams:
@@ -496,32 +629,56 @@ class OpenAIServing:
             raise ServingError(400, f"top_logprobs={req.top_logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        choices = await self._submit(await run_in_threadpool(self._chat_plan, req))
+        mode = _tool_mode(req)
+        choices = await self._submit(await run_in_threadpool(self._chat_plan, req, mode))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
+            if mode.kind is not None:
+                return self._chat_tool_stream(req, choices, rid, name, mode)
             return self._chat_stream(req, choices, rid, name)
         async for _ in self._merged(choices):
             pass
         self._raise_failed(choices)
-        return p.ChatCompletionResponse(
-            id=rid, model=name, usage=self._usage(choices),
-            choices=[
-                p.ChatCompletionChoice(
-                    index=c.index, message=p.ChatResponseMessage(content=c.last.text),
-                    logprobs=self._chat_logprobs(c.last, 0), finish_reason=c.last.finish_reason,
-                )
-                for c in choices
-            ],
-        )
+        out_choices = []
+        for c in choices:
+            content, calls = self._tool_result(mode, c.last)
+            finish = "tool_calls" if calls and c.last.finish_reason == "stop" else c.last.finish_reason
+            out_choices.append(p.ChatCompletionChoice(
+                index=c.index, message=p.ChatResponseMessage(content=content, tool_calls=[k.openai() for k in calls] or None),
+                logprobs=self._chat_logprobs(c.last, 0), finish_reason=finish,
+            ))
+        return p.ChatCompletionResponse(id=rid, model=name, usage=self._usage(choices), choices=out_choices)
 
-    def _chat_plan(self, req: p.ChatCompletionRequest) -> list:
-        """Render and tokenize the messages, then build each choice's parameters (worker thread)."""
-        ids = self._check_ids(self._messages_ids(req.messages), param="messages", what="the rendered chat prompt")
+    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[_ToolMode] = None) -> list:
+        """Render and tokenize the messages (with the tools), compile the output
+        constraint, then build each choice's parameters (worker thread)."""
+        mode = mode or _ToolMode()
+        ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools), param="messages",
+                              what="the rendered chat prompt")
         self._count_prompt_tokens(len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return self._plan(req, [ids], max_tokens, logprobs)
+        spec, field = _constraint(req)
+        if mode.kind == "named":  # the output is the function's arguments
+            tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
+            spec, field = StructuredOutputsParams(json=tool["function"].get("parameters") or {"type": "object"}), "tools"
+        elif mode.kind == "required":  # a non-empty JSON list of calls
+            spec, field = StructuredOutputsParams(json=tool_parsers.required_schema(mode.tools, req.parallel_tool_calls)), "tools"
+        return self._plan(req, [ids], max_tokens, logprobs, self._constraint_fields(spec, field))
+
+    def _tool_result(self, mode: _ToolMode, out: RequestOutput) -> tuple[Optional[str], list]:
+        """``(content, tool calls)`` of a finished chat choice."""
+        if mode.kind is None:
+            return out.text, []
+        if mode.kind in ("required", "named"):
+            calls = tool_parsers.forced_calls(out.text, mode.name)
+            return (None if calls else out.text), calls
+        # the model's own syntax may use special tokens (Mistral's [TOOL_CALLS]): read them too
+        eos = getattr(self.tokenizer, "eos_token_ids", set())
+        full = self.tokenizer.decode([t for t in out.token_ids if t not in eos], skip_special_tokens=False)
+        content, calls = self.tool_parser.parse(full)
+        return (content if calls else out.text), calls
 
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
@@ -554,6 +711,44 @@ class OpenAIServing:
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
                 yield chunk([], usage=self._usage(choices))
+            yield "data: [DONE]\n\n"
+        finally:
+            await merged.aclose()
+
+    async def _chat_tool_stream(self, req, choices, rid, name, mode: _ToolMode) -> AsyncIterator[str]:
+        """A streamed chat completion with tools: content streams until the text may be
+        starting a tool call (auto), and the calls come as ``tool_calls`` deltas once the
+        reply is complete (each call whole, OpenAI's delta shape with ``index``)."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = _chunk_head(rid, "chat.completion.chunk", name)
+        merged = self._merged(choices)
+        try:
+            for c in choices:
+                yield head + _json({"index": c.index, "delta": {"role": "assistant", "content": ""}}) + "]}\n\n"
+            sent = {c.index: 0 for c in choices}
+            async for c, out in merged:
+                if not out.finished:
+                    if mode.kind == "auto":
+                        end = self.tool_parser.content_end(out.text)
+                        if end > sent[c.index]:
+                            delta = out.text[sent[c.index]:end]
+                            sent[c.index] = end
+                            yield head + _json({"index": c.index, "delta": {"content": delta}}) + "]}\n\n"
+                    continue
+                content, calls = self._tool_result(mode, out)
+                if calls:
+                    rest = (content or "")[sent[c.index]:] if mode.kind == "auto" else ""
+                    if rest:
+                        yield head + _json({"index": c.index, "delta": {"content": rest}}) + "]}\n\n"
+                    deltas = [k.openai(index=i) for i, k in enumerate(calls)]
+                    yield head + _json({"index": c.index, "delta": {"tool_calls": deltas}}) + "]}\n\n"
+                elif out.text[sent[c.index]:]:
+                    yield head + _json({"index": c.index, "delta": {"content": out.text[sent[c.index]:]}}) + "]}\n\n"
+                finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+                yield head + _json({"index": c.index, "delta": {}, "finish_reason": finish}) + "]}\n\n"
+            if include_usage:
+                u = p.ChatCompletionChunk(id=rid, model=name, choices=[], usage=self._usage(choices))
+                yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await merged.aclose()
@@ -633,7 +828,7 @@ class OpenAIServing:
             total += len(ids)
             self._count_prompt_tokens(total)  # stop tokenizing as soon as the request is over
             prompts.append(self._check_ids(ids, what="the prompt" if count == 1 else f"prompt {i}"))
-        extra, max_tokens, prompt_only = {}, req.max_tokens, False
+        extra, max_tokens, prompt_only = self._constraint_fields(*_constraint(req)), req.max_tokens, False
         if req.echo:
             if req.logprobs is not None:
                 extra["prompt_logprobs"] = req.logprobs
