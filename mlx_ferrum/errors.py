@@ -65,6 +65,11 @@ class SamplingParamsError(FerrumError, ValueError):
     """A ``SamplingParams`` field is out of range (the message names the field and the range)."""
 
 
+class StructuredOutputError(SamplingParamsError):
+    """A structured-output constraint (JSON schema, regex, grammar) cannot be compiled or
+    used, or a token broke it (the message holds the constraint library's reason)."""
+
+
 class PromptTooLongError(FerrumError, ValueError):
     """A prompt (plus ``max_tokens`` where it must fit) exceeds the context the model or cache allows."""
 

@@ -284,12 +284,8 @@ def test_a_content_part_whose_text_is_not_a_string_is_a_400(server, part):
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/completions", "suffix", "The end."),
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "echo", True),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", "auto"),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "mp3"}),
 ])
 def test_unimplemented_openai_fields_are_refused_by_name(server, path, field, value):

@@ -10,6 +10,7 @@ from .engine import Engine, RequestOutput
 from .sampling import SamplerState, SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestMetrics, Sequence, SequenceStatus
+from .structured import StructuredOutputsParams
 
 __all__ = [
     "AsyncEngine",
@@ -21,5 +22,6 @@ __all__ = [
     "Scheduler",
     "Sequence",
     "SequenceStatus",
+    "StructuredOutputsParams",
     "sample",
 ]

@@ -35,6 +35,8 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .speculative import Proposal, SpeculationPolicy, SpeculativeRequest, make_proposer, token_logprobs, verify
 from .stop import emit_token
+from . import prompt_logprobs as _prompt_lp
+from .structured import GrammarBackend
 
 _req_ids = itertools.count()
 
@@ -144,6 +146,9 @@ class RequestOutput:
         top_logprobs: per token, ``{token_id: logprob}`` of the top alternatives, when asked.
         metrics: timings (:class:`~mlx_ferrum.engine.sequence.RequestMetrics`).
         prompt_token_ids: the prompt.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token
+            ``None`` (the first) or ``{token id: logprob}`` (its own id and the top
+            alternatives); None until every prompt token is scored.
     """
 
     request_id: str
@@ -158,6 +163,7 @@ class RequestOutput:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[dict]] = None
     error: Optional[str] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class Engine:
@@ -236,6 +242,46 @@ class Engine:
         self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
+        self._grammar_backend: Optional[GrammarBackend] = None  # built with the first constrained request
+        self._grammar_init_lock = threading.Lock()
+
+    # ------------------------------------------------------ structured output
+    def grammar_backend(self) -> GrammarBackend:
+        """The engine's :class:`~mlx_ferrum.engine.structured.GrammarBackend` (built once).
+
+        Raises:
+            StructuredOutputError: no tokenizer, llguidance missing, or a tokenizer it cannot read.
+        """
+        with self._grammar_init_lock:
+            if self._grammar_backend is None:
+                if self.tokenizer is None:
+                    from ..errors import StructuredOutputError
+
+                    raise StructuredOutputError("structured output needs a tokenizer: load the model with mlx_ferrum.load")
+                self._grammar_backend = GrammarBackend(self.tokenizer, self.model.args.vocab_size)
+            return self._grammar_backend
+
+    def compile_constraint(self, params: SamplingParams):
+        """The request's grammar state (None without a constraint). Thread-safe; the server
+        calls it in a worker thread first, so that a bad schema is a 400 before admission
+        and the compile is cached when :meth:`add_request` asks again.
+
+        Raises:
+            StructuredOutputError: the constraint does not compile.
+        """
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_backend().matcher(params.structured_outputs)
+
+    def _grammar_mask(self, seqs: list, queued: Optional[mx.array] = None) -> Optional[mx.array]:
+        """The packed ``[B, ceil(V / 32)]`` token bitmask of ``seqs`` (None when none is
+        constrained). ``queued``: the logits being sampled, started on the device first so
+        that the host computes the masks while the forward pass runs."""
+        if not any(s.grammar is not None for s in seqs):
+            return None
+        if queued is not None:
+            mx.async_eval(queued)
+        return mx.array(self._grammar_backend.fill_bitmask([s.grammar for s in seqs]))
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -263,7 +309,9 @@ class Engine:
             raise PromptTooLongError(self._pool_full_message(len(ids)))
         params.check_vocab(self.model.args.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
+        grammar = self.compile_constraint(params)
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
+        seq.grammar = grammar
         with self._lock:
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is in use: pick another")
@@ -377,6 +425,7 @@ class Engine:
             logprobs=list(seq.logprobs) if want_lp else None,
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             error=seq.error,
+            prompt_logprobs=_prompt_lp.materialize(seq) if seq.params.prompt_logprobs is not None else None,
         )
 
     def _mask_undecodable(self, logits: mx.array) -> mx.array:
@@ -538,7 +587,9 @@ class Engine:
         """Speculative tokens ``seq`` would like this step (the scheduler bounds them by
         budget and blocks): none while its last token is still in flight (a proposal
         extends it), while it backs off or opted out, or past ``max_tokens`` / the context."""
-        if not seq.params.speculative or not seq.output_ids or seq.output_ids[-1] == _IN_FLIGHT:
+        if not seq.params.speculative or seq.grammar is not None:
+            return 0  # constrained rows opt out: a rejected draft would have to roll the grammar back
+        if not seq.output_ids or seq.output_ids[-1] == _IN_FLIGHT:
             return 0
         if not self._policy.wants(seq.request_id, self.num_steps):
             return 0
@@ -549,9 +600,12 @@ class Engine:
         """True when the next step may be queued before the in-flight tokens are known.
 
         Prefix caching and penalties never need to wait (see ``__init__``); a row that
-        will propose a draft next step does, since its draft continues that token.
+        will propose a draft next step does, since its draft continues that token, and so
+        does a constrained row (its grammar must take the token before the next mask exists).
         """
         if not self._pipelined:
+            return False
+        if any(s.grammar is not None for s, _, _ in self._inflight.rows):
             return False
         if self._policy is None:
             return True
@@ -583,8 +637,28 @@ class Engine:
             if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
                 prev_row = rows[s.request_id]
                 tokens[-1] = 0
-            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row))
+            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
+                                all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
         return work
+
+    @staticmethod
+    def _score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -> list[mx.array]:
+        """Queue the prompt scores of every chunk that returned all its rows (prompt
+        logprobs); returns the arrays to evaluate with the step. Call before
+        ``num_computed`` moves. ``logits`` holds every item's rows in ``work`` order;
+        items whose index is in ``skip`` (drafted decode rows) hold no prompt."""
+        arrays = []
+        r = 0
+        for i, (it, w) in enumerate(zip(items, work)):
+            n = w.num_logit_rows
+            if w.all_logits and i not in skip and it.seq.params.prompt_logprobs is not None:
+                chunk = _prompt_lp.chunk_scores(logits[r : r + n], it.seq.prompt_ids, it.seq.num_computed,
+                                                it.seq.params.prompt_logprobs)
+                if chunk is not None:
+                    it.seq.prompt_score_chunks.append(chunk)
+                    arrays.extend(chunk.arrays())
+            r += n
+        return arrays
 
     def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None):
         """Queue the forward pass and the sampling of ``items``; nothing is read back.
@@ -611,6 +685,7 @@ class Engine:
             self.num_steps += 1
             sampled, verified = [], []
             samples = [it.samples for it in items]  # read before num_computed moves
+            scores = self._score_prompts(items, work, logits, skip=proposals)
             row_of_item = []
             r = 0
             for w in work:
@@ -635,11 +710,12 @@ class Engine:
                     sampled.append(s)
                     in_flight = bool(s.output_ids) and s.output_ids[-1] == _IN_FLIGHT
                     pending_rows.append(self._inflight.row_of[s.request_id] if in_flight else -1)
-            rows = [row_of_item[i] for i, it in enumerate(items)
+            # an item's sampled row is its last one (a prompt-logprobs chunk returns them all)
+            rows = [row_of_item[i] + work[i].num_logit_rows - 1 for i, it in enumerate(items)
                     if samples[i] and not it.seq.finished and i not in proposals]
             if not sampled:
                 try:
-                    mx.async_eval(state)
+                    mx.async_eval(state, *scores)
                 except BaseException as e:
                     self._evaluation_failed([], e)
                     raise
@@ -651,7 +727,7 @@ class Engine:
                 index = mx.array(pending_rows, dtype=mx.int32)
                 pending = mx.where(index >= 0, prev.astype(mx.int32)[mx.maximum(index, 0)], -1)
             try:
-                flight = self._sample_flight(take, sampled, pending)
+                flight = self._sample_flight(take, sampled, pending, self._grammar_mask(sampled, take))
             except BaseException as e:
                 # the KV already holds this step, so its sampled requests end now rather
                 # than stall; then it propagates
@@ -664,7 +740,7 @@ class Engine:
                      for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
             keys = [s.sampler.key for s in sampled]  # split by this step: see step()
             try:
-                mx.async_eval(flight.tokens, flight.finite, *extra, *state, *keys)
+                mx.async_eval(flight.tokens, flight.finite, *extra, *state, *keys, *scores)
             except BaseException as e:
                 self._evaluation_failed(sampled, e)
                 raise
@@ -689,20 +765,22 @@ class Engine:
         else:
             self._pending.extend(self._fail_seqs(sampled, exc))
 
-    def _sample_flight(self, take: mx.array, seqs: list[Sequence], pending: Optional[mx.array] = None) -> "_InFlight":
+    def _sample_flight(self, take: mx.array, seqs: list[Sequence], pending: Optional[mx.array] = None,
+                       allowed: Optional[mx.array] = None) -> "_InFlight":
         """Sample every row of ``take`` at once (lazily); when that raises, row by row with
         the random keys restored, so a failure (a bad parameter, a fault) ends only the
         request it belongs to (finished here with ``"error"``; its output is pending).
 
         ``pending``: ``[B]`` int32 on the device, each row's generated token still in
-        flight (``-1``: none), which the penalties count (see :func:`sample`)."""
+        flight (``-1``: none), which the penalties count (see :func:`sample`).
+        ``allowed``: the grammar bitmask of the rows (structured output), or None."""
         states = [s.sampler for s in seqs]
         saved = [st.key for st in states]
         finite = mx.all(mx.isfinite(take), axis=-1)
         take = self._mask_undecodable(take)
         errors: dict[int, str] = {}
         try:
-            res = sample(take, states, record=False, pending=pending)
+            res = sample(take, states, record=False, pending=pending, allowed=allowed)
             results = [(res, b) for b in range(len(seqs))]
             tokens = res.tokens
         except Exception:  # noqa: BLE001 - find the row(s) at fault
@@ -711,7 +789,8 @@ class Engine:
                 st.key = saved[b]  # the failed batched call may have split it
                 try:
                     r = sample(take[b : b + 1], [st], record=False,
-                               pending=pending[b : b + 1] if pending is not None else None)
+                               pending=pending[b : b + 1] if pending is not None else None,
+                               allowed=allowed[b : b + 1] if allowed is not None else None)
                     results.append((r, 0))
                     pieces.append(r.tokens.astype(mx.int32))
                 except Exception as e:  # noqa: BLE001
@@ -827,7 +906,13 @@ class Engine:
                 at = len(s.output_ids) - 1
             new_ids.append(tok)
             out_of_room = at + 1 >= s.params.max_tokens or len(s.prompt_ids) + at + 1 >= cap
-            text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room)
+            grammar_done = False
+            if s.grammar is not None and tok not in s.stop_ids:
+                s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
+                grammar_done = s.grammar.done
+            text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
+            if grammar_done and reason == "length" and not out_of_room:
+                reason = "stop"  # the constraint is complete: nothing may follow
             s.text += text
             delta += text
             if reason is not None:

@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 
 from ..errors import ExecutorError, SamplingParamsError
+from .structured import StructuredOutputsParams, apply_token_bitmask
 
 __all__ = [
     "SamplingParams",
@@ -111,6 +112,16 @@ class SamplingParams:
       Ids are checked against the vocabulary when the engine takes the request.
     - ``speculative`` (bool, default True): ``False`` opts this request out of
       speculative decoding when the engine runs it (``RuntimeConfig.speculative``).
+    - ``prompt_logprobs`` (int >= 0 or ``None``): also return, per prompt token, its
+      log-probability given the tokens before it and that many top alternatives
+      (``RequestOutput.prompt_logprobs``; the first token's entry is ``None``). Computed
+      in the batched prefill; such a request does not read the prefix cache.
+    - ``structured_outputs`` (:class:`~mlx_ferrum.engine.structured.StructuredOutputsParams`,
+      a dict of its fields, or ``None``): constrain the output to a JSON schema, any JSON
+      object, a regex, a Lark grammar or a choice of strings. The request opts out of
+      speculative decoding. A constraint that cannot be completed within ``max_tokens``
+      ends with ``"length"``; one that does not compile raises
+      :class:`~mlx_ferrum.errors.StructuredOutputError` when the engine takes the request.
 
     Raises:
         SamplingParamsError: a field is out of range (the message names the field and
@@ -132,6 +143,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
+    prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         def bad(name, accepted):
@@ -169,6 +182,12 @@ class SamplingParams:
             bad("stop_token_ids", "use a list of ints >= 0")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "use None or an int >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "use None or an int >= 0")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "use None, a StructuredOutputsParams or a dict of its fields")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "use True or False")
         if not isinstance(self.speculative, bool):
@@ -552,7 +571,8 @@ def _uniform_rows(keys: mx.array, vocab: int) -> mx.array:
 
 
 def sample(
-    logits: mx.array, states: Sequence[SamplerState], record: bool = True, pending: Optional[mx.array] = None
+    logits: mx.array, states: Sequence[SamplerState], record: bool = True, pending: Optional[mx.array] = None,
+    allowed: Optional[mx.array] = None,
 ) -> SampleResult:
     """Pick one token per row of ``logits``.
 
@@ -571,6 +591,10 @@ def sample(
             history does not hold yet (``-1``: none). The pipelined engine samples step
             ``t + 1`` before step ``t``'s token is read back; the penalties count that
             token from here, on the device, so they stay exact without a host wait.
+        allowed: optional ``[B, ceil(V / 32)]`` int32 packed token bitmask (structured
+            output; llguidance's layout, see
+            :func:`~mlx_ferrum.engine.structured.apply_token_bitmask`), applied to the
+            whole batch in one op after ``logit_bias``; rows of all ones are unchanged.
 
     Returns:
         :class:`SampleResult`.
@@ -600,6 +624,8 @@ def sample(
         )
     if any(p.logit_bias for p in params):
         x = apply_logit_bias(x, [p.logit_bias for p in params])
+    if allowed is not None:
+        x = apply_token_bitmask(x, allowed)
 
     greedy_rows = [p.greedy for p in params]
     argmax = mx.argmax(x, axis=-1).astype(mx.int32)

@@ -215,7 +215,8 @@ class Scheduler:
                 continue
             lookup = None
             plan = self._plan
-            if plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache:
+            if (plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache
+                    and seq.params.prompt_logprobs is None):  # cached blocks bring no logits to score
                 # counted as taken at once: the blocks it revives are no longer free
                 tokens = seq.token_at(0, seq.num_tokens)
                 cached = plan.longest_cached_prefix(tokens)

@@ -89,6 +89,11 @@ class Sequence:
     top_logprobs: list[dict] = field(default_factory=list)
     error: Optional[str] = None
     order: int = 0
+    #: prompt logprobs: chunks scored on the device, then the host table (see prompt_logprobs.py)
+    prompt_score_chunks: list = field(default_factory=list)
+    prompt_logprobs: Optional[list] = None
+    #: the request's grammar matcher (structured output), or None
+    grammar: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:

@@ -269,6 +269,7 @@ def run_server(
     limits: Optional[ServerLimits] = None,
     sockets: Optional[list] = None,
     on_ready: Optional[Callable[[], None]] = None,
+    tool_call_parser: Optional[str] = None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -284,13 +285,15 @@ def run_server(
         sockets: already bound sockets to serve on instead of binding ``host:port``
             (the CLI binds first, so a taken port fails before the model loads).
         on_ready: called once the engine is built, just before serving starts.
+        tool_call_parser: ``hermes``, ``llama3_json`` or ``mistral`` (None: from the chat template).
     """
     from ..engine import AsyncEngine, Engine
 
     engine = Engine(model, tokenizer, config)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits)
+    serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits,
+                            tool_call_parser=tool_call_parser)
     app = build_app(serving, metrics, api_key, limits)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,

@@ -5,8 +5,7 @@ Shapes follow OpenAI's API reference (https://platform.openai.com/docs/api-refer
 and vLLM's ``entrypoints/openai/protocol.py`` for the extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``) and ``/tokenize``. Fields OpenAI does not define are
 ignored; OpenAI fields this server does not implement (``suffix``, ``best_of`` other
-than 1 or ``n``, ``echo``, ``functions``, ``function_call``, ``tools``, ``tool_choice``,
-``response_format`` other than text, ``audio``, non-text ``modalities``) are parsed as
+than 1 or ``n``, ``functions``, ``function_call``, ``audio``, non-text ``modalities``) are parsed as
 any JSON value so that :mod:`mlx_ferrum.server.serving` can refuse them by name.
 """
 
@@ -50,6 +49,14 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     #: ``{"token id": bias}``, bias in [-100, 100] (keys are strings in JSON, as OpenAI's)
     logit_bias: Optional[dict[str, Any]] = None
+    #: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}``
+    response_format: Optional[Any] = None
+    # vLLM's constraint fields (one at most; response_format wins over none of them: both is a 400)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
     # OpenAI fields the server does not implement: refused by name when set
     audio: Optional[Any] = None
     modalities: Optional[Any] = None
@@ -70,12 +77,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    #: ``[{"type": "function", "function": {"name", "description", "parameters"}}]``
+    tools: Optional[Any] = None
+    #: ``"none"`` / ``"auto"`` / ``"required"`` / ``{"type": "function", "function": {"name"}}``
+    tool_choice: Optional[Any] = None
+    #: False: at most one call per reply (``tool_choice: "required"`` then asks for exactly one)
+    parallel_tool_calls: bool = True
     # OpenAI fields the server does not implement: refused by name when set
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -87,10 +97,12 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Any
     logprobs: Optional[int] = None
+    #: return the prompt before the completion; with ``logprobs``, the prompt tokens'
+    #: log-probabilities too (the first is null); ``max_tokens: 0`` then scores the prompt only
+    echo: bool = False
     # OpenAI fields the server does not implement: refused by name when set
     suffix: Optional[Any] = None
     best_of: Optional[Any] = None
-    echo: Optional[Any] = None
 
 
 class TokenizeRequest(_Request):
@@ -153,6 +165,8 @@ class ChatResponseMessage(BaseModel):
 
     role: str = "assistant"
     content: Optional[str] = None
+    #: ``[{"id", "type": "function", "function": {"name", "arguments" (JSON text)}}]``
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatCompletionChoice(BaseModel):

@@ -29,8 +29,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine import AsyncEngine, RequestOutput, SamplingParams
 from ..engine.engine import context_full_message
-from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError
+from ..engine.structured import StructuredOutputsParams
+from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError, StructuredOutputError
 from . import protocol as p
+from . import tool_parsers
 from .limits import ServerLimits, flag_of
 
 
@@ -95,19 +97,122 @@ def _check_unimplemented(req: p._SamplingFields) -> None:
             raise _refuse_field("suffix", "fill-in-the-middle is not implemented")
         if req.best_of is not None and req.best_of not in (1, req.n):
             raise _refuse_field("best_of", "it returns every choice it generates; leave best_of out or set it to n")
-        if req.echo not in (None, False):
-            raise _refuse_field("echo", "it does not return the prompt with the completion")
     if isinstance(req, p.ChatCompletionRequest):
         if req.functions is not None:
             raise _refuse_field("functions", "function calling is not implemented")
         if req.function_call is not None and req.function_call != "none":
             raise _refuse_field("function_call", "function calling is not implemented")
-        if req.tools is not None and req.tools != []:
-            raise _refuse_field("tools", "tool calling is not implemented")
-        if req.tool_choice is not None and req.tool_choice != "none":
-            raise _refuse_field("tool_choice", "tool calling is not implemented")
-        if req.response_format is not None and not (isinstance(req.response_format, dict) and req.response_format.get("type") == "text"):
-            raise _refuse_field("response_format", "structured output is not implemented; only {\"type\": \"text\"}")
+
+
+
+def _constraint(req: p._SamplingFields) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's output constraint and the field that set it: OpenAI's
+    ``response_format``, or one of vLLM's ``structured_outputs`` / ``guided_*`` fields.
+
+    Raises:
+        ServingError: 400 for a malformed ``response_format``, or more than one constraint.
+    """
+    found = []
+    rf = req.response_format
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ServingError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                               "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                               param="response_format")
+        if rf["type"] == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf["type"] == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ServingError(400, "response_format json_schema needs \"json_schema\": {\"name\": ..., \"schema\": "
+                                   "{a JSON schema object}}", param="response_format")
+            found.append(("response_format", StructuredOutputsParams(json=schema)))
+    try:
+        if req.structured_outputs is not None:
+            found.append(("structured_outputs", StructuredOutputsParams(**req.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
+                          ("guided_choice", "choice")):
+            if getattr(req, name) is not None:
+                found.append((name, StructuredOutputsParams(**{key: getattr(req, name)})))
+    except (StructuredOutputError, TypeError) as e:
+        raise ServingError(400, f"invalid constraint: {e}", param="structured_outputs") from None
+    if len(found) > 1:
+        raise ServingError(400, f"give one output constraint, got {[n for n, _ in found]}", param=found[1][0])
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+@dataclass
+class _ToolMode:
+    """How a chat request uses tools: ``kind`` ``auto`` (parse the model's own syntax),
+    ``required`` or ``named`` (the output is constrained JSON), or None (no tools)."""
+
+    kind: Optional[str] = None
+    name: Optional[str] = None
+    tools: Optional[list] = None
+
+
+def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
+    """Validate ``tools`` / ``tool_choice``.
+
+    Raises:
+        ServingError: 400 for a malformed tool, an unknown choice, or a named function
+            that is not among the tools.
+    """
+    tools, choice = req.tools, req.tool_choice
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise ServingError(400, "tool_choice needs tools: send the functions in 'tools'", param="tool_choice")
+        return _ToolMode()
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
+        raise ServingError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                           "\"parameters\": {...}}}", param="tools")
+    for t in tools:
+        params = t["function"].get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ServingError(400, f"tool {t['function']['name']!r}: parameters must be a JSON schema object", param="tools")
+    names = [t["function"]["name"] for t in tools]
+    if choice in (None, "auto"):
+        return _ToolMode("auto", tools=tools)
+    if choice == "none":
+        return _ToolMode()
+    if choice == "required":
+        return _ToolMode("required", tools=tools)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise ServingError(400, f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
+        return _ToolMode("named", name=name, tools=tools)
+    raise ServingError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+
+def _template_message(m: p.ChatMessage, i: int) -> dict:
+    """A message as chat templates read it: ``tool_calls`` with their arguments as dicts
+    (vLLM does the same: templates write them with ``tojson``), ``tool_call_id`` and
+    ``name`` of tool results kept."""
+    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
+    extra = m.model_extra or {}
+    calls = extra.get("tool_calls")
+    if calls:
+        out = []
+        for call in calls:
+            call = dict(call)
+            f = dict(call.get("function") or {})
+            if isinstance(f.get("arguments"), str):
+                try:
+                    f["arguments"] = json.loads(f["arguments"])
+                except ValueError:
+                    pass
+            call["function"] = f
+            out.append(call)
+        msg["tool_calls"] = out
+    for key in ("tool_call_id", "name"):
+        if extra.get(key) is not None:
+            msg[key] = extra[key]
+    return msg
 
 
 @dataclass
@@ -132,10 +237,12 @@ class OpenAIServing:
         chat_template: a Jinja template string overriding the checkpoint's, or None.
         metrics: a :class:`~mlx_ferrum.server.metrics.ServerMetrics` to record into, or None.
         limits: the :class:`ServerLimits` (None: the defaults).
+        tool_call_parser: ``hermes`` / ``llama3_json`` / ``mistral``; None detects it from
+            the chat template (``hermes`` when it shows none).
     """
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None,
-                 limits: Optional[ServerLimits] = None):
+                 limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -155,6 +262,13 @@ class OpenAIServing:
         self._anchor = list(self.tokenizer.encode("a", add_special_tokens=False))[:1]
         self._anchor_text = self.tokenizer.decode(self._anchor, skip_special_tokens=False)
         self._token_text: dict[int, str] = {}
+        if tool_call_parser is None:
+            try:
+                source = self.tokenizer._template_source(chat_template)
+            except FerrumError:
+                source = None
+            tool_call_parser = tool_parsers.detect_parser(source if isinstance(source, str) else None)
+        self.tool_parser = tool_parsers.get_parser(tool_call_parser)
 
     # -------------------------------------------------------------- checks
     def check_model(self, name: Optional[str]) -> None:
@@ -211,11 +325,13 @@ class OpenAIServing:
         except FerrumError as e:
             raise ServingError(400, str(e), param=param) from None
 
-    def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        msgs = [{"role": m.role, "content": _content_text(m.content, f"messages.{i}")} for i, m in enumerate(messages)]
+    def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                      tools: Optional[list] = None) -> list[int]:
+        msgs = [_template_message(m, i) for i, m in enumerate(messages)]
+        kwargs = {"tools": tools} if tools else {}
         try:
             return list(self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template, **kwargs
             ))
         except ChatTemplateError as e:
             raise ServingError(400, f"{e} (or start the server with --chat-template FILE)", param="messages") from None
@@ -246,19 +362,36 @@ class OpenAIServing:
             out[tid] = float(bias)
         return out
 
-    def _plan(self, req: p._SamplingFields, prompts: list[list[int]], max_tokens, logprobs) -> list[tuple[int, list[int], SamplingParams]]:
-        """``(prompt index, ids, params)`` for each of the ``n`` choices of each prompt."""
+    def _plan(self, req: p._SamplingFields, prompts: list[list[int]], max_tokens, logprobs,
+              extra: Optional[dict] = None) -> list[tuple[int, list[int], SamplingParams]]:
+        """``(prompt index, ids, params)`` for each of the ``n`` choices of each prompt;
+        ``extra``: more :class:`SamplingParams` fields (prompt logprobs, a constraint)."""
         for i, ids in enumerate(prompts):
             if len(ids) >= self.max_model_len:
                 # the engine would refuse it too, but only after checking every id on the event loop
                 message = context_full_message(len(ids), self.max_model_len, self.engine.model.args.max_position_embeddings)
                 raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt")
         bias = self._logit_bias(req.logit_bias)
-        return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias))
+        return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias, extra))
                 for pi, ids in enumerate(prompts) for j in range(req.n)]
 
+    def _constraint_fields(self, spec: Optional[StructuredOutputsParams], field: Optional[str]) -> dict:
+        """``{"structured_outputs": spec}``, compiled once here (a worker thread; the engine
+        reuses the compiled grammar), or ``{}`` without a constraint.
+
+        Raises:
+            ServingError: 400 naming ``field`` when the constraint does not compile.
+        """
+        if spec is None:
+            return {}
+        try:
+            self.engine.compile_constraint(SamplingParams(structured_outputs=spec))
+        except StructuredOutputError as e:
+            raise ServingError(400, str(e), param=field) from None
+        return {"structured_outputs": spec}
+
     def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int,
-                logit_bias: Optional[dict[int, float]] = None) -> SamplingParams:
+                logit_bias: Optional[dict[int, float]] = None, extra: Optional[dict] = None) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
         seed = req.seed
@@ -280,6 +413,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos,
             logit_bias=logit_bias,
         )
+        fields.update(extra or {})
         try:
             return SamplingParams(**fields)
         except SamplingParamsError as e:
@@ -424,13 +558,13 @@ class OpenAIServing:
             self._token_text[tid] = text
         return text
 
-    def _usage(self, choices: list[_Choice]) -> p.UsageInfo:
+    def _usage(self, choices: list[_Choice], prompt_only: bool = False) -> p.UsageInfo:
         firsts = {}
         for c in choices:
             firsts.setdefault(c.prompt_index, c)
         prompt = sum(len(c.prompt_ids) for c in firsts.values())
         cached = sum((c.last or c.first).metrics.num_cached_tokens for c in firsts.values())
-        completion = sum(len((c.last or c.first).token_ids) for c in choices)
+        completion = 0 if prompt_only else sum(len((c.last or c.first).token_ids) for c in choices)
         return p.UsageInfo(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
@@ -450,6 +584,21 @@ class OpenAIServing:
             ]
             content.append(p.ChatLogprob(token=tok, logprob=out.logprobs[i], bytes=list(tok.encode()), top_logprobs=alts))
         return p.ChatChoiceLogprobs(content=content)
+
+    def _echo_logprobs(self, out: RequestOutput, prompt_ids: list[int]) -> p.CompletionLogprobs:
+        """The prompt part of an ``echo`` completion's ``logprobs``: every prompt token with
+        its log-probability (null for the first) and top alternatives, offsets from 0."""
+        lp = p.CompletionLogprobs()
+        table = out.prompt_logprobs or [None] * len(prompt_ids)
+        offset = 0
+        for tid, entry in zip(prompt_ids, table):
+            tok = self._token_str(tid)
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(entry[tid] if entry is not None else None)
+            lp.top_logprobs.append({self._token_str(a): v for a, v in entry.items()} if entry is not None else None)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return lp
 
     def _completion_logprobs(self, out: RequestOutput, start: int, offset: int) -> Optional[p.CompletionLogprobs]:
         if out.logprobs is None:
@@ -480,32 +629,56 @@ class OpenAIServing:
             raise ServingError(400, f"top_logprobs={req.top_logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        choices = await self._submit(await run_in_threadpool(self._chat_plan, req))
+        mode = _tool_mode(req)
+        choices = await self._submit(await run_in_threadpool(self._chat_plan, req, mode))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
+            if mode.kind is not None:
+                return self._chat_tool_stream(req, choices, rid, name, mode)
             return self._chat_stream(req, choices, rid, name)
         async for _ in self._merged(choices):
             pass
         self._raise_failed(choices)
-        return p.ChatCompletionResponse(
-            id=rid, model=name, usage=self._usage(choices),
-            choices=[
-                p.ChatCompletionChoice(
-                    index=c.index, message=p.ChatResponseMessage(content=c.last.text),
-                    logprobs=self._chat_logprobs(c.last, 0), finish_reason=c.last.finish_reason,
-                )
-                for c in choices
-            ],
-        )
+        out_choices = []
+        for c in choices:
+            content, calls = self._tool_result(mode, c.last)
+            finish = "tool_calls" if calls and c.last.finish_reason == "stop" else c.last.finish_reason
+            out_choices.append(p.ChatCompletionChoice(
+                index=c.index, message=p.ChatResponseMessage(content=content, tool_calls=[k.openai() for k in calls] or None),
+                logprobs=self._chat_logprobs(c.last, 0), finish_reason=finish,
+            ))
+        return p.ChatCompletionResponse(id=rid, model=name, usage=self._usage(choices), choices=out_choices)
 
-    def _chat_plan(self, req: p.ChatCompletionRequest) -> list:
-        """Render and tokenize the messages, then build each choice's parameters (worker thread)."""
-        ids = self._check_ids(self._messages_ids(req.messages), param="messages", what="the rendered chat prompt")
+    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[_ToolMode] = None) -> list:
+        """Render and tokenize the messages (with the tools), compile the output
+        constraint, then build each choice's parameters (worker thread)."""
+        mode = mode or _ToolMode()
+        ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools), param="messages",
+                              what="the rendered chat prompt")
         self._count_prompt_tokens(len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return self._plan(req, [ids], max_tokens, logprobs)
+        spec, field = _constraint(req)
+        if mode.kind == "named":  # the output is the function's arguments
+            tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
+            spec, field = StructuredOutputsParams(json=tool["function"].get("parameters") or {"type": "object"}), "tools"
+        elif mode.kind == "required":  # a non-empty JSON list of calls
+            spec, field = StructuredOutputsParams(json=tool_parsers.required_schema(mode.tools, req.parallel_tool_calls)), "tools"
+        return self._plan(req, [ids], max_tokens, logprobs, self._constraint_fields(spec, field))
+
+    def _tool_result(self, mode: _ToolMode, out: RequestOutput) -> tuple[Optional[str], list]:
+        """``(content, tool calls)`` of a finished chat choice."""
+        if mode.kind is None:
+            return out.text, []
+        if mode.kind in ("required", "named"):
+            calls = tool_parsers.forced_calls(out.text, mode.name)
+            return (None if calls else out.text), calls
+        # the model's own syntax may use special tokens (Mistral's [TOOL_CALLS]): read them too
+        eos = getattr(self.tokenizer, "eos_token_ids", set())
+        full = self.tokenizer.decode([t for t in out.token_ids if t not in eos], skip_special_tokens=False)
+        content, calls = self.tool_parser.parse(full)
+        return (content if calls else out.text), calls
 
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
@@ -542,6 +715,44 @@ class OpenAIServing:
         finally:
             await merged.aclose()
 
+    async def _chat_tool_stream(self, req, choices, rid, name, mode: _ToolMode) -> AsyncIterator[str]:
+        """A streamed chat completion with tools: content streams until the text may be
+        starting a tool call (auto), and the calls come as ``tool_calls`` deltas once the
+        reply is complete (each call whole, OpenAI's delta shape with ``index``)."""
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = _chunk_head(rid, "chat.completion.chunk", name)
+        merged = self._merged(choices)
+        try:
+            for c in choices:
+                yield head + _json({"index": c.index, "delta": {"role": "assistant", "content": ""}}) + "]}\n\n"
+            sent = {c.index: 0 for c in choices}
+            async for c, out in merged:
+                if not out.finished:
+                    if mode.kind == "auto":
+                        end = self.tool_parser.content_end(out.text)
+                        if end > sent[c.index]:
+                            delta = out.text[sent[c.index]:end]
+                            sent[c.index] = end
+                            yield head + _json({"index": c.index, "delta": {"content": delta}}) + "]}\n\n"
+                    continue
+                content, calls = self._tool_result(mode, out)
+                if calls:
+                    rest = (content or "")[sent[c.index]:] if mode.kind == "auto" else ""
+                    if rest:
+                        yield head + _json({"index": c.index, "delta": {"content": rest}}) + "]}\n\n"
+                    deltas = [k.openai(index=i) for i, k in enumerate(calls)]
+                    yield head + _json({"index": c.index, "delta": {"tool_calls": deltas}}) + "]}\n\n"
+                elif out.text[sent[c.index]:]:
+                    yield head + _json({"index": c.index, "delta": {"content": out.text[sent[c.index]:]}}) + "]}\n\n"
+                finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+                yield head + _json({"index": c.index, "delta": {}, "finish_reason": finish}) + "]}\n\n"
+            if include_usage:
+                u = p.ChatCompletionChunk(id=rid, model=name, choices=[], usage=self._usage(choices))
+                yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await merged.aclose()
+
     # --------------------------------------------------------- completions
     async def completion(self, req: p.CompletionRequest):
         """A :class:`CompletionResponse`, or an async iterator of SSE lines when ``stream``.
@@ -558,23 +769,40 @@ class OpenAIServing:
         self._check_counts(req.n, len(prompt) if several else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= _TOP_LOGPROBS_MAX:
             raise ServingError(400, f"logprobs={req.logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="logprobs")
-        choices = await self._submit(await run_in_threadpool(self._completion_plan, req))
+        plan = await run_in_threadpool(self._completion_plan, req)
+        choices = await self._submit(plan.items)
         rid = f"cmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
-            return self._completion_stream(req, choices, rid, name)
+            return self._completion_stream(req, choices, rid, name, plan)
         async for _ in self._merged(choices):
             pass
         self._raise_failed(choices)
         return p.CompletionResponse(
-            id=rid, model=name, usage=self._usage(choices),
-            choices=[
-                p.CompletionChoice(index=c.index, text=c.last.text, logprobs=self._completion_logprobs(c.last, 0, 0), finish_reason=c.last.finish_reason)
-                for c in choices
-            ],
+            id=rid, model=name, usage=self._usage(choices, plan.prompt_only),
+            choices=[self._completion_choice(req, c, plan) for c in choices],
         )
 
-    def _completion_plan(self, req: p.CompletionRequest) -> list:
+    def _completion_choice(self, req: p.CompletionRequest, c: _Choice, plan: "_CompletionPlan") -> p.CompletionChoice:
+        """A finished choice; with ``echo`` the prompt (and its logprobs) comes first, and
+        with ``max_tokens: 0`` only the prompt (the one token generated is dropped)."""
+        out = c.last
+        if not req.echo:
+            return p.CompletionChoice(index=c.index, text=out.text, logprobs=self._completion_logprobs(out, 0, 0),
+                                      finish_reason=out.finish_reason)
+        head = plan.texts[c.prompt_index]
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self._echo_logprobs(out, c.prompt_ids)
+            if not plan.prompt_only:
+                tail = self._completion_logprobs(out, 0, len(head))
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(logprobs, key).extend(getattr(tail, key))
+        if plan.prompt_only:
+            return p.CompletionChoice(index=c.index, text=head, logprobs=logprobs, finish_reason="length")
+        return p.CompletionChoice(index=c.index, text=head + out.text, logprobs=logprobs, finish_reason=out.finish_reason)
+
+    def _completion_plan(self, req: p.CompletionRequest) -> "_CompletionPlan":
         """Tokenize and check the prompts under the prompt-token limit, then build each
         choice's parameters (worker thread: a large prompt never blocks the event loop)."""
         prompt = req.prompt
@@ -600,16 +828,38 @@ class OpenAIServing:
             total += len(ids)
             self._count_prompt_tokens(total)  # stop tokenizing as soon as the request is over
             prompts.append(self._check_ids(ids, what="the prompt" if count == 1 else f"prompt {i}"))
-        return self._plan(req, prompts, req.max_tokens, req.logprobs)
+        extra, max_tokens, prompt_only = self._constraint_fields(*_constraint(req)), req.max_tokens, False
+        if req.echo:
+            if req.logprobs is not None:
+                extra["prompt_logprobs"] = req.logprobs
+            if max_tokens == 0:  # score the prompt only: one token is generated and dropped
+                max_tokens, prompt_only = 1, True
+        echo_texts = None
+        if req.echo:
+            echo_texts = list(texts) if texts is not None else [self.tokenizer.decode(ids) for ids in prompts]
+        return _CompletionPlan(self._plan(req, prompts, max_tokens, req.logprobs, extra), echo_texts, prompt_only)
 
-    async def _completion_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
+    async def _completion_stream(self, req, choices, rid, name, plan: "_CompletionPlan") -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = _chunk_head(rid, "text_completion", name)
         merged = self._merged(choices)
         try:
             sent = {c.index: 0 for c in choices}
             offsets = {c.index: 0 for c in choices}
+            echoed: set[int] = set()
             async for c, out in merged:
+                if req.echo and c.index not in echoed:
+                    # the prompt first (its logprobs arrive with the request's first output)
+                    echoed.add(c.index)
+                    text = plan.texts[c.prompt_index]
+                    offsets[c.index] = len(text)
+                    choice = {"index": c.index, "text": text,
+                              "finish_reason": "length" if plan.prompt_only and out.finished else None}
+                    if req.logprobs is not None:
+                        choice["logprobs"] = self._echo_logprobs(out, c.prompt_ids).model_dump(exclude_none=True)
+                    yield head + _json(choice) + "]}\n\n"
+                if plan.prompt_only:
+                    continue
                 fresh = out.logprobs is not None and _scored(out) > sent[c.index]
                 if not out.delta and not out.finished and not fresh:
                     continue
@@ -621,7 +871,7 @@ class OpenAIServing:
                 offsets[c.index] += len(out.delta)
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
-                u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices))
+                u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices, plan.prompt_only))
                 yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -651,6 +901,17 @@ class OpenAIServing:
         if req.tokens:
             self._check_ids(list(req.tokens), param="tokens", what="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+@dataclass
+class _CompletionPlan:
+    """A completions request's engine requests, plus what ``echo`` needs: the prompt
+    texts (one per prompt; None without echo) and whether only the prompt is returned
+    (``max_tokens: 0``)."""
+
+    items: list
+    texts: Optional[list[str]]
+    prompt_only: bool
 
 
 def _scored(out: RequestOutput) -> int:

@@ -1,0 +1,267 @@
+"""Structured output: grammar-constrained decoding with llguidance.
+
+A request names its constraint with :class:`StructuredOutputsParams` (vLLM's
+``SamplingParams.structured_outputs`` is the naming precedent): a JSON schema, any JSON
+object, a regular expression, a Lark grammar (llguidance's dialect; GBNF is accepted too)
+or a choice among strings. The engine keeps one llguidance ``LLMatcher`` per request (its
+grammar state); before a step samples, the allowed-token bitmask of every constrained
+row is computed on the host into one ``[B, ceil(V / 32)]`` int32 array (llguidance's
+packed layout, bit ``t % 32`` of word ``t // 32``; unconstrained rows are all ones), by
+llguidance's thread pool, while the device runs the forward pass; ``sample()`` applies it
+to the whole batch in one ``mx.where`` (:func:`apply_token_bitmask`).
+
+Why llguidance (over xgrammar and outlines-core): it ships a prebuilt wheel for Linux and
+macOS with no torch dependency and an MLX helper, compiles a grammar lazily (no
+per-schema ahead-of-time compile over the vocabulary, so a large schema cannot stall the
+server), bounds the work of every mask with fuel limits (:class:`llguidance.LLParserLimits`),
+covers JSON schema, regex and Lark/GBNF with one matcher, and computes masks in tens of
+microseconds at 100K+ vocabularies. outlines-core compiles a schema's whole regex to a
+token index up front (seconds for large schemas); xgrammar's wheel brings torch along.
+
+Errors: a constraint the library cannot compile raises :class:`StructuredOutputError`
+(a :class:`~mlx_ferrum.errors.SamplingParamsError`, so the server answers 400 naming it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import StructuredOutputError
+
+__all__ = [
+    "StructuredOutputsParams",
+    "GrammarBackend",
+    "GrammarMatcher",
+    "apply_token_bitmask",
+    "bitmask_words",
+]
+
+#: The JSON grammar writes compact JSON (no free whitespace): a sampled run of spaces or
+#: newlines can never keep a constrained request from closing its object.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One request's output constraint; exactly one field is set.
+
+    Fields:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value
+            that validates against it.
+        json_object: True: the output is any JSON object.
+        regex: the output matches this regular expression (Rust ``regex`` syntax).
+        grammar: a Lark grammar in llguidance's dialect (or a GBNF grammar); its start
+            rule is ``start`` (Lark) / ``root`` (GBNF).
+        choice: the output is exactly one of these strings.
+
+    Raises:
+        StructuredOutputError: none or several fields set, or a field of the wrong type.
+    """
+
+    json: Optional[Union[dict, str]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    choice: Optional[tuple] = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise StructuredOutputError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        if self.json_object:
+            set_fields.append("json_object")
+        if len(set_fields) != 1:
+            raise StructuredOutputError(
+                "structured_outputs needs exactly one of json, json_object, regex, grammar, choice; "
+                f"got {set_fields or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise StructuredOutputError("structured_outputs.json must be a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise StructuredOutputError(f"structured_outputs.{name} must be a string")
+
+    def __hash__(self):
+        return hash(self.key())
+
+    def key(self) -> str:
+        """A string naming the constraint exactly (the compile cache's key)."""
+        value = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
+        return json.dumps([value, self.json_object, self.regex, self.grammar, self.choice])
+
+    def llguidance_grammar(self) -> str:
+        """The constraint as an llguidance grammar (text).
+
+        Raises:
+            StructuredOutputError: the JSON schema text is not JSON, or not an object.
+        """
+        import llguidance
+
+        if self.json is not None or self.json_object:
+            schema: Any = {"type": "object"} if self.json_object else self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise StructuredOutputError("a JSON schema must be a JSON object, e.g. {\"type\": \"object\"}")
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            except ValueError as e:
+                raise StructuredOutputError(f"the JSON schema cannot be used: {e}") from None
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            import re
+
+            return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        return llguidance.grammar_from("grammar", self.grammar)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """32-bit words per row of a packed bitmask over ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: mx.array, bitmask: mx.array) -> mx.array:
+    """Set every disallowed token's logit to ``-inf``, for the whole batch at once.
+
+    Args:
+        logits: ``[B, V]`` float.
+        bitmask: ``[B, ceil(V / 32)]`` int32 (or uint32), llguidance's packed layout: token
+            ``t`` of row ``b`` is allowed when bit ``t % 32`` of ``bitmask[b, t // 32]`` is
+            set. A row of all ones (``-1``) leaves that row's logits unchanged, bit for bit.
+
+    Returns:
+        ``[B, V]``, the dtype of ``logits``.
+    """
+    batch, vocab = logits.shape
+    words = bitmask.astype(mx.uint32)
+    bits = mx.right_shift(words[:, :, None], mx.arange(32, dtype=mx.uint32)[None, None, :]) & 1
+    allowed = bits.reshape(batch, -1)[:, :vocab].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(float("-inf"), dtype=logits.dtype))
+
+
+class GrammarMatcher:
+    """One request's grammar state (an llguidance ``LLMatcher``).
+
+    Call :meth:`accept` with each generated token in order; the engine fills the row's
+    mask with :meth:`GrammarBackend.fill_bitmask` before each sample.
+    """
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.num_tokens = 0
+
+    def accept(self, token_id: int) -> None:
+        """Advance the grammar by one generated token.
+
+        Raises:
+            StructuredOutputError: the grammar does not allow the token (the mask was not
+                applied, or the grammar ran out of its work limits).
+        """
+        if not self.matcher.consume_token(int(token_id)):
+            raise StructuredOutputError(
+                f"the grammar rejected token {token_id}: {self.matcher.get_error() or 'not allowed here'}")
+        self.num_tokens += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a rejected speculative draft)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_tokens -= num_tokens
+
+    @property
+    def done(self) -> bool:
+        """True when the grammar allows no further token (the output is complete)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> Optional[str]:
+        """The matcher's error (an exhausted work limit ...), or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer and computes the batch's masks.
+
+    Args:
+        tokenizer: a :class:`~mlx_ferrum.tokenizer.Tokenizer` (its ``backend`` is a
+            Hugging Face ``tokenizers.Tokenizer``).
+        vocab_size: the model's logits width ``V`` (ids at or above the tokenizer's own
+            vocabulary are never allowed).
+        cache_size: compiled grammars kept (a new request of a cached constraint gets a
+            copy of its matcher, without compiling).
+
+    Raises:
+        StructuredOutputError: llguidance is not installed, or the tokenizer cannot be
+            read by it.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
+        try:
+            import llguidance
+        except ImportError:
+            raise StructuredOutputError("structured output needs the llguidance package: pip install llguidance") from None
+        self._llg = llguidance
+        eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+        try:
+            self.lltokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read
+            raise StructuredOutputError(f"llguidance cannot read this tokenizer ({type(e).__name__}: {e})") from None
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self._executor = llguidance.LLExecutor()
+        self._limits = llguidance.LLParserLimits()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        #: seconds per mask computation (one per constrained row and step), the latest ones
+        self.mask_seconds: deque = deque(maxlen=100_000)
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh grammar state for ``spec`` (compiled once per distinct constraint).
+
+        Raises:
+            StructuredOutputError: the constraint does not compile (the message holds the
+                library's reason: an unknown keyword, a bad regex, a grammar syntax error).
+        """
+        key = spec.key()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return GrammarMatcher(cached.deep_copy())
+        grammar = spec.llguidance_grammar()
+        # compiling drops the GIL; the parser limits bound its work
+        m = self._llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
+        if m.is_error():
+            raise StructuredOutputError(f"the constraint cannot be compiled: {m.get_error()}")
+        with self._lock:
+            self._cache[key] = m.deep_copy()
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return GrammarMatcher(m)
+
+    def fill_bitmask(self, matchers: Sequence[Optional[GrammarMatcher]]) -> np.ndarray:
+        """The packed ``[B, ceil(V / 32)]`` int32 mask of a batch: row ``b`` from
+        ``matchers[b]``, all ones where it is None. The rows are computed in parallel by
+        llguidance's threads (the GIL is released meanwhile)."""
+        mask = np.full((len(matchers), self.words), -1, dtype=np.int32)
+        rows = [(m.matcher, b) for b, m in enumerate(matchers) if m is not None]
+        if rows:
+            start = time.perf_counter()
+            self._executor.unsafe_compute_mask_ptr(rows, mask.ctypes.data, self.words * 4, len(matchers))
+            per_row = (time.perf_counter() - start) / len(rows)
+            self.mask_seconds.extend([per_row] * len(rows))
+        return mask
