@@ -16,6 +16,11 @@ Workloads (both streamed, greedy, so both servers produce the same tokens):
 - ``random``: ``--num-clients`` concurrent clients send ``--num-requests`` completions in
   all, each a prompt of a random length in ``[--min-prompt-tokens, --max-prompt-tokens]``
   (seeded, the same prompts for every server) and ``--max-tokens`` output tokens.
+- ``chat``: ``--chat-requests`` chat completions from ``--num-clients`` concurrent
+  clients, each request one shared system text of about 110 English words (about 300
+  tokens of stories260K's tokenizer; the same for every request, as a deployed
+  assistant's instructions are) and a short unique question, ``--chat-max-tokens`` output tokens. This is the workload of the
+  "defaults against defaults" comparison (``--sides ferrum,mlx_lm-default``).
 - ``shared-prefix``: ``--num-clients`` chat clients, each holding a ``--turns``-turn
   conversation whose first message is one long system prompt (``--system-tokens``)
   shared by every client; each turn sends the whole history plus a new user message
@@ -27,9 +32,12 @@ carry text) p50/p99, end-to-end latency p50/p99, and failed requests (HTTP error
 dropped connections, timeouts; there are no client retries).
 
 Compare mode runs, per repeat, every side in turn (the order alternates between
-repeats, so load from other processes hits all sides): mlx-ferrum with
-``FERRUM_PREFIX_CACHE=0``, mlx-ferrum with ``FERRUM_PREFIX_CACHE=1``, then
-``mlx_lm.server`` (whose prompt cache is always on). Each run starts a fresh server,
+repeats, so load from other processes hits all sides). Sides: ``ferrum`` is
+``mlx-ferrum serve`` with no flag and no ``FERRUM_*`` variable (its defaults: paged KV,
+prefix caching on, max_num_seqs 32); ``ferrum-pc0`` / ``ferrum-pc1`` force prefix
+caching off / on and set ``--max-num-seqs`` to the client count; ``mlx_lm-default`` is
+``mlx_lm.server`` with no flag (its prompt cache is always on); ``mlx_lm`` sets its
+``--decode-concurrency`` to the client count. Each run starts a fresh server,
 sends a small untimed warm-up, runs both workloads and stops the server. Figures are
 medians over ``--repeats``; each ratio is printed with the min-max of the per-repeat
 ratios. Both servers get the same chat template (a plain ``role: content`` one, given
@@ -86,6 +94,25 @@ def _prompt_text(tokenizer, rng: random.Random, n_tokens: int) -> str:
     return tokenizer.decode(ids).strip()
 
 
+CHAT_SYSTEM_TEXT = (
+    "You are a kind helper who tells short stories to children. Every story has a little girl "
+    "or a little boy, a friendly animal, and a happy ending. Use simple words and short sentences. "
+    "The stories happen in a park, a garden, a forest, a farm or by the sea. Somebody feels sad or "
+    "scared at first, and then a friend helps, and everybody learns to share, to be brave or to be "
+    "kind. Nobody gets hurt. The sun shines, the birds sing, and the trees are big and green. "
+    "Start with once upon a time. End with what everybody learned, and say that they were all very "
+    "happy. Answer the question of the child in a story of a few lines."
+)
+CHAT_ANIMALS = ("dog", "cat", "bird", "fish", "frog", "bunny", "duck", "bear", "lion", "horse", "cow", "mouse")
+CHAT_PLACES = ("park", "garden", "forest", "farm", "house", "sea", "school", "shop")
+
+
+def chat_questions(n: int) -> list[str]:
+    """``n`` distinct short questions (deterministic)."""
+    return [f"Question {i}: what did the {CHAT_ANIMALS[i % len(CHAT_ANIMALS)]} find in the "
+            f"{CHAT_PLACES[(i // len(CHAT_ANIMALS)) % len(CHAT_PLACES)]}?" for i in range(n)]
+
+
 @dataclass
 class Workload:
     name: str
@@ -104,6 +131,9 @@ def build_workloads(args, tokenizer) -> list[Workload]:
         prompts = [_prompt_text(tokenizer, rng, rng.randint(args.min_prompt_tokens, args.max_prompt_tokens))
                    for _ in range(args.num_requests)]
         out.append(Workload("random", prompts=prompts, max_tokens=args.max_tokens, num_clients=args.num_clients))
+    if args.workload == "chat":
+        out.append(Workload("chat", prompts=chat_questions(args.chat_requests), system=CHAT_SYSTEM_TEXT,
+                            max_tokens=args.chat_max_tokens, num_clients=args.num_clients))
     if args.workload in ("shared-prefix", "both"):
         system = _prompt_text(tokenizer, rng, args.system_tokens)
         turns = [[_prompt_text(tokenizer, rng, args.user_tokens) for _ in range(args.turns)] for _ in range(args.num_clients)]
@@ -172,7 +202,18 @@ async def run_workload(base_url: str, model_name: str, w: Workload, request_time
               "stream_options": {"include_usage": True}}
     async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
         t0 = time.perf_counter()
-        if w.name == "random":
+        if w.name == "chat":
+            queue = list(w.prompts)
+
+            async def worker():
+                while queue:
+                    question = queue.pop(0)
+                    messages = [{"role": "system", "content": w.system}, {"role": "user", "content": question}]
+                    results.append(await _stream_one(client, base_url + "/v1/chat/completions",
+                                                     dict(common, messages=messages), chat=True))
+
+            tasks = [worker() for _ in range(w.num_clients)]
+        elif w.name == "random":
             queue = list(enumerate(w.prompts))
 
             async def worker():
@@ -199,7 +240,7 @@ async def run_workload(base_url: str, model_name: str, w: Workload, request_time
         except asyncio.TimeoutError:
             timed_out = True
         wall = time.perf_counter() - t0
-    expected = len(w.prompts) if w.name == "random" else sum(len(t) for t in w.turns)
+    expected = len(w.prompts) if w.name in ("random", "chat") else sum(len(t) for t in w.turns)
     return summarize(results, wall, expected, timed_out)
 
 
@@ -243,6 +284,7 @@ class Side:
     label: str
     kind: str  # "ferrum" or "mlx_lm"
     env: dict = field(default_factory=dict)
+    defaults: bool = False  # no flag beyond model, address, name and template
 
     @property
     def model_name(self) -> str:
@@ -252,12 +294,13 @@ class Side:
 
 def _server_command(side: Side, model: Path, port: int, template_file: Path, args) -> list[str]:
     if side.kind == "ferrum":
-        return [sys.executable, "-m", "mlx_ferrum", "serve", "--model", str(model), "--host", "127.0.0.1",
-                "--port", str(port), "--served-model-name", "bench", "--chat-template", str(template_file),
-                "--max-num-seqs", str(max(args.num_clients, 1)), "--log-level", "warning"]
-    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--chat-template", template_file.read_text(), "--log-level", "WARNING",
-            "--decode-concurrency", str(max(args.num_clients, 1))]
+        cmd = [sys.executable, "-m", "mlx_ferrum", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--served-model-name", "bench", "--chat-template", str(template_file),
+               "--log-level", "warning"]
+        return cmd if side.defaults else cmd + ["--max-num-seqs", str(max(args.num_clients, 1))]
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--chat-template", template_file.read_text(), "--log-level", "WARNING"]
+    return cmd if side.defaults else cmd + ["--decode-concurrency", str(max(args.num_clients, 1))]
 
 
 class ServerRun:
@@ -266,6 +309,8 @@ class ServerRun:
     def __init__(self, side: Side, model: Path, template_file: Path, args, log_dir: Path):
         self.side, self.port = side, _free_port()
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **side.env)
+        if side.defaults:  # the product's defaults: no FERRUM_* variable from the caller either
+            env = {k: v for k, v in env.items() if not k.startswith("FERRUM_")}
         self.log = log_dir / f"{side.label.replace(' ', '_').replace('=', '')}-{self.port}.log"
         self._fh = open(self.log, "w")
         self.proc = subprocess.Popen(_server_command(side, model, self.port, template_file, args), stdout=self._fh,
@@ -397,7 +442,12 @@ def check_tokenizer_parity(model: Path, tokenizer, workloads: list[Workload], te
     checks: list[tuple[str, list[int], list[int]]] = []
     for w in workloads:
         for i, prompt in enumerate(w.prompts):
-            checks.append((f"random prompt {i}", list(hf.encode(prompt)), tokenizer.encode(prompt)))
+            if w.name == "chat":
+                messages = [{"role": "system", "content": w.system}, {"role": "user", "content": prompt}]
+                checks.append((f"chat request {i}", _chat_ids_transformers(hf, messages, template),
+                               tokenizer.apply_chat_template(messages, tokenize=True, chat_template=template)))
+            else:
+                checks.append((f"random prompt {i}", list(hf.encode(prompt)), tokenizer.encode(prompt)))
         for i, turns in enumerate(w.turns):
             messages = [{"role": "system", "content": w.system}, {"role": "user", "content": turns[0]}]
             if len(turns) > 1:  # a reply in the history, as from the second turn on
@@ -420,8 +470,11 @@ def parse_args(argv=None):
     ap.add_argument("--compare", action="store_true", help="start mlx-ferrum serve and mlx_lm.server in turn")
     ap.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"),
                     help="checkpoint folder for --compare, or 'qwen-0.5b-shape'")
-    ap.add_argument("--sides", default="ferrum-pc0,ferrum-pc1,mlx_lm", help="comma list of ferrum-pc0, ferrum-pc1, mlx_lm")
-    ap.add_argument("--workload", default="both", choices=["random", "shared-prefix", "both"])
+    ap.add_argument("--sides", default="ferrum-pc0,ferrum-pc1,mlx_lm",
+                    help="comma list of ferrum (defaults), ferrum-pc0, ferrum-pc1, mlx_lm-default, mlx_lm")
+    ap.add_argument("--workload", default="both", choices=["random", "shared-prefix", "both", "chat"])
+    ap.add_argument("--chat-requests", type=int, default=96, help="requests of the chat workload")
+    ap.add_argument("--chat-max-tokens", type=int, default=64, help="output tokens per chat request")
     ap.add_argument("--num-clients", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=64, help="requests of the random workload")
     ap.add_argument("--min-prompt-tokens", type=int, default=16)
@@ -443,6 +496,7 @@ def parse_args(argv=None):
     if args.quick:
         args.num_clients, args.num_requests, args.turns, args.repeats = 8, 16, 2, 1
         args.max_prompt_tokens, args.system_tokens, args.max_tokens = 96, 96, 16
+        args.chat_requests, args.chat_max_tokens = 16, 16
     return args
 
 
@@ -476,8 +530,10 @@ def main(argv=None) -> int:
     workloads = build_workloads(args, tokenizer)
     # words of the model's own vocabulary: a word-level tokenizer maps others to nothing useful
     warmup_prompt = _prompt_text(tokenizer, random.Random(args.seed + 1), 8)
-    all_sides = {"ferrum-pc0": Side("mlx-ferrum prefix-cache=0", "ferrum", {"FERRUM_PREFIX_CACHE": "0"}),
+    all_sides = {"ferrum": Side("mlx-ferrum defaults", "ferrum", defaults=True),
+                 "ferrum-pc0": Side("mlx-ferrum prefix-cache=0", "ferrum", {"FERRUM_PREFIX_CACHE": "0"}),
                  "ferrum-pc1": Side("mlx-ferrum prefix-cache=1", "ferrum", {"FERRUM_PREFIX_CACHE": "1"}),
+                 "mlx_lm-default": Side("mlx_lm.server defaults", "mlx_lm", defaults=True),
                  "mlx_lm": Side("mlx_lm.server", "mlx_lm")}
     sides = [all_sides[s] for s in args.sides.split(",")]
     if any(s.kind == "mlx_lm" for s in sides):
@@ -486,6 +542,8 @@ def main(argv=None) -> int:
         "model": model, "workloads": [w.name for w in workloads], "clients": args.num_clients,
         "random": f"{args.num_requests} requests, prompts {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens",
         "shared-prefix": f"{args.num_clients} chats x {args.turns} turns, system {args.system_tokens} + user {args.user_tokens} tokens/turn",
+        "chat": f"{args.chat_requests} requests from {args.num_clients} clients, one shared ~110-word system text + "
+                f"a unique question, {args.chat_max_tokens} tokens each",
         "max_tokens": args.max_tokens, "repeats": args.repeats, "sides": [s.label for s in sides],
     })
     log_dir = Path(tempfile.mkdtemp(prefix="bench_serving_"))
@@ -501,11 +559,11 @@ def main(argv=None) -> int:
                 raw[name][side.label].append(r)
             summary = ", ".join(f"{n}: {r['output_tok_s']:.0f} tok/s, {r['failed']} failed" for n, r in res.items())
             print(f"   repeat {rep + 1}/{args.repeats} {side.label}: {summary} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    baseline = "mlx_lm.server" if any(s.kind == "mlx_lm" for s in sides) else None
+    baseline = next((s.label for s in sides if s.kind == "mlx_lm"), None)
     for name, per_side in raw.items():
         print_results(name, per_side)
     if baseline:
-        print("\n-- ratios (mlx-ferrum / mlx_lm.server)")
+        print(f"\n-- ratios (mlx-ferrum / {baseline})")
         for name, per_side in raw.items():
             print_ratios(name, per_side, baseline)
     if args.json:
