@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--with-eager", action="store_true",
                     help="also run the engine with enforce_eager=True (decode passes op by op, no mx.compile)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative", default=None, help="mlx_ferrum sides only: 'ngram' (default: the config's, off)")
+    ap.add_argument("--prefix-cache", type=int, choices=[0, 1], default=None,
+                    help="mlx_ferrum sides only (default: the config's default, on)")
     return ap.parse_args(argv)
 
 
@@ -82,7 +85,9 @@ def main(argv=None) -> int:
     print_header(
         "serving: Engine (paged, pipelined) vs mlx-lm BatchGenerator, equal admission",
         {"model": str(path), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-         "repeats": args.repeats, "levels": levels},
+         "repeats": args.repeats, "levels": levels,
+         "ferrum config": f"defaults (prefix caching on) + speculative={args.speculative}, "
+                          f"prefix_cache={'default' if args.prefix_cache is None else args.prefix_cache}"},
     )
     model, _tok = mf.load(str(path))
     dtype = bench.model_dtype_of(model)
@@ -102,6 +107,10 @@ def main(argv=None) -> int:
                 cfg = bench.bench_config(n, args.prompt_tokens, args.max_tokens)
                 cfg.async_scheduling = side != "ferrum-sync"
                 cfg.enforce_eager = side == "ferrum-eager"
+                if args.speculative is not None:
+                    cfg.speculative = args.speculative
+                if args.prefix_cache is not None:
+                    cfg.prefix_cache = bool(args.prefix_cache)
                 engines[side] = Engine(model, None, cfg)
                 bench._run_engine(engines[side], warm, wt)
             else:
