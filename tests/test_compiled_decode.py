@@ -35,7 +35,7 @@ from tiny_models import tiny_model
 RTOL = ATOL = 1e-5
 WINDOW = 12  # sliding window of the windowed families: smaller than every context below
 STEPS = 20
-LOGGER = "mlx_ferrum.executor.llm_executor"
+LOGGER = "mlx_ferrum.runner.llm_runner"
 
 
 # ----------------------------------------------------------------------------- models
@@ -100,6 +100,7 @@ def paged(compiled: bool, block_size: int = 8, **kw) -> RuntimeConfig:
 def count_compiled_calls(ex: LlmExecutor) -> list[int]:
     """Wrap the executor's compiled step; the returned one-item list counts its calls."""
     assert ex.compiled_decode, "the executor does not compile decode passes"
+    ex = getattr(ex, "runner", ex)  # an LlmExecutor's compiled step is its runner's
     make_step, calls = ex._compiled_step, [0]
 
     def counted_step(shape):
@@ -641,9 +642,9 @@ def test_traces_are_bounded_and_results_survive_a_reset(monkeypatch):
     the passes before and after stay equal to eager."""
     import threading
 
-    from mlx_ferrum.executor import llm_executor
+    from mlx_ferrum.runner import llm_runner
 
-    monkeypatch.setattr(llm_executor, "MAX_DECODE_TRACES", 2)
+    monkeypatch.setattr(llm_runner, "MAX_DECODE_TRACES", 2)
     model = tiny_model("llama", seed=7)
     run = Lockstep(model, block_size=8)
     cids = [f"s{i}" for i in range(9)]
@@ -651,7 +652,7 @@ def test_traces_are_bounded_and_results_survive_a_reset(monkeypatch):
     functions = []  # kept alive, so identity tells them apart
     for size in (1, 2, 3, 4, 6, 9, 1, 2):  # buckets 1, 2, 3, 4, 6, 10, 1, 2
         run.decode(cids[:size])
-        function, shapes = run.ex[True]._compiled_decode[threading.get_ident()]
+        function, shapes = run.ex[True].runner._compiled_decode[threading.get_ident()]
         if not any(function is f for f in functions):
             functions.append(function)
         assert len(shapes) <= 2
@@ -693,7 +694,7 @@ def test_packed_tokens_equal_a_batch_of_one_row(family_model, family, compiled):
     outs = {}
     for packed in (True, False):
         ex = LlmExecutor(model, paged(compiled))
-        ex._packed_tokens = packed
+        ex.runner._packed_tokens = packed
         got = [np.asarray(x) for x in ex.run([SeqWork(f"s{i}", p) for i, p in enumerate(prompts)])]
         for step in range(3):
             got += [np.asarray(x) for x in ex.run([SeqWork(f"s{i}", [(7 * step + i) % 50 + 3]) for i in range(3)])]

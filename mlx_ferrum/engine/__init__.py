@@ -1,4 +1,4 @@
-"""Engine: requests -> scheduler -> executor -> sampler -> detokenizer.
+"""Engine: requests -> scheduler -> runner -> sampler -> detokenizer.
 
 - :class:`Engine`: continuous batching with chunked prefill, preemption, prefix caching.
 - :class:`AsyncEngine`: an asyncio front.

@@ -1,8 +1,8 @@
-"""Engine: requests -> Scheduler -> executor -> sampler -> detokenizer.
+"""Engine: requests -> Scheduler -> runner -> sampler -> detokenizer.
 
 Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
 ``step()`` asks the scheduler which sequences run, packs their new tokens (prefill
-chunks and decode tokens together) into ONE executor call, samples the sequences
+chunks and decode tokens together) into ONE runner call, samples the sequences
 whose chunk reached their last token in one batched ``sample()``, detokenizes, checks
 stops, and frees the caches of finished requests at once.
 
@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..config import RuntimeConfig
 from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
-from ..executor import LlmExecutor, SeqWork
+from ..runner import LlmRunner, ModelRunner, SeqWork
 from ..models.loader import tokenizer_id_limit
 from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
@@ -96,10 +96,10 @@ def context_full_message(num_tokens: int, capacity: int, max_position_embeddings
     return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
 
 
-def apply_kv_plan(executor, plan: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
+def apply_kv_plan(runner: ModelRunner, plan: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
     """Apply the KV-cache changes the scheduler planned (it only reads the manager):
     free the caches of the preempted sequences, in order, then perform the prefix-cache
-    lookups in order (``executor.claim_prefix``; a lookup whose sequence was not admitted
+    lookups in order (``runner.claim_prefix``; a lookup whose sequence was not admitted
     is released at once, see :class:`~mlx_ferrum.engine.scheduler.PrefixLookup`).
 
     Called right after :meth:`Scheduler.schedule`, before the step is built, so the
@@ -112,19 +112,19 @@ def apply_kv_plan(executor, plan: SchedulerOutput) -> list[tuple[Sequence, Excep
         request); empty when the manager agreed with the plan, which it always should.
     """
     for seq in plan.preempted:
-        if executor.has_cache(seq.request_id):
-            executor.release_cache(seq.request_id)
+        if runner.has_cache(seq.request_id):
+            runner.release_cache(seq.request_id)
     failed = []
     for lookup in plan.prefix_lookups:
         seq = lookup.seq
         try:
-            executor.claim_prefix(seq.request_id, seq.token_at(0, seq.num_tokens), lookup.num_tokens)
+            runner.claim_prefix(seq.request_id, seq.token_at(0, seq.num_tokens), lookup.num_tokens)
         except Exception as e:  # noqa: BLE001 - this request only
             if lookup.admitted:
                 failed.append((seq, e))
             continue
         if not lookup.admitted:
-            executor.release_cache(seq.request_id)
+            runner.release_cache(seq.request_id)
     return failed
 
 
@@ -175,7 +175,10 @@ class Engine:
         config: runtime settings (``kv_layout``, budgets, prefix caching ...); None
             reads the environment. The paged layout is what makes continuous batching
             efficient; the contiguous layout works with padded batches and no preemption.
-        executor: an existing executor to use instead of building one.
+        executor: the model runner to use instead of building one: a
+            :class:`~mlx_ferrum.runner.ModelRunner` (e.g. :class:`~mlx_ferrum.runner.LlmRunner`),
+            or an :class:`~mlx_ferrum.executor.LlmExecutor`, whose runner is used (the
+            engine then shares its KV store with the executor's ferrum-style calls).
         proposer: a speculative-decoding proposer (``NgramProposer`` /
             ``DraftModelProposer`` from :mod:`mlx_ferrum.engine.speculative`) to use
             instead of the one ``config.speculative`` names.
@@ -194,14 +197,17 @@ class Engine:
         SamplingParamsError: invalid sampling parameters.
     """
 
-    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None, executor: Optional[LlmExecutor] = None,
-                 proposer=None):
+    def __init__(self, model, tokenizer=None, config: Optional[RuntimeConfig] = None,
+                 executor: Optional[ModelRunner] = None, proposer=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config if config is not None else RuntimeConfig()
-        self.executor = executor if executor is not None else LlmExecutor(model, self.config)
-        self._pool_tokens = _pool_token_limit(self.executor.manager)
-        self.scheduler = Scheduler(self.config, self.executor.manager, self.max_sequence_tokens())
+        # an LlmExecutor (the ferrum-style adapter) is driven through its runner
+        executor = getattr(executor, "runner", executor)
+        # everything below calls only ModelRunner methods (tests/test_runner_protocol.py checks it)
+        self.runner: ModelRunner = executor if executor is not None else LlmRunner(model, self.config)
+        self._pool_tokens = _pool_token_limit(self.runner.manager)
+        self.scheduler = Scheduler(self.config, self.runner.manager, self.max_sequence_tokens())
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         # a checkpoint whose embedding is padded past its tokenizer (Qwen): the padding
         # ids have no text, so they are never sampled (mlx_ferrum.load refuses a pair
@@ -223,15 +229,15 @@ class Engine:
         # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
         self._ttft = LatencyReservoir()
         self._itl = LatencyReservoir(seed=1)
-        # request ids of the step now in the executor; an abort of one of them frees its
-        # cache only after the executor call, so forward() never re-creates a released cache
+        # request ids of the step now in the runner; an abort of one of them frees its
+        # cache only after the runner call, so forward() never re-creates a released cache
         self._in_flight: set[str] = set()
         self._deferred_release: list[str] = []
         # every mode runs on the pipelined step: prefix caching hashes a block once its
-        # ids are read back (executor.set_token_ids), penalties count the token still in
+        # ids are read back (runner.set_token_ids), penalties count the token still in
         # flight on the device, and only a row about to speculate waits for its token
         self._pipelined = bool(self.config.async_scheduling)
-        self._prefix_cache = bool(getattr(self.executor.manager, "prefix_cache", False))
+        self._prefix_cache = bool(getattr(self.runner.manager, "prefix_cache", False))
         self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
@@ -244,6 +250,11 @@ class Engine:
         self.spec_accepted_tokens = 0
         self._grammar_backend: Optional[GrammarBackend] = None  # built with the first constrained request
         self._grammar_init_lock = threading.Lock()
+
+    @property
+    def executor(self) -> ModelRunner:
+        """Alias of :attr:`runner`, kept for code written before the runner/executor split."""
+        return self.runner
 
     # ------------------------------------------------------ structured output
     def grammar_backend(self) -> GrammarBackend:
@@ -301,8 +312,8 @@ class Engine:
             SamplingParamsError: a ``logit_bias`` id is outside the vocabulary.
         """
         params = params if params is not None else SamplingParams()
-        ids = encode_prompt(self.tokenizer, prompt, vocab_size=getattr(getattr(self.executor, "info", None), "vocab_size", None))
-        cap = self.executor.kv_capacity()
+        ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.runner.info.vocab_size)
+        cap = self.runner.kv_capacity()
         if len(ids) >= cap:
             raise PromptTooLongError(context_full_message(len(ids), cap, self.model.args.max_position_embeddings))
         if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
@@ -321,7 +332,7 @@ class Engine:
 
     def max_sequence_tokens(self) -> int:
         """Most tokens (prompt + output) one request may reach: the context
-        (``executor.kv_capacity()``), or fewer when a paged pool holds fewer tokens
+        (``runner.kv_capacity()``), or fewer when a paged pool holds fewer tokens
         (``max_num_blocks * block_size``, FERRUM_KV_MAX_BLOCKS).
 
         A request is refused at :meth:`add_request` when its prompt alone reaches this
@@ -331,11 +342,11 @@ class Engine:
         the rest of the context. Requests that fit alone but not together are preempted
         and recomputed instead, so a neighbour never ends early for lack of blocks.
         """
-        cap = self.executor.kv_capacity()
+        cap = self.runner.kv_capacity()
         return cap if self._pool_tokens is None else min(cap, self._pool_tokens)
 
     def _pool_full_message(self, num_tokens: int) -> str:
-        mgr = self.executor.manager
+        mgr = self.runner.manager
         return (f"the prompt has {num_tokens} tokens and the KV pool holds {self._pool_tokens} "
                 f"({mgr.num_blocks} KV blocks of {mgr.block_size} tokens): shorten it, or raise FERRUM_KV_MAX_BLOCKS "
                 "(RuntimeConfig.max_num_blocks) or FERRUM_KV_MEMORY_FRACTION")
@@ -371,7 +382,7 @@ class Engine:
         if seq.request_id in self._in_flight:
             self._deferred_release.append(seq.request_id)
         else:
-            self.executor.release_cache(seq.request_id)
+            self.runner.release_cache(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         if self._proposer is not None:
             self._proposer.release(seq.request_id)
@@ -382,15 +393,15 @@ class Engine:
         self._itl.extend(m.inter_token_latencies)
 
     def _end_flight(self) -> None:
-        """The step left the executor: free the caches of requests aborted meanwhile."""
+        """The step left the runner: free the caches of requests aborted meanwhile."""
         with self._lock:
             self._in_flight = set()
             for rid in self._deferred_release:
-                self.executor.release_cache(rid)
+                self.runner.release_cache(rid)
             self._deferred_release = []
 
     def _fail_step(self, items, exc: BaseException) -> list[RequestOutput]:
-        """End every request of a failed step with ``"error"`` (the executor already
+        """End every request of a failed step with ``"error"`` (the runner already
         restored their caches; finishing releases them). Other requests are untouched."""
         return self._fail_seqs([it.seq for it in items], exc)
 
@@ -447,7 +458,7 @@ class Engine:
         one-step lag).
 
         Every mode runs through this one step: the scheduler (:meth:`_schedule`) plans the
-        rows and their speculative lookahead, the proposer fills it, the executor runs one
+        rows and their speculative lookahead, the proposer fills it, the runner runs one
         forward pass, the sampling stage gives each row 1 to k+1 tokens (:meth:`_sample_flight`
         for plain rows, lazily; :meth:`_verify` for rows carrying a draft), and the output
         stage (:meth:`_emit`) records them.
@@ -530,7 +541,7 @@ class Engine:
             lookahead = self._lookahead
         plan = self.scheduler.schedule(lookahead)
         # the scheduler only reads the manager: its releases and prefix claims land here
-        for seq, exc in apply_kv_plan(self.executor, plan):
+        for seq, exc in apply_kv_plan(self.runner, plan):
             self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
             outputs.append(self._output(seq, "", []))
         for seq in plan.rejected:
@@ -550,7 +561,7 @@ class Engine:
             drafts = [(i, SpeculativeRequest(it.seq.request_id, it.seq.token_at(0, it.seq.num_tokens),
                                              it.num_lookahead, it.seq.sampler))
                       for i, it in enumerate(items) if it.num_lookahead > 0]
-            # aborts from here until the executor call returns are released after it
+            # aborts from here until the runner call returns are released after it
             self._in_flight = {it.seq.request_id for it in items}
         if not items:
             self._end_flight()
@@ -570,7 +581,7 @@ class Engine:
                 launched, verified = self._launch(items, work, proposals)
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
                 # the pass's KV writes may be left lazy, bound to this thread: see step()
-                self.executor.schedule_kv_state()
+                self.runner.schedule_kv_state()
                 self._end_flight()
                 outputs.extend(self._fail_step(items, e))
         with self._lock:
@@ -617,7 +628,7 @@ class Engine:
         )
 
     def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
-        """The executor's work for ``items``; a token still in flight is taken on the device
+        """The runner's work for ``items``; a token still in flight is taken on the device
         from the previous step's sampled tokens (``prev_row``); a row with a proposal
         carries it after its token and returns the logits of every position."""
         now = time.time()
@@ -667,9 +678,9 @@ class Engine:
         (or None), and ``(sequence, logits [1 + m, V], proposal)`` for each row that carried
         a draft of ``m`` tokens, which :meth:`_verify` settles after this step's launch.
 
-        Isolation (issue 13) as in a synchronous step: an ``Exception`` from the executor
-        fails this step's requests (the caller does that; the executor restored every
-        cache first), a ``BaseException`` propagates after the executor's rollback; a
+        Isolation (issue 13) as in a synchronous step: an ``Exception`` from the runner
+        fails this step's requests (the caller does that; the runner restored every
+        cache first), a ``BaseException`` propagates after the runner's rollback; a
         sampler failure ends only its row's request (:meth:`_sample_flight`), and a
         ``BaseException`` while sampling ends this step's sampled requests, then propagates.
         When ``mx.async_eval`` raises, see :meth:`_evaluation_failed`.
@@ -677,8 +688,8 @@ class Engine:
         proposals = proposals or {}
         prev = self._inflight.tokens if self._inflight is not None else None
         try:
-            # a BaseException (Ctrl-C) propagates after the executor restored every cache
-            logits, state = self.executor.forward(work, prev)
+            # a BaseException (Ctrl-C) propagates after the runner restored every cache
+            logits, state = self.runner.forward(work, prev)
         finally:
             self._end_flight()
         with self._lock:
@@ -845,7 +856,7 @@ class Engine:
                         if self._prefix_cache:
                             # stored as UNKNOWN_TOKEN when the next step was queued: its
                             # block can be hashed now
-                            self.executor.set_token_ids(s.request_id, len(s.prompt_ids) + index, [tok])
+                            self.runner.set_token_ids(s.request_id, len(s.prompt_ids) + index, [tok])
                         outs.append(self._emit(s, [tok], [lp], [top], now, cap, index=index))
                         continue
                     except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
@@ -956,7 +967,7 @@ class Engine:
                 self.spec_accepted_tokens += res.num_accepted
                 self._policy.record(s.request_id, len(prop.token_ids), res.num_accepted, self.num_steps)
                 kept = s.num_computed + res.num_accepted  # prompt + output + accepted draft tokens
-                self.executor.trim_cache(s.request_id, kept)
+                self.runner.trim_cache(s.request_id, kept)
                 self._proposer.committed(s.request_id, kept)
                 s.num_computed = kept
                 lps = tops = [None] * len(res.token_ids)
@@ -1059,7 +1070,7 @@ class Engine:
         """Engine metrics: queue and running counts, token counters, TTFT and inter-token
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
         with self._lock:
-            kv = self.executor.cache_metrics_snapshot()
+            kv = self.runner.cache_metrics_snapshot()
             ttft, itl = self._ttft, self._itl
             return {
                 "num_waiting": len(self.scheduler.waiting),

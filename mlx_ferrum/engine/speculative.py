@@ -14,7 +14,7 @@ Proposers:
   down to ``prompt_lookup_min``) in the prompt and output so far, and propose the
   ``k`` tokens that followed it. No model runs; the proposal is deterministic.
 - :class:`DraftModelProposer`: a smaller model sharing the tokenizer runs ``k``
-  autoregressive steps on its own executor and KV cache (Leviathan et al. 2023,
+  autoregressive steps on its own model runner and KV cache (Leviathan et al. 2023,
   "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023,
   "Accelerating Large Language Model Decoding with Speculative Sampling").
 
@@ -43,7 +43,7 @@ import numpy as np
 
 from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
-from ..executor import LlmExecutor, SeqWork
+from ..runner import LlmRunner, SeqWork
 from .sampling import (
     apply_logit_bias,
     apply_presence_frequency_penalty,
@@ -76,7 +76,7 @@ class SpeculativeRequest:
     """One decoding request that may speculate this step.
 
     Attributes:
-        request_id: the request (also its cache id in every executor).
+        request_id: the request (also its cache id in every runner).
         token_ids: prompt plus output so far; the last one is not yet in the target's cache.
         num_speculative_tokens: most tokens to propose (k >= 1).
         state: the request's sampler state (params, history, PRNG key).
@@ -335,7 +335,7 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """A draft model on its own :class:`~mlx_ferrum.executor.LlmExecutor` and KV cache.
+    """A draft model on its own :class:`~mlx_ferrum.runner.LlmRunner` and KV cache.
 
     Each :meth:`propose` feeds every request's tokens the draft has not seen yet
     (the whole prompt the first time), then runs ``k - 1`` more one-token steps for the
@@ -361,12 +361,17 @@ class DraftModelProposer:
                 "pick a draft that shares the target's tokenizer"
             )
         draft_config = dataclasses.replace(config, speculative=None, prefix_cache=False)
-        self.executor = LlmExecutor(model, draft_config, model_id="draft")
+        self.runner = LlmRunner(model, draft_config, model_id="draft")
+
+    @property
+    def executor(self) -> LlmRunner:
+        """Alias of :attr:`runner` (the draft's model runner)."""
+        return self.runner
 
     def propose(self, requests: Sequence[SpeculativeRequest]) -> list[Proposal]:
         """One :class:`Proposal` per request; on a draft failure (pool full, context
         full) the affected batch proposes nothing this step."""
-        ex = self.executor
+        ex = self.runner
         cap = ex.kv_capacity()
         tokens: list[list[int]] = [[] for _ in requests]
         qs: list[list[np.ndarray]] = [[] for _ in requests]
@@ -413,13 +418,13 @@ class DraftModelProposer:
 
     def committed(self, request_id: str, num_tokens: int) -> None:
         """The request's first ``num_tokens`` tokens are final: drop draft K/V past them."""
-        ex = self.executor
+        ex = self.runner
         if ex.has_cache(request_id) and ex.num_tokens(request_id) > num_tokens:
             ex.trim_cache(request_id, num_tokens)
 
     def release(self, request_id: str) -> None:
         """Free the request's draft cache (idempotent)."""
-        self.executor.release_cache(request_id)
+        self.runner.release_cache(request_id)
 
 
 @dataclass

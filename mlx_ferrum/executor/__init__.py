@@ -1,7 +1,10 @@
-"""Executors: the ``ModelExecutor`` protocol, ``LlmExecutor`` and ``PagedAttentionExecutor``."""
+"""The ferrum-compatible executor surface: the ``ModelExecutor`` protocol, ``LlmExecutor``
+and ``PagedAttentionExecutor``, thin adapters over a :class:`~mlx_ferrum.runner.LlmRunner`
+(the engine drives the runner directly)."""
 
 from ..layers.attention import AttentionMetadata
-from .llm_executor import LlmExecutor, SeqWork
+from ..runner import SeqWork
+from .llm_executor import LlmExecutor
 from .paged_attention_executor import IdentityAttentionModel, PagedAttentionExecutor
 from .types import (
     AttentionType,

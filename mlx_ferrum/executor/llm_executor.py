@@ -1,44 +1,37 @@
-"""LlmExecutor: the ``ModelExecutor`` over a real decoder-only MLX model.
+"""LlmExecutor: the ferrum-compatible ``ModelExecutor`` surface, a thin adapter over a runner.
 
-One executor serves many sequences, each known by a ``cache_id``. The KV layout comes
-from :class:`~mlx_ferrum.config.RuntimeConfig` (``FERRUM_METAL_PAGED_KV``) and lives
-behind one interface (:mod:`mlx_ferrum.kv_cache.store`): the executor has ONE forward
-path, and the layouts differ only in their store and in the attention call.
+The engine drives a :class:`~mlx_ferrum.runner.LlmRunner` (the model, its KV store, the
+forward pass) through the :class:`~mlx_ferrum.runner.ModelRunner` protocol. This
+module offers the same runner to callers that speak ferrum's executor contract
+(:class:`~mlx_ferrum.executor.types.ModelExecutor`): ``prefill`` / ``decode`` /
+``batch_prefill`` / ``batch_decode`` / ``forward_verify`` take
+:class:`~mlx_ferrum.executor.types.PrefillInput` / ``DecodeInput`` (``[1, L]`` int
+``mx.array`` s) and return logits with a :class:`~mlx_ferrum.executor.types.KvCacheHandle`;
+``truncate_kv`` / ``fork_cache`` / ``release_cache`` work on handles; ``capabilities``,
+``status``, ``warmup`` and ``shutdown`` report on and manage the runner. Every call
+validates its input, turns it into :class:`~mlx_ferrum.runner.SeqWork` and calls the
+runner; nothing else happens here.
 
-- contiguous: each sequence has per-layer :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`.
-  Batched calls put sequences on separate rows; rows whose caches differ in length are
-  right-padded and masked inside attention, and prompts of different lengths are run
-  in groups of equal length (so no pad token is ever stored).
-- paged: all sequences share one :class:`~mlx_ferrum.kv_cache.PagedKvPool`; a batched
-  call packs every sequence's new tokens into ONE row (varlen, no padding), with
-  per-token positions and a ``slot_mapping`` into the pool (ferrum's ``unified_decode``).
-
-The ferrum-style calls (prefill/decode/...) and :meth:`LlmExecutor.run` evaluate their
-logits before returning, so timings in :meth:`status` are real. :meth:`LlmExecutor.forward`
-returns the pass unevaluated, for the engine's pipelined step.
+The ferrum-style calls evaluate their logits before returning, so timings in
+:meth:`LlmExecutor.status` are real. :meth:`LlmExecutor.forward` and the other
+runner methods are passed through unchanged, for code written against the executor.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import threading
 import time
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx.utils import tree_flatten
 
-from ..config import RuntimeConfig, resolve_kv_capacity
-from ..errors import ExecutorError, InvalidInputIdsError, KvCacheExhaustedError, PromptTooLongError, UnknownCacheError
-from ..kv_cache import ContiguousKvCache, LayerGroupKvManager, PagedKvCacheManager, PagedKvPool, default_num_blocks
-from ..kv_cache.manager import UNKNOWN_TOKEN
-from ..kv_cache.pool import check_pool_fits
-from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
-from ..layers.attention import AttentionMetadata, contiguous_pad_mask
+from ..config import RuntimeConfig
+from ..errors import ExecutorError, InvalidInputIdsError, UnknownCacheError
+from ..kv_cache import PagedKvCacheManager
+from ..runner import LlmRunner, SeqWork
+# re-exported: code and tests import these from here
+from ..runner.llm_runner import MAX_DECODE_TRACES, layer_windows, model_dtype, shape_bucket  # noqa: F401
 from .types import (
     AttentionType,
     DecodeInput,
@@ -49,105 +42,11 @@ from .types import (
     ExecutorStatus,
     KvCacheHandle,
     MemoryRequirements,
-    ModelInfo,
     PrefillInput,
     PrefillOutput,
 )
 
 _ids = itertools.count()
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqWork:
-    """New tokens of one sequence for one forward pass.
-
-    Attributes:
-        cache_id: the sequence's cache (created when absent).
-        tokens: the new token ids.
-        all_logits: return logits for every new token, else for the last one.
-        return_logits: False for a prefill chunk that does not reach the end of its
-            prompt: no logits row at all (ignored when ``all_logits``).
-        prev_row: ``>= 0``: the last token is not known on the host yet; it is row
-            ``prev_row`` of the ``prev_tokens`` device array given to
-            :meth:`LlmExecutor.forward` (``tokens[-1]`` is a placeholder then).
-    """
-
-    cache_id: str
-    tokens: list[int]
-    all_logits: bool = False
-    return_logits: bool = True
-    prev_row: int = -1
-
-    @property
-    def num_logit_rows(self) -> int:
-        """Logits rows this item gets back: ``len(tokens)``, 1, or 0."""
-        if self.all_logits:
-            return len(self.tokens)
-        return 1 if self.return_logits else 0
-
-
-#: traces of the compiled decode step kept per executor and thread (see ``_compiled_step``)
-MAX_DECODE_TRACES = 64
-
-
-def shape_bucket(n: int) -> int:
-    """``n`` rounded up to a size a compiled decode step is traced for.
-
-    Sizes up to 8 are kept; above, ``n`` is rounded up to a multiple of a quarter of
-    its power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): four sizes per
-    octave, so less than a quarter of the padded work is waste, and a batch that
-    changes by a row or a context that crosses a block boundary mostly reuses a
-    trace. The idea of vLLM's CUDA-graph capture sizes.
-    """
-    if n <= 8:
-        return max(n, 1)
-    granule = 1 << (n.bit_length() - 3)
-    return -(-n // granule) * granule
-
-
-def _pad_rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
-    """``values`` ``[n]`` int32 padded to ``[rows]`` with ``fill``."""
-    if values.shape[0] == rows:
-        return values
-    return np.concatenate([values, np.full(rows - values.shape[0], fill, dtype=values.dtype)])
-
-
-def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> np.ndarray:
-    """A ``[n, m]`` block table padded to ``[rows, cols]``: extra columns point at block 0
-    (masked by ``context_lens``), extra rows at the scratch block."""
-    out = np.zeros((rows, cols), dtype=np.int32)
-    out[: table.shape[0], : table.shape[1]] = table
-    out[table.shape[0] :, 0] = scratch_block
-    return out
-
-
-def model_dtype(model: nn.Module) -> mx.Dtype:
-    """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
-    (the scales' dtype if affine-quantized), else the final norm's (the microscaling modes
-    store uint8 scales, which say nothing about the activations)."""
-    if isinstance(getattr(model, "dtype", None), mx.Dtype):
-        return model.dtype
-    emb = model.model.embed_tokens
-    for candidate in (getattr(emb, "scales", None), emb.weight, getattr(getattr(model.model, "norm", None), "weight", None)):
-        if candidate is not None and mx.issubdtype(candidate.dtype, mx.floating):
-            return candidate.dtype
-    for _, value in tree_flatten(model.parameters()):
-        if mx.issubdtype(value.dtype, mx.floating):
-            return value.dtype
-    return mx.float32
-
-
-def layer_windows(model: nn.Module) -> list[Optional[int]]:
-    """The sliding window of each layer (None: full attention), from ``model.args.window``.
-
-    One shared window (Mistral, Phi-3) lets the paged manager free blocks outside it;
-    mixed layers (Gemma 3, gpt-oss) get a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
-    """
-    args = model.args
-    if not hasattr(args, "window"):
-        return [None] * args.num_hidden_layers
-    return [args.window(i) for i in range(args.num_hidden_layers)]
 
 
 def _as_token_list(ids: mx.array, what: str) -> list[int]:
@@ -181,14 +80,23 @@ def _as_token_list(ids: mx.array, what: str) -> list[int]:
 
 
 class LlmExecutor:
-    """Executor over a Llama-family ``Model`` (see :mod:`mlx_ferrum.models.llama`).
+    """The ferrum ``ModelExecutor`` over a model, as an adapter over an :class:`~mlx_ferrum.runner.LlmRunner`.
 
     Args:
-        model: the loaded model (``model.args`` a ``ModelArgs``).
+        model: the loaded model (``model.args`` a ``ModelArgs``); ignored when ``runner``
+            is given (its model is used).
         config: runtime settings; ``None`` reads them from the environment.
         model_id: a name for :attr:`info`.
         manager: an existing paged manager to use (paged layout only); its block size
             and block count size the pool.
+        runner: an existing runner to wrap instead of building one (``config``,
+            ``model_id`` and ``manager`` are then the runner's).
+
+    Attributes:
+        runner: the :class:`~mlx_ferrum.runner.LlmRunner` every call goes to (the engine
+            drives the same object when given this executor).
+        model, config, args, info, dtype, layout, max_seq_len, manager, pool, store:
+            the runner's (``model`` may be replaced, e.g. by a wrapper in tests).
 
     Raises (from its calls):
         PromptTooLongError: tokens beyond ``kv_capacity()``.
@@ -202,451 +110,104 @@ class LlmExecutor:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Optional[nn.Module] = None,
         config: Optional[RuntimeConfig] = None,
         model_id: str = "model",
         manager: Optional[PagedKvCacheManager] = None,
+        runner: Optional[LlmRunner] = None,
     ):
-        self.model = model
-        self.config = config if config is not None else RuntimeConfig()
-        args = model.args
-        self.args = args
-        self.dtype = model_dtype(model)
-        self.layout = self.config.kv_layout
-        self.max_seq_len = resolve_kv_capacity(self.config, args.max_position_embeddings)
-        self._lock = threading.RLock()
-        self._weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-        self.info = ModelInfo(
-            model_id=model_id,
-            model_type=args.model_type,
-            vocab_size=args.vocab_size,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_hidden_layers,
-            num_heads=args.num_attention_heads,
-            num_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            max_sequence_length=self.max_seq_len,
-            dtype=str(self.dtype).replace("mlx.core.", ""),
-            num_parameters=n_params,
-        )
-        self.manager: Optional[PagedKvCacheManager] = None
-        self.pool: Optional[PagedKvPool] = None
-        if manager is not None and self.layout != "paged":
-            raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
-        per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * self.dtype.size
-        if self.layout == "paged":
-            if manager is None:
-                bs = self.config.block_size
-                num_blocks = self.config.max_num_blocks or default_num_blocks(
-                    args.num_hidden_layers,
-                    args.num_key_value_heads,
-                    bs,
-                    args.head_dim,
-                    self.dtype,
-                    self._weight_bytes,
-                    self.config.kv_memory_fraction,
-                    max_num_seqs=self.config.max_num_seqs,
-                    max_seq_len=self.max_seq_len,
-                )
-                # before the manager builds its per-block lists: a huge FERRUM_KV_MAX_BLOCKS
-                # must be a named error, not a MemoryError from the host bookkeeping
-                check_pool_fits(args.num_hidden_layers, num_blocks, args.num_key_value_heads, bs,
-                                args.head_dim, self.dtype, extra_blocks=1)
-                windows = layer_windows(model)
-                if len(set(windows)) > 1:
-                    # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
-                    manager = LayerGroupKvManager(
-                        num_blocks, bs, -(-self.max_seq_len // bs), windows, prefix_cache=self.config.prefix_cache
-                    )
-                else:
-                    manager = PagedKvCacheManager(
-                        num_blocks, bs, max_blocks_per_seq=-(-self.max_seq_len // bs),
-                        prefix_cache=self.config.prefix_cache, sliding_window=windows[0],
-                    )
-            self.manager = manager
-            # one block past the manager's: the scratch block that the pad rows of a
-            # compiled decode step write to (the manager never hands it out)
-            self.pool = PagedKvPool(
-                args.num_hidden_layers, manager.num_blocks + 1, args.num_key_value_heads, manager.block_size,
-                args.head_dim, self.dtype,
-            )
-            self._scratch_block = manager.num_blocks
-            self.store: KvStore = PagedKvStore(manager, self.pool, per_token)
-        else:
-            self.store = ContiguousKvStore(self._new_contiguous, per_token)
-        # decided once per executor: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
-        self._metal_kernels = bool(self.config.metal_kernels)
-        # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
-        # (MLX streams belong to the thread that made them, and a trace keeps its streams:
-        # each thread that runs steps gets its own compiled function)
-        self._compiled_decode: Optional[dict] = None
-        self._wait_for_pools = mx.default_device().type == mx.DeviceType.cpu
-        if self.layout == "paged" and not self.config.enforce_eager:
-            self._compiled_decode = {}
-        # paged passes give the model its packed tokens as [T] when it takes them
-        # (Model.packed_tokens): 2-D activations, so no flatten/unflatten pair of graph
-        # ops around each projection (the matmul of a 3-D input adds them)
-        self._packed_tokens = bool(getattr(model, "packed_tokens", False))
-        self._state = ExecutorState.READY
+        if runner is None:
+            if model is None:
+                raise ExecutorError("LlmExecutor needs a model (or an existing runner=)")
+            runner = LlmRunner(model, config, model_id=model_id, manager=manager)
+        self.runner = runner
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
         self._last_batch = 0
         self._last_op: Optional[float] = None
         self._peak_kv_bytes = 0
 
-    # ------------------------------------------------------------- handles
+    # ------------------------------------------------------------- the runner's facts
     @property
-    def _contiguous(self) -> dict:
-        """Contiguous layout: cache id -> per-layer caches (empty for paged)."""
-        return self.store.caches if isinstance(self.store, ContiguousKvStore) else {}
+    def model(self) -> nn.Module:
+        """The runner's model."""
+        return self.runner.model
 
-    def _handle(self, cache_id: str) -> KvCacheHandle:
-        if self.layout == "paged":
-            seq = self.manager._seq(cache_id)
-            return KvCacheHandle(
-                cache_id, seq.num_tokens, "paged", self.manager.block_size, tuple(seq.block_ids)
-            )
-        return KvCacheHandle(cache_id, self.store.num_tokens(cache_id), "contiguous")
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        self.runner.model = model
 
-    def has_cache(self, cache_id: str) -> bool:
-        """True when ``cache_id`` holds a cache."""
-        return self.store.has(cache_id)
-
-    def num_tokens(self, cache_id: str) -> int:
-        """Tokens stored for ``cache_id``.
-
-        Raises:
-            UnknownCacheError: unknown ``cache_id``.
-        """
-        return self.store.num_tokens(cache_id)
+    config = property(lambda self: self.runner.config, doc="The runner's :class:`RuntimeConfig`.")
+    args = property(lambda self: self.runner.args, doc="The model's ``ModelArgs``.")
+    info = property(lambda self: self.runner.info, doc="Static facts (:class:`ModelInfo`).")
+    dtype = property(lambda self: self.runner.dtype, doc="The model's activation dtype (also the KV dtype).")
+    layout = property(lambda self: self.runner.layout, doc='``"paged"`` or ``"contiguous"``.')
+    max_seq_len = property(lambda self: self.runner.max_seq_len, doc="Most tokens per sequence.")
+    manager = property(lambda self: self.runner.manager, doc="The paged block manager (None: contiguous).")
+    pool = property(lambda self: self.runner.pool, doc="The paged K/V pool arrays (None: contiguous).")
+    store = property(lambda self: self.runner.store, doc="The runner's KV store.")
+    _contiguous = property(lambda self: self.runner._contiguous, doc="Contiguous caches by id (empty: paged).")
 
     @property
     def compiled_decode(self) -> bool:
-        """True while paged decode passes run as one ``mx.compile``'d step (see
-        ``RuntimeConfig.enforce_eager``); False for the contiguous layout, with
-        ``enforce_eager``, or once a model was found that cannot be traced."""
-        return self._compiled_decode is not None
+        """True while paged decode passes run as one ``mx.compile``'d step (see :class:`LlmRunner`)."""
+        return self.runner.compiled_decode
+
+    # ------------------------------------------------------------- handles
+    def _handle(self, cache_id: Hashable) -> KvCacheHandle:
+        if self.runner.manager is not None:
+            seq = self.runner.manager._seq(cache_id)
+            return KvCacheHandle(
+                cache_id, seq.num_tokens, "paged", self.runner.manager.block_size, tuple(seq.block_ids)
+            )
+        return KvCacheHandle(cache_id, self.runner.num_tokens(cache_id), "contiguous")
+
+    def _check_open(self) -> None:
+        self.runner._check_open()
+
+    @property
+    def _state(self) -> ExecutorState:
+        """The runner's lifecycle, in ferrum's terms."""
+        if self.runner.closed:
+            return ExecutorState.SHUTDOWN
+        return ExecutorState.BUSY if self.runner.busy else ExecutorState.READY
+
+    # ------------------------------------------------------------- the runner's calls, unchanged
+    def has_cache(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds a cache."""
+        return self.runner.has_cache(cache_id)
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored for ``cache_id``. Raises UnknownCacheError for an unknown id."""
+        return self.runner.num_tokens(cache_id)
 
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""
-        return self.max_seq_len
+        return self.runner.kv_capacity()
 
-    def _check_open(self) -> None:
-        if self._state == ExecutorState.SHUTDOWN:
-            raise ExecutorError("this executor was shut down: create a new one")
-
-    # ------------------------------------------------------------- core
     def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
-        """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``),
-        evaluated before returning.
+        """:meth:`LlmRunner.run`: one evaluated forward pass; ``[n_i or 1, vocab]`` per item."""
+        return self.runner.run(work, prev_tokens)
 
-        Caches that do not exist are created. On any error every cache touched by this
-        call is restored to its previous length (and new ones released), so a failed call
-        leaves no blocks behind and other sequences untouched.
-
-        Args:
-            work: one :class:`SeqWork` per sequence.
-            prev_tokens: see :meth:`forward`.
-
-        Returns:
-            One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``
-            (``[0, vocab]`` when ``return_logits`` is False), in the model dtype, evaluated.
-
-        Raises:
-            PromptTooLongError, KvCacheExhaustedError, ExecutorError.
-        """
-        self._check_open()
-        if not work:
-            return []
-        logits, state, undo = self._build(work, prev_tokens)
-        try:
-            mx.eval(logits, state)
-        except BaseException:  # Ctrl-C too: the caches go back to their previous lengths
-            with self._lock:
-                undo()
-            raise
-        if self.manager is not None:
-            with self._lock:
-                for w in work:
-                    # hold only each sliding window between calls; a verify pass (all logits)
-                    # keeps its blocks until its rejected tokens are truncated
-                    if not w.all_logits and self.manager.has(w.cache_id):
-                        self.manager.trim_to_window(w.cache_id)
-        out = []
-        r = 0
-        for w in work:
-            n = w.num_logit_rows
-            out.append(logits[r : r + n])
-            r += n
-        return out
-
-    def forward(
-        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
-    ) -> tuple[mx.array, list[mx.array]]:
-        """Build one forward pass over ``work`` and return it UNEVALUATED.
-
-        This is the pipelined engine's entry: the caller samples from the lazy logits
-        and ``mx.async_eval``-s the result together with ``state`` (the KV arrays this
-        pass writes), so the host can build the next step while this one runs (the
-        overlap mlx-lm's ``generate_step`` gets from ``mx.async_eval``).
-
-        Args:
-            work: one :class:`SeqWork` per sequence (each ``cache_id`` once).
-            prev_tokens: ``[R]`` int32 device array (a previous step's sampled tokens);
-                an item with ``prev_row >= 0`` takes its LAST token from
-                ``prev_tokens[prev_row]`` instead of ``tokens[-1]`` (a placeholder).
-
-        Returns:
-            ``(logits, state)``: logits ``[R, vocab]`` (model dtype), the rows of every
-            item in ``work`` order (``num_logit_rows`` each); ``state`` the cache arrays
-            to evaluate with them.
-
-        Raises:
-            PromptTooLongError, KvCacheExhaustedError, ExecutorError (nothing changes then).
-        """
-        self._check_open()
-        if not work:
-            return mx.zeros((0, self.args.vocab_size), self.dtype), []
-        logits, state, _ = self._build(work, prev_tokens)
-        return logits, state
-
-    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
-        """:meth:`forward` plus the store's ``undo`` (for :meth:`run` to call when the
-        evaluation fails)."""
-        self._validate(work, prev_tokens)
-        with self._lock:
-            self._state = ExecutorState.BUSY
-            try:
-                return self._forward(work, prev_tokens)
-            finally:
-                self._state = ExecutorState.READY
-
-    def _validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]) -> None:
-        ids = [w.cache_id for w in work]
-        if len(set(ids)) != len(ids):
-            raise ExecutorError("a cache_id appears twice in one batch: send one item per sequence")
-        vocab = self.args.vocab_size
-        for w in work:
-            if not w.tokens:
-                raise ExecutorError(f"no tokens given for cache {w.cache_id!r}")
-            if w.prev_row >= 0 and prev_tokens is None:
-                raise ExecutorError(f"cache {w.cache_id!r} takes a previous step's token but prev_tokens is None")
-            host = w.tokens[:-1] if w.prev_row >= 0 else w.tokens
-            if host and not (0 <= min(host) and max(host) < vocab):
-                bad = next(t for t in host if not 0 <= t < vocab)
-                raise InvalidInputIdsError(f"token id {bad} is outside the vocabulary [0, {vocab}): pass ids the "
-                                           "model's tokenizer produced")
-            have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
-            if have + len(w.tokens) > self.max_seq_len:
-                raise PromptTooLongError(
-                    f"sequence {w.cache_id!r} would hold {have + len(w.tokens)} tokens, more than the context of "
-                    f"{self.max_seq_len}: shorten the prompt or max_tokens, or raise FERRUM_KV_CAPACITY "
-                    "(at most the model's max_position_embeddings for sound results)"
-                )
-
-    @staticmethod
-    def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
-        """The step's token ids as a device array; placeholders are filled from ``prev``
-        on the device, so a previous step's tokens never travel through the host."""
-        ids = mx.array(flat)
-        if patch_at:
-            ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
-        return ids
-
-    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
-        """One code path for both layouts: the store places the tokens and says how
-        many passes they take (paged: one packed pass; contiguous: one per token count)."""
-        # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
-        # hashes its block once set_token_ids() brings the id
-        passes, undo = self.store.prepare(
-            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work])
-        pieces: list[mx.array] = []
-        owner: list[int] = []  # work index of each returned logits row, in piece order
-        try:
-            for kv_pass in passes:
-                pieces.append(self._run_pass(work, kv_pass, prev, owner))
-        except BaseException:  # Ctrl-C too: never leave slots appended twice
-            undo()
-            self.schedule_kv_state()
-            raise
-        logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-        order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
-        if order != list(range(len(order))):
-            logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
-        return logits, self.store.state([w.cache_id for w in work]), undo
+    def forward(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None):
+        """:meth:`LlmRunner.forward`: one forward pass, unevaluated: ``(logits [R, vocab], state)``."""
+        return self.runner.forward(work, prev_tokens)
 
     def schedule_kv_state(self) -> None:
-        """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
+        """:meth:`LlmRunner.schedule_kv_state`."""
+        self.runner.schedule_kv_state()
 
-        A pass that failed part-way may leave the KV arrays as lazy writes nobody
-        evaluates. MLX binds an unscheduled array to the thread that built it (another
-        thread's evaluation raises "There is no Stream(cpu, n) in current thread"), and
-        the next pass may be built on another thread, so the failure paths queue them.
-        The writes went to slots the failed call released (they are written again before
-        anything reads them). An error of that evaluation is the failed call's, already
-        being reported, so it is not raised again here.
+    def trim_cache(self, cache_id: Hashable, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of a cache (see :meth:`truncate_kv` for handles).
+
+        Raises:
+            UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
         """
-        try:
-            with self._lock:
-                arrays = self.store.state(self.store.cache_ids())
-            if arrays:
-                mx.async_eval(*arrays)
-        except Exception:  # noqa: BLE001 - the failure being handled already reports it
-            pass
+        self.runner.trim_cache(cache_id, num_tokens)
 
-    def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
-        """Build one pass's metadata and input ids and call the model (lazily); returns the
-        logits rows of its items ``[R, vocab]`` and appends their owners to ``owner``."""
-        if self._compiled_decode is not None and self._is_decode_pass(work, kv_pass):
-            logits = self._decode_pass(work, kv_pass, prev)
-            if logits is not None:
-                owner.extend(kv_pass.items)
-                return logits
-        flat = np.empty(kv_pass.rows * kv_pass.cols, dtype=np.int32)
-        patch_at: list[int] = []
-        patch_rows: list[int] = []
-        rows: list[int] = []
-        for i, start in zip(kv_pass.items, kv_pass.starts):
-            w = work[i]
-            n = len(w.tokens)
-            flat[start : start + n] = w.tokens
-            if w.prev_row >= 0:
-                patch_at.append(start + n - 1)
-                patch_rows.append(w.prev_row)
-            k = w.num_logit_rows
-            rows.extend(range(start + n - k, start + n))
-            owner.extend([i] * k)
-        meta = self._metadata(kv_pass.fields, kv_pass.cols)
-        # the LM head runs only on the rows whose logits are returned
-        if not (len(rows) == flat.size and rows == list(range(flat.size))):
-            meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
-        tokens = self._input_ids(flat, patch_at, patch_rows, prev)
-        if not (self._packed_tokens and kv_pass.fields.get("layout") == "paged"):
-            tokens = tokens.reshape(kv_pass.rows, kv_pass.cols)
-        logits = self.model(tokens, meta)
-        logits = logits.reshape(-1, logits.shape[-1])
-        return logits if rows else logits[:0]
-
-    @staticmethod
-    def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
-        """One new token and one logits row for every item of a paged pass."""
-        f = kv_pass.fields
-        return f.get("layout") == "paged" and f["num_decode_seqs"] == len(kv_pass.items) and all(
-            work[i].num_logit_rows == 1 for i in kv_pass.items
-        )
-
-    def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
-        """Run a pure decode pass through the compiled step :meth:`_decode_graph`.
-
-        ``mx.compile`` traces the step once per (sequences, blocks per table) shape and
-        replays it afterwards: no Python per layer, and elementwise chains (RoPE, norms,
-        SwiGLU, the softmax of decode attention) fused into single kernels. Both sizes
-        are padded to :func:`shape_bucket` sizes so that traces repeat: pad rows write
-        the pool's scratch block (``self._scratch_block``, never handed out by the
-        manager) and have ``context_lens`` 1; pad table columns point at block 0 and are
-        masked. The pool arrays go in as inputs and come back as outputs, and the pool
-        is rebound to them. Returns the logits ``[B, vocab]`` in ``kv_pass.items``
-        order, or None when the model cannot be traced (it reads values on the host):
-        the executor then stays eager for good, and the caller runs the pass op by op.
-        """
-        f = kv_pass.fields
-        n = len(kv_pass.items)
-        rows, cols = shape_bucket(n), shape_bucket(f["block_tables"].shape[1])
-        ids = np.zeros(rows, dtype=np.int32)
-        patch_at: list[int] = []
-        patch_rows: list[int] = []
-        for r, i in enumerate(kv_pass.items):
-            w = work[i]
-            ids[r] = w.tokens[-1]
-            if w.prev_row >= 0:
-                patch_at.append(r)
-                patch_rows.append(w.prev_row)
-        if rows == n and len(patch_at) == n and prev is not None and prev.shape[0] == n and patch_rows == patch_at:
-            input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
-        else:
-            input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
-        scratch_slot = self._scratch_block * self.manager.block_size
-        arrays = {
-            "positions": mx.array(_pad_rows(f["positions"], rows, 0)),
-            "slot_mapping": mx.array(_pad_rows(f["slot_mapping"], rows, scratch_slot)),
-            "block_tables": mx.array(_pad_table(f["block_tables"], rows, cols, self._scratch_block)),
-            "context_lens": mx.array(_pad_rows(f["context_lens"], rows, 1)),
-        }
-        if f.get("layer_groups") is not None:
-            arrays["group_slot_mappings"] = [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f["group_slot_mappings"]]
-            arrays["group_block_tables"] = [
-                mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f["group_block_tables"]]
-        pool = self.pool
-        if self._wait_for_pools:
-            # On the CPU backend a pool still pending from the previous (pipelined) step
-            # cannot be updated in place by the compiled step: MLX copies every layer's
-            # pool (peak memory + whole pools, tens of ms per step on a large pool). The
-            # wait costs little there, as mx.async_eval already waited for all but the
-            # previous step's tail. GPU backends skip it, so the host keeps building
-            # ahead of the device (unmeasured here: no GPU on this machine).
-            mx.eval(pool.k, pool.v)
-        try:
-            logits, k_pools, v_pools = self._compiled_step((rows, cols))(input_ids, arrays, pool.k, pool.v)
-        except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
-            if "compile" not in str(e) and "transformation" not in str(e):
-                raise
-            logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
-            self._compiled_decode = None
-            return None
-        pool.k, pool.v = list(k_pools), list(v_pools)
-        return logits if rows == n else logits[:n]
-
-    def _compiled_step(self, shape: tuple[int, int]):
-        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use).
-
-        ``mx.compile`` keeps one trace per input shape; once more than
-        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table) were
-        seen the function is dropped with its traces and compiled anew, so a
-        long-running server holds a bounded number of graphs.
-        """
-        key = threading.get_ident()
-        entry = self._compiled_decode.get(key)
-        if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
-            entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
-        entry[1].add(shape)
-        return entry[0]
-
-    def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
-        """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
-        metadata arrays, and every layer's K/V pool -> ``(logits [B, vocab], k_pools, v_pools)``."""
-        pool = self.pool.with_arrays(k_pools, v_pools)
-        groups = getattr(self.manager, "layer_groups", None) if "group_block_tables" in arrays else None
-        meta = AttentionMetadata(
-            layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
-            layer_groups=groups, **arrays,
-        )
-        if self._packed_tokens:
-            return self.model(input_ids, meta), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
-        return self.model(input_ids[None], meta)[0], pool.k, pool.v
-
-    def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
-        """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""
-        f = dict(fields)
-        lens_after = f.pop("cache_lens_after", None)
-        if lens_after is not None:
-            f["pad_mask"] = contiguous_pad_mask(lens_after, new_tokens, self.dtype)
-        for k, v in f.items():
-            if isinstance(v, np.ndarray):
-                f[k] = mx.array(v)
-            elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # per layer group
-                f[k] = [mx.array(x) for x in v]
-        return AttentionMetadata(metal_kernels=self._metal_kernels, **f)
-
-    def _new_contiguous(self) -> list[ContiguousKvCache]:
-        a = self.args
-        pre = self.config.kv_capacity is not None
-        return [
-            ContiguousKvCache(
-                a.num_key_value_heads, a.head_dim, self.dtype, self.max_seq_len, self.config.kv_cache_step, pre
-            )
-            for _ in range(a.num_hidden_layers)
-        ]
+    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """:meth:`LlmRunner.set_token_ids` (prefix caching of tokens stored before they were known)."""
+        self.runner.set_token_ids(cache_id, start, token_ids)
 
     # ---------------------------------------------------------- ferrum API
     def _timed(self, kind: str, batch: int, fn):
@@ -657,7 +218,7 @@ class LlmExecutor:
         self._times[kind] += dt
         self._last_batch = batch
         self._last_op = time.time()
-        self._peak_kv_bytes = max(self._peak_kv_bytes, self._kv_used_bytes())
+        self._peak_kv_bytes = max(self._peak_kv_bytes, self.runner.kv_used_bytes())
         return res
 
     def prefill(self, input: PrefillInput) -> PrefillOutput:
@@ -751,90 +312,52 @@ class LlmExecutor:
             self.store.truncate(cid, new_len)
         return self._handle(cid)
 
-    def trim_cache(self, cache_id: str, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of a cache (the engine's rollback of a
-        rejected draft); whole paged blocks past them are freed.
+    def truncate_kv(self, kv_cache: KvCacheHandle, new_len: int) -> KvCacheHandle:
+        """Keep the first ``new_len`` tokens of a cache; paged blocks past them are freed.
 
         Raises:
-            UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
+            UnknownCacheError: released cache. KvCacheError: ``new_len`` out of range.
         """
-        with self._lock:
-            self.store.truncate(cache_id, num_tokens)
+        self.runner.trim_cache(kv_cache.cache_id, new_len)
+        return self._handle(kv_cache.cache_id)
 
     def fork_cache(self, kv_cache: KvCacheHandle, new_cache_id: Optional[str] = None) -> KvCacheHandle:
-        """A new sequence starting with ``kv_cache``'s tokens (paged: shared blocks, copy-on-write)."""
+        """A new sequence starting with ``kv_cache``'s tokens (paged: shared blocks, copy-on-write).
+
+        Raises:
+            UnknownCacheError: released cache.
+        """
         new_id = new_cache_id or f"seq-{next(_ids)}"
-        with self._lock:
-            self.store.fork(kv_cache.cache_id, new_id)
+        self.runner.fork_cache(kv_cache.cache_id, new_id)
         return self._handle(new_id)
 
     def claim_prefix(self, cache_id: str, token_ids: Sequence[int], num_tokens: int) -> KvCacheHandle:
-        """Create the paged cache ``cache_id`` holding the first ``num_tokens`` tokens of
-        ``token_ids`` by sharing prefix-cached blocks (reference counts; no K/V is computed
-        or copied). The engine calls this for what the scheduler planned
-        (``SchedulerOutput.prefix_lookups``, from the manager's read-only
-        ``longest_cached_prefix``); the match itself is the manager's ``match_prefix``
-        (chained SHA-256 block keys, as in vLLM's automatic prefix caching).
-
-        Args:
-            cache_id: a new cache id.
-            token_ids: the prompt's token ids (ints).
-            num_tokens: cached tokens to share: a multiple of ``block_size``, at most
-                ``len(token_ids) - 1``; 0 creates an empty cache.
+        """Create the paged cache ``cache_id`` sharing the first ``num_tokens`` prefix-cached
+        tokens of ``token_ids`` (see :meth:`LlmRunner.claim_prefix`).
 
         Returns:
             The new cache's handle (``num_tokens`` tokens).
 
         Raises:
-            ExecutorError: the contiguous layout, or prefix caching is off
-                (``RuntimeConfig(prefix_cache=True)`` / ``FERRUM_PREFIX_CACHE=1``).
+            ExecutorError: the contiguous layout, or prefix caching is off.
             KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
                 cached (nothing changes then).
         """
-        if not isinstance(self.store, PagedKvStore) or not self.manager.prefix_cache:
-            raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
-                                "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
-        with self._lock:
-            self.store.claim_prefix(cache_id, token_ids, num_tokens)
+        self.runner.claim_prefix(cache_id, token_ids, num_tokens)
         return self._handle(cache_id)
-
-    def set_token_ids(self, cache_id: str, start: int, token_ids: Sequence[int]) -> None:
-        """Tell the KV store the ids of tokens it stored before they were known on the host
-        (a pipelined step's ``prev_row`` token), so prefix caching can hash their blocks.
-
-        A no-op without prefix caching, for an unknown cache, and for positions not stored yet.
-
-        Args:
-            cache_id: the sequence.
-            start: position of ``token_ids[0]`` in the sequence (tokens).
-            token_ids: the ids (ints).
-
-        Raises:
-            KvCacheError: a position already holds a different known id.
-        """
-        manager = self.manager
-        if manager is None or not manager.prefix_cache:
-            return
-        with self._lock:
-            if manager.has(cache_id):
-                manager.set_token_ids(cache_id, start, token_ids)
 
     def release_cache(self, cache_id: str) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
-        with self._lock:
-            self.store.release(cache_id)
+        self.runner.release_cache(cache_id)
 
     # ------------------------------------------------------------ reports
-    def _kv_used_bytes(self) -> int:
-        return self.store.used_bytes()
-
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
-        return self.store.allocated_bytes()
+        return self.runner.kv_allocated_bytes()
 
     def cache_metrics_snapshot(self) -> dict:
         """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
-        return self.store.metrics()
+        return self.runner.cache_metrics_snapshot()
 
     def capabilities(self) -> ExecutorCapabilities:
         """What this executor does (every flag is true of the implementation)."""
@@ -857,7 +380,7 @@ class LlmExecutor:
             supported_dtypes=["float32", "float16", "bfloat16"],
             supported_devices=["gpu" if mx.metal.is_available() else "cpu"],
             memory_requirements=MemoryRequirements(
-                parameter_memory=self._weight_bytes,
+                parameter_memory=self.runner.weight_bytes,
                 activation_memory_per_token=4 * a.hidden_size * self.dtype.size,
                 kv_cache_memory_per_token=per_tok_layer,
             ),
@@ -868,10 +391,11 @@ class LlmExecutor:
         """Counts of prefill/decode calls and their average time in milliseconds."""
         avg = lambda k: 1000.0 * self._times[k] / self._counts[k] if self._counts[k] else 0.0  # noqa: E731
         alloc = self.kv_allocated_bytes()
-        used = self._kv_used_bytes()
+        used = self.runner.kv_used_bytes()
+        state = self._state
         return ExecutorStatus(
-            state=self._state,
-            is_ready=self._state == ExecutorState.READY,
+            state=state,
+            is_ready=state == ExecutorState.READY,
             current_batch_size=self._last_batch,
             prefill_operations=self._counts["prefill"],
             decode_operations=self._counts["decode"],
@@ -898,7 +422,4 @@ class LlmExecutor:
 
     def shutdown(self) -> None:
         """Release every cache; later calls raise ``ExecutorError``."""
-        with self._lock:
-            for cid in self.store.cache_ids():
-                self.store.release(cid)
-            self._state = ExecutorState.SHUTDOWN
+        self.runner.close()

@@ -14,6 +14,8 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
+from ..runner.protocol import ModelInfo, SeqWork
+
 
 @dataclass(frozen=True)
 class KvCacheHandle:
@@ -176,29 +178,18 @@ class ExecutorStatus:
     last_operation: Optional[float] = None
 
 
-@dataclass
-class ModelInfo:
-    """Static facts about the model an executor serves."""
-
-    model_id: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_sequence_length: int
-    dtype: str
-    num_parameters: int = 0
-
-
 @runtime_checkable
 class ModelExecutor(Protocol):
-    """The executor contract (ferrum's ``ModelExecutor`` trait, synchronous).
+    """The executor contract (ferrum's ``ModelExecutor`` trait, synchronous), as
+    :class:`~mlx_ferrum.executor.LlmExecutor` implements it over a
+    :class:`~mlx_ferrum.runner.ModelRunner`.
 
     Implementations: :class:`~mlx_ferrum.executor.LlmExecutor` (a real model) and
     :class:`~mlx_ferrum.executor.PagedAttentionExecutor` (identity projections).
+    Token ids are ``int`` ``mx.array`` s ``[1, L]``; logits are in the model dtype;
+    counts are tokens, sizes bytes. Errors are :mod:`mlx_ferrum.errors` types
+    (``InvalidInputIdsError``, ``UnknownCacheError``, ``PromptTooLongError``,
+    ``KvCacheExhaustedError``, ``ExecutorError`` after ``shutdown``).
     """
 
     info: ModelInfo
@@ -207,7 +198,7 @@ class ModelExecutor(Protocol):
         """Run a prompt (or a chunk of one) and return its logits and cache handle."""
 
     def decode(self, input: DecodeInput) -> DecodeOutput:
-        """Run one new token and return the next-token logits."""
+        """Run one new token and return the next-token logits ``[1, vocab]``."""
 
     def batch_prefill(self, inputs: Sequence[PrefillInput]) -> list[PrefillOutput]:
         """Several prompts in one forward pass."""
@@ -218,11 +209,31 @@ class ModelExecutor(Protocol):
     def forward_verify(self, inputs: Sequence[DecodeInput]) -> list[DecodeOutput]:
         """N+1 tokens of one sequence in one forward pass, one logits row each."""
 
+    def forward(
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+    ) -> tuple[mx.array, list[mx.array]]:
+        """One unevaluated pass over :class:`SeqWork` items: ``(logits [R, vocab], KV state)``."""
+
     def truncate_kv(self, kv_cache: KvCacheHandle, new_len: int) -> KvCacheHandle:
         """Roll a cache back to its first ``new_len`` tokens."""
 
+    def fork_cache(self, kv_cache: KvCacheHandle, new_cache_id: Optional[str] = None) -> KvCacheHandle:
+        """A new cache starting with ``kv_cache``'s tokens."""
+
+    def claim_prefix(self, cache_id: str, token_ids: Sequence[int], num_tokens: int) -> KvCacheHandle:
+        """A new paged cache sharing the first ``num_tokens`` prefix-cached tokens."""
+
+    def has_cache(self, cache_id: str) -> bool:
+        """True when ``cache_id`` holds a cache."""
+
+    def kv_capacity(self) -> int:
+        """Most tokens one sequence may hold."""
+
     def release_cache(self, cache_id: str) -> None:
-        """Free a sequence's cache."""
+        """Free a sequence's cache (idempotent)."""
+
+    def cache_metrics_snapshot(self) -> dict:
+        """KV cache metrics (paged: the block manager's; contiguous: sequences and bytes)."""
 
     def capabilities(self) -> ExecutorCapabilities:
         """What this executor supports."""

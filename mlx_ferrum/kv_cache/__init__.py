@@ -5,6 +5,8 @@
 - :class:`BlockAllocator`, :class:`PagedKvCacheManager`: host-side bookkeeping of the pool.
 - :class:`LayerGroupKvManager`: one block table per layer group (full / sliding-window
   layers) for models that mix them.
+- :func:`build_kv_store` (:mod:`.factory`): the one place a store's layout, block
+  manager and pool size are chosen, from a :class:`KvSpec`.
 - :class:`BlockPlan`: the scheduler's read-only view of a manager, with one step's
   pending releases and prefix claims counted.
 """
@@ -12,6 +14,7 @@
 from .block_allocator import BlockAllocator
 from .block_plan import BlockPlan
 from .contiguous import ContiguousKvCache
+from .factory import KvSpec, build_kv_store
 from .layer_groups import LayerGroupKvManager
 from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
 from .pool import PagedKvPool, bytes_per_block, default_num_blocks
@@ -21,10 +24,12 @@ __all__ = [
     "BlockAllocator",
     "BlockPlan",
     "ContiguousKvCache",
+    "KvSpec",
     "LayerGroupKvManager",
     "PagedKvCacheManager",
     "PagedKvPool",
     "SequenceBlocks",
+    "build_kv_store",
     "bytes_per_block",
     "default_num_blocks",
 ]

@@ -1,0 +1,179 @@
+"""The one place a KV store is built: layout, pool size and block manager are chosen here, once.
+
+:func:`build_kv_store` turns a model's KV shape (:class:`KvSpec`) and a
+:class:`~mlx_ferrum.config.RuntimeConfig` into a :class:`~mlx_ferrum.kv_cache.store.KvStore`:
+
+- ``kv_layout="contiguous"``: a :class:`~mlx_ferrum.kv_cache.store.ContiguousKvStore`
+  whose per-sequence caches are :class:`~mlx_ferrum.kv_cache.ContiguousKvCache` lists
+  (grown in ``kv_cache_step`` steps, or preallocated to ``kv_capacity`` when it is set).
+- ``kv_layout="paged"``: a :class:`~mlx_ferrum.kv_cache.store.PagedKvStore` over
+  - a pool of :func:`pool_num_blocks` blocks (``max_num_blocks``, else sized from the
+    memory budget and ``max_num_seqs`` sequences of ``max_seq_len`` tokens), checked
+    against free memory before anything is allocated;
+  - a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` when the layers mix attention
+    windows (Gemma 3, gpt-oss: one block table per layer group), else a
+    :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (with the shared sliding window,
+    if any, so blocks outside it are freed);
+  - a :class:`~mlx_ferrum.kv_cache.PagedKvPool` of one block more than the manager
+    hands out: the scratch block (id ``manager.num_blocks``) that the pad rows of a
+    compiled decode step write to.
+
+Nothing above this module tests the layout string to decide how KV is stored: the
+runner asks the store it was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..config import RuntimeConfig
+from ..errors import ExecutorError
+from .contiguous import ContiguousKvCache
+from .layer_groups import LayerGroupKvManager
+from .manager import PagedKvCacheManager
+from .pool import PagedKvPool, check_pool_fits, default_num_blocks
+from .store import ContiguousKvStore, KvStore, PagedKvStore
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """The shape of a model's KV cache, all a store needs to know about the model.
+
+    Attributes:
+        num_layers: attention layers (one K and one V per layer).
+        num_kv_heads: key/value heads per layer.
+        head_dim: features per head.
+        dtype: the KV dtype (the model's activation dtype).
+        max_seq_len: most tokens one sequence may hold (``resolve_kv_capacity``).
+        layer_windows: each layer's sliding window in tokens (None: full attention),
+            ``num_layers`` entries.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+    max_seq_len: int
+    layer_windows: tuple[Optional[int], ...]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K+V bytes of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+
+def pool_num_blocks(spec: KvSpec, config: RuntimeConfig, weight_bytes: int) -> int:
+    """Blocks the paged manager hands out: ``config.max_num_blocks`` when set, else
+    :func:`~mlx_ferrum.kv_cache.pool.default_num_blocks` (``kv_memory_fraction`` of the
+    memory left beside ``weight_bytes``, at most what ``max_num_seqs`` sequences of
+    ``max_seq_len`` tokens use, at least 16).
+
+    Args:
+        spec: the model's KV shape.
+        config: ``block_size``, ``max_num_blocks``, ``kv_memory_fraction``, ``max_num_seqs``.
+        weight_bytes: bytes of the model's parameters.
+
+    Returns:
+        The block count (not counting the scratch block).
+    """
+    if config.max_num_blocks:
+        return config.max_num_blocks
+    return default_num_blocks(
+        spec.num_layers,
+        spec.num_kv_heads,
+        config.block_size,
+        spec.head_dim,
+        spec.dtype,
+        weight_bytes,
+        config.kv_memory_fraction,
+        max_num_seqs=config.max_num_seqs,
+        max_seq_len=spec.max_seq_len,
+    )
+
+
+def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> PagedKvCacheManager:
+    """The block manager for ``spec``: one block table per layer group when the layers'
+    windows differ, else one :class:`PagedKvCacheManager` (with the shared window).
+
+    Args:
+        spec: the model's KV shape (``layer_windows`` decides the manager).
+        config: ``block_size``, ``prefix_cache``.
+        num_blocks: blocks to manage.
+    """
+    bs = config.block_size
+    windows = list(spec.layer_windows)
+    max_blocks_per_seq = -(-spec.max_seq_len // bs)
+    if len(set(windows)) > 1:
+        # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
+        return LayerGroupKvManager(num_blocks, bs, max_blocks_per_seq, windows, prefix_cache=config.prefix_cache)
+    return PagedKvCacheManager(
+        num_blocks, bs, max_blocks_per_seq=max_blocks_per_seq,
+        prefix_cache=config.prefix_cache, sliding_window=windows[0] if windows else None,
+    )
+
+
+def build_kv_store(
+    spec: KvSpec,
+    config: RuntimeConfig,
+    weight_bytes: int,
+    manager: Optional[PagedKvCacheManager] = None,
+) -> KvStore:
+    """The KV store ``config.kv_layout`` names, sized for ``spec``.
+
+    Args:
+        spec: the model's KV shape.
+        config: ``kv_layout``, ``block_size``, ``max_num_blocks``, ``kv_memory_fraction``,
+            ``max_num_seqs``, ``prefix_cache``, ``kv_capacity``, ``kv_cache_step``.
+        weight_bytes: bytes of the model's parameters (the pool's memory budget is what
+            is left beside them).
+        manager: an existing paged manager to store into (paged layout only); its block
+            size and block count size the pool.
+
+    Returns:
+        A :class:`PagedKvStore` (``.manager``, ``.pool`` with ``manager.num_blocks + 1``
+        blocks: the last is the scratch block) or a :class:`ContiguousKvStore`.
+
+    Raises:
+        ExecutorError: ``manager`` given for the contiguous layout.
+        InsufficientMemoryError: the pool (``max_num_blocks`` blocks) does not fit in free
+            memory; raised before the manager's host bookkeeping or the pool is allocated.
+    """
+    if config.kv_layout != "paged":
+        if manager is not None:
+            raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
+        return ContiguousKvStore(contiguous_cache_maker(spec, config), spec.bytes_per_token)
+    if manager is None:
+        num_blocks = pool_num_blocks(spec, config, weight_bytes)
+        # before the manager builds its per-block lists: a huge FERRUM_KV_MAX_BLOCKS
+        # must be a named error, not a MemoryError from the host bookkeeping
+        check_pool_fits(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size, spec.head_dim,
+                        spec.dtype, extra_blocks=1)
+        manager = build_paged_manager(spec, config, num_blocks)
+    # one block past the manager's: the scratch block that the pad rows of a compiled
+    # decode step write to (the manager never hands it out)
+    pool = PagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
+                       spec.head_dim, spec.dtype)
+    return PagedKvStore(manager, pool, spec.bytes_per_token)
+
+
+def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
+    """A function building one new sequence's per-layer :class:`ContiguousKvCache` list:
+    ``[1, num_kv_heads, capacity, head_dim]`` per layer, grown in ``config.kv_cache_step``
+    tokens up to ``spec.max_seq_len``, or preallocated to it when ``config.kv_capacity`` is set."""
+    preallocate = config.kv_capacity is not None
+
+    def new_caches() -> list[ContiguousKvCache]:
+        return [
+            ContiguousKvCache(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.max_seq_len, config.kv_cache_step,
+                              preallocate)
+            for _ in range(spec.num_layers)
+        ]
+
+    return new_caches
+
+
+__all__: Sequence[str] = ["KvSpec", "build_kv_store", "build_paged_manager", "contiguous_cache_maker",
+                          "pool_num_blocks"]

@@ -1,0 +1,18 @@
+"""The model runner: what the engine calls to run the model over its KV store.
+
+- :mod:`.protocol`: :class:`ModelRunner` (the contract the engine, the draft proposer
+  and readers of ``engine.runner`` use), :class:`SeqWork` (one sequence's new tokens in
+  a batch) and :class:`ModelInfo`.
+- :mod:`.llm_runner`: :class:`LlmRunner`, the implementation: the model, the KV store
+  (built once by :func:`mlx_ferrum.kv_cache.factory.build_kv_store`), the forward pass
+  and the compiled decode step.
+
+The ferrum-compatible executor surface (``LlmExecutor``: prefill/decode/handles) sits
+beside the engine as a thin adapter over a runner, in :mod:`mlx_ferrum.executor`.
+"""
+
+from .llm_runner import MAX_DECODE_TRACES, LlmRunner, layer_windows, model_dtype, shape_bucket
+from .protocol import ModelInfo, ModelRunner, SeqWork
+
+__all__ = ["LlmRunner", "MAX_DECODE_TRACES", "ModelInfo", "ModelRunner", "SeqWork", "layer_windows", "model_dtype",
+           "shape_bucket"]

@@ -1,0 +1,615 @@
+"""LlmRunner: the :class:`~mlx_ferrum.runner.ModelRunner` over a decoder-only MLX model.
+
+One runner holds one model and one KV store (built once by
+:func:`mlx_ferrum.kv_cache.factory.build_kv_store` from ``RuntimeConfig.kv_layout``)
+and serves many sequences, each known by a ``cache_id``. It has ONE forward path; the
+layouts differ only in their store and in the attention call:
+
+- contiguous: each sequence has per-layer :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`.
+  Batched calls put sequences on separate rows; rows whose caches differ in length are
+  right-padded and masked inside attention, and prompts of different lengths are run
+  in groups of equal length (so no pad token is ever stored).
+- paged: all sequences share one :class:`~mlx_ferrum.kv_cache.PagedKvPool`; a batched
+  call packs every sequence's new tokens into ONE row (varlen, no padding), with
+  per-token positions and a ``slot_mapping`` into the pool (ferrum's ``unified_decode``).
+  Pure decode passes run through a compiled step (:meth:`LlmRunner._decode_pass`).
+
+:meth:`LlmRunner.forward` returns the pass unevaluated, for the engine's pipelined step;
+:meth:`LlmRunner.run` evaluates it. The ferrum-style calls (prefill/decode/handles) are
+the adapter :class:`~mlx_ferrum.executor.LlmExecutor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Hashable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..config import RuntimeConfig, resolve_kv_capacity
+from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
+from ..kv_cache import PagedKvCacheManager, PagedKvPool
+from ..kv_cache.factory import KvSpec, build_kv_store
+from ..kv_cache.manager import UNKNOWN_TOKEN
+from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
+from ..layers.attention import AttentionMetadata, contiguous_pad_mask
+from .protocol import ModelInfo, SeqWork
+
+logger = logging.getLogger(__name__)
+
+#: traces of the compiled decode step kept per executor and thread (see ``_compiled_step``)
+MAX_DECODE_TRACES = 64
+
+
+def shape_bucket(n: int) -> int:
+    """``n`` rounded up to a size a compiled decode step is traced for.
+
+    Sizes up to 8 are kept; above, ``n`` is rounded up to a multiple of a quarter of
+    its power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): four sizes per
+    octave, so less than a quarter of the padded work is waste, and a batch that
+    changes by a row or a context that crosses a block boundary mostly reuses a
+    trace. The idea of vLLM's CUDA-graph capture sizes.
+    """
+    if n <= 8:
+        return max(n, 1)
+    granule = 1 << (n.bit_length() - 3)
+    return -(-n // granule) * granule
+
+
+def _pad_rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
+    """``values`` ``[n]`` int32 padded to ``[rows]`` with ``fill``."""
+    if values.shape[0] == rows:
+        return values
+    return np.concatenate([values, np.full(rows - values.shape[0], fill, dtype=values.dtype)])
+
+
+def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> np.ndarray:
+    """A ``[n, m]`` block table padded to ``[rows, cols]``: extra columns point at block 0
+    (masked by ``context_lens``), extra rows at the scratch block."""
+    out = np.zeros((rows, cols), dtype=np.int32)
+    out[: table.shape[0], : table.shape[1]] = table
+    out[table.shape[0] :, 0] = scratch_block
+    return out
+
+
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
+    (the scales' dtype if affine-quantized), else the final norm's (the microscaling modes
+    store uint8 scales, which say nothing about the activations)."""
+    if isinstance(getattr(model, "dtype", None), mx.Dtype):
+        return model.dtype
+    emb = model.model.embed_tokens
+    for candidate in (getattr(emb, "scales", None), emb.weight, getattr(getattr(model.model, "norm", None), "weight", None)):
+        if candidate is not None and mx.issubdtype(candidate.dtype, mx.floating):
+            return candidate.dtype
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
+
+
+def layer_windows(model: nn.Module) -> list[Optional[int]]:
+    """The sliding window of each layer (None: full attention), from ``model.args.window``.
+
+    One shared window (Mistral, Phi-3) lets the paged manager free blocks outside it;
+    mixed layers (Gemma 3, gpt-oss) get a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
+    """
+    args = model.args
+    if not hasattr(args, "window"):
+        return [None] * args.num_hidden_layers
+    return [args.window(i) for i in range(args.num_hidden_layers)]
+
+
+class LlmRunner:
+    """The :class:`~mlx_ferrum.runner.ModelRunner` over a Llama-family (or any registered)
+    ``Model`` (``model.args`` a ``ModelArgs``).
+
+    Args:
+        model: the loaded model.
+        config: runtime settings; ``None`` reads them from the environment.
+        model_id: a name for :attr:`info`.
+        manager: an existing paged manager to use (paged layout only); its block size
+            and block count size the pool.
+
+    Attributes:
+        model, config, args, info, dtype: the model and its facts.
+        store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`).
+        layout: ``store.layout``, for reports.
+        manager, pool: the paged store's block manager and pool arrays (None for contiguous).
+        max_seq_len: :meth:`kv_capacity`.
+        weight_bytes: bytes of the model's parameters.
+        busy: True while a pass is being built. closed: True after :meth:`close`.
+
+    Raises:
+        ExecutorError: ``manager`` given with the contiguous layout.
+        InsufficientMemoryError: the paged pool does not fit (see ``build_kv_store``).
+        ConfigurationError: ``kv_capacity`` beyond the model's ``max_position_embeddings``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Optional[RuntimeConfig] = None,
+        model_id: str = "model",
+        manager: Optional[PagedKvCacheManager] = None,
+    ):
+        self.model = model
+        self.config = config if config is not None else RuntimeConfig()
+        args = model.args
+        self.args = args
+        self.dtype = model_dtype(model)
+        self.max_seq_len = resolve_kv_capacity(self.config, args.max_position_embeddings)
+        self._lock = threading.RLock()
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+        self.info = ModelInfo(
+            model_id=model_id,
+            model_type=args.model_type,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_hidden_layers,
+            num_heads=args.num_attention_heads,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            max_sequence_length=self.max_seq_len,
+            dtype=str(self.dtype).replace("mlx.core.", ""),
+            num_parameters=n_params,
+        )
+        spec = KvSpec(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.dtype, self.max_seq_len,
+                      tuple(layer_windows(model)))
+        self.store: KvStore = build_kv_store(spec, self.config, self.weight_bytes, manager)
+        self.layout = self.store.layout
+        self.manager: Optional[PagedKvCacheManager] = None
+        self.pool: Optional[PagedKvPool] = None
+        if isinstance(self.store, PagedKvStore):
+            self.manager = self.store.manager
+            self.pool = self.store.pool
+            # the pool's block past the manager's (see build_kv_store)
+            self._scratch_block = self.manager.num_blocks
+        # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
+        self._metal_kernels = bool(self.config.metal_kernels)
+        # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
+        # (MLX streams belong to the thread that made them, and a trace keeps its streams:
+        # each thread that runs steps gets its own compiled function)
+        self._compiled_decode: Optional[dict] = None
+        self._wait_for_pools = mx.default_device().type == mx.DeviceType.cpu
+        if self.pool is not None and not self.config.enforce_eager:
+            self._compiled_decode = {}
+        # paged passes give the model its packed tokens as [T] when it takes them
+        # (Model.packed_tokens): 2-D activations, so no flatten/unflatten pair of graph
+        # ops around each projection (the matmul of a 3-D input adds them)
+        self._packed_tokens = bool(getattr(model, "packed_tokens", False))
+        self.busy = False
+        self.closed = False
+
+    # ------------------------------------------------------------- caches
+    @property
+    def _contiguous(self) -> dict:
+        """Contiguous layout: cache id -> per-layer caches (empty for paged)."""
+        return self.store.caches if isinstance(self.store, ContiguousKvStore) else {}
+
+    def has_cache(self, cache_id: str) -> bool:
+        """True when ``cache_id`` holds a cache."""
+        return self.store.has(cache_id)
+
+    def num_tokens(self, cache_id: str) -> int:
+        """Tokens stored for ``cache_id``.
+
+        Raises:
+            UnknownCacheError: unknown ``cache_id``.
+        """
+        return self.store.num_tokens(cache_id)
+
+    @property
+    def compiled_decode(self) -> bool:
+        """True while paged decode passes run as one ``mx.compile``'d step (see
+        ``RuntimeConfig.enforce_eager``); False for the contiguous layout, with
+        ``enforce_eager``, or once a model was found that cannot be traced."""
+        return self._compiled_decode is not None
+
+    def kv_capacity(self) -> int:
+        """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""
+        return self.max_seq_len
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ExecutorError("this executor was shut down: create a new one")
+
+    def close(self) -> None:
+        """Release every cache; later passes raise ``ExecutorError``."""
+        with self._lock:
+            for cid in self.store.cache_ids():
+                self.store.release(cid)
+            self.closed = True
+
+    # ------------------------------------------------------------- core
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+        """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``),
+        evaluated before returning.
+
+        Caches that do not exist are created. On any error every cache touched by this
+        call is restored to its previous length (and new ones released), so a failed call
+        leaves no blocks behind and other sequences untouched.
+
+        Args:
+            work: one :class:`SeqWork` per sequence.
+            prev_tokens: see :meth:`forward`.
+
+        Returns:
+            One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``
+            (``[0, vocab]`` when ``return_logits`` is False), in the model dtype, evaluated.
+
+        Raises:
+            PromptTooLongError, KvCacheExhaustedError, ExecutorError.
+        """
+        self._check_open()
+        if not work:
+            return []
+        logits, state, undo = self._build(work, prev_tokens)
+        try:
+            mx.eval(logits, state)
+        except BaseException:  # Ctrl-C too: the caches go back to their previous lengths
+            with self._lock:
+                undo()
+            raise
+        if self.manager is not None:
+            with self._lock:
+                for w in work:
+                    # hold only each sliding window between calls; a verify pass (all logits)
+                    # keeps its blocks until its rejected tokens are truncated
+                    if not w.all_logits and self.manager.has(w.cache_id):
+                        self.manager.trim_to_window(w.cache_id)
+        out = []
+        r = 0
+        for w in work:
+            n = w.num_logit_rows
+            out.append(logits[r : r + n])
+            r += n
+        return out
+
+    def forward(
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Build one forward pass over ``work`` and return it UNEVALUATED.
+
+        This is the pipelined engine's entry: the caller samples from the lazy logits
+        and ``mx.async_eval``-s the result together with ``state`` (the KV arrays this
+        pass writes), so the host can build the next step while this one runs (the
+        overlap mlx-lm's ``generate_step`` gets from ``mx.async_eval``).
+
+        Args:
+            work: one :class:`SeqWork` per sequence (each ``cache_id`` once).
+            prev_tokens: ``[R]`` int32 device array (a previous step's sampled tokens);
+                an item with ``prev_row >= 0`` takes its LAST token from
+                ``prev_tokens[prev_row]`` instead of ``tokens[-1]`` (a placeholder).
+
+        Returns:
+            ``(logits, state)``: logits ``[R, vocab]`` (model dtype), the rows of every
+            item in ``work`` order (``num_logit_rows`` each); ``state`` the cache arrays
+            to evaluate with them.
+
+        Raises:
+            PromptTooLongError, KvCacheExhaustedError, ExecutorError (nothing changes then).
+        """
+        self._check_open()
+        if not work:
+            return mx.zeros((0, self.args.vocab_size), self.dtype), []
+        logits, state, _ = self._build(work, prev_tokens)
+        return logits, state
+
+    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
+        """:meth:`forward` plus the store's ``undo`` (for :meth:`run` to call when the
+        evaluation fails)."""
+        self._validate(work, prev_tokens)
+        with self._lock:
+            self.busy = True
+            try:
+                return self._forward(work, prev_tokens)
+            finally:
+                self.busy = False
+
+    def _validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]) -> None:
+        ids = [w.cache_id for w in work]
+        if len(set(ids)) != len(ids):
+            raise ExecutorError("a cache_id appears twice in one batch: send one item per sequence")
+        vocab = self.args.vocab_size
+        for w in work:
+            if not w.tokens:
+                raise ExecutorError(f"no tokens given for cache {w.cache_id!r}")
+            if w.prev_row >= 0 and prev_tokens is None:
+                raise ExecutorError(f"cache {w.cache_id!r} takes a previous step's token but prev_tokens is None")
+            host = w.tokens[:-1] if w.prev_row >= 0 else w.tokens
+            if host and not (0 <= min(host) and max(host) < vocab):
+                bad = next(t for t in host if not 0 <= t < vocab)
+                raise InvalidInputIdsError(f"token id {bad} is outside the vocabulary [0, {vocab}): pass ids the "
+                                           "model's tokenizer produced")
+            have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
+            if have + len(w.tokens) > self.max_seq_len:
+                raise PromptTooLongError(
+                    f"sequence {w.cache_id!r} would hold {have + len(w.tokens)} tokens, more than the context of "
+                    f"{self.max_seq_len}: shorten the prompt or max_tokens, or raise FERRUM_KV_CAPACITY "
+                    "(at most the model's max_position_embeddings for sound results)"
+                )
+
+    @staticmethod
+    def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
+        """The step's token ids as a device array; placeholders are filled from ``prev``
+        on the device, so a previous step's tokens never travel through the host."""
+        ids = mx.array(flat)
+        if patch_at:
+            ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
+        return ids
+
+    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
+        """One code path for both layouts: the store places the tokens and says how
+        many passes they take (paged: one packed pass; contiguous: one per token count)."""
+        # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
+        # hashes its block once set_token_ids() brings the id
+        passes, undo = self.store.prepare(
+            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work])
+        pieces: list[mx.array] = []
+        owner: list[int] = []  # work index of each returned logits row, in piece order
+        try:
+            for kv_pass in passes:
+                pieces.append(self._run_pass(work, kv_pass, prev, owner))
+        except BaseException:  # Ctrl-C too: never leave slots appended twice
+            undo()
+            self.schedule_kv_state()
+            raise
+        logits = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        order = sorted(range(len(owner)), key=lambda r: owner[r])  # stable: rows of one item stay in order
+        if order != list(range(len(order))):
+            logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
+        return logits, self.store.state([w.cache_id for w in work]), undo
+
+    def schedule_kv_state(self) -> None:
+        """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
+
+        A pass that failed part-way may leave the KV arrays as lazy writes nobody
+        evaluates. MLX binds an unscheduled array to the thread that built it (another
+        thread's evaluation raises "There is no Stream(cpu, n) in current thread"), and
+        the next pass may be built on another thread, so the failure paths queue them.
+        The writes went to slots the failed call released (they are written again before
+        anything reads them). An error of that evaluation is the failed call's, already
+        being reported, so it is not raised again here.
+        """
+        try:
+            with self._lock:
+                arrays = self.store.state(self.store.cache_ids())
+            if arrays:
+                mx.async_eval(*arrays)
+        except Exception:  # noqa: BLE001 - the failure being handled already reports it
+            pass
+
+    def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
+        """Build one pass's metadata and input ids and call the model (lazily); returns the
+        logits rows of its items ``[R, vocab]`` and appends their owners to ``owner``."""
+        if self._compiled_decode is not None and self._is_decode_pass(work, kv_pass):
+            logits = self._decode_pass(work, kv_pass, prev)
+            if logits is not None:
+                owner.extend(kv_pass.items)
+                return logits
+        flat = np.empty(kv_pass.rows * kv_pass.cols, dtype=np.int32)
+        patch_at: list[int] = []
+        patch_rows: list[int] = []
+        rows: list[int] = []
+        for i, start in zip(kv_pass.items, kv_pass.starts):
+            w = work[i]
+            n = len(w.tokens)
+            flat[start : start + n] = w.tokens
+            if w.prev_row >= 0:
+                patch_at.append(start + n - 1)
+                patch_rows.append(w.prev_row)
+            k = w.num_logit_rows
+            rows.extend(range(start + n - k, start + n))
+            owner.extend([i] * k)
+        meta = self._metadata(kv_pass.fields, kv_pass.cols)
+        # the LM head runs only on the rows whose logits are returned
+        if not (len(rows) == flat.size and rows == list(range(flat.size))):
+            meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
+        tokens = self._input_ids(flat, patch_at, patch_rows, prev)
+        if not (self._packed_tokens and kv_pass.fields.get("layout") == "paged"):
+            tokens = tokens.reshape(kv_pass.rows, kv_pass.cols)
+        logits = self.model(tokens, meta)
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if rows else logits[:0]
+
+    @staticmethod
+    def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
+        """One new token and one logits row for every item of a paged pass."""
+        f = kv_pass.fields
+        return f.get("layout") == "paged" and f["num_decode_seqs"] == len(kv_pass.items) and all(
+            work[i].num_logit_rows == 1 for i in kv_pass.items
+        )
+
+    def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
+        """Run a pure decode pass through the compiled step :meth:`_decode_graph`.
+
+        ``mx.compile`` traces the step once per (sequences, blocks per table) shape and
+        replays it afterwards: no Python per layer, and elementwise chains (RoPE, norms,
+        SwiGLU, the softmax of decode attention) fused into single kernels. Both sizes
+        are padded to :func:`shape_bucket` sizes so that traces repeat: pad rows write
+        the pool's scratch block (``self._scratch_block``, never handed out by the
+        manager) and have ``context_lens`` 1; pad table columns point at block 0 and are
+        masked. The pool arrays go in as inputs and come back as outputs, and the pool
+        is rebound to them. Returns the logits ``[B, vocab]`` in ``kv_pass.items``
+        order, or None when the model cannot be traced (it reads values on the host):
+        the executor then stays eager for good, and the caller runs the pass op by op.
+        """
+        f = kv_pass.fields
+        n = len(kv_pass.items)
+        rows, cols = shape_bucket(n), shape_bucket(f["block_tables"].shape[1])
+        ids = np.zeros(rows, dtype=np.int32)
+        patch_at: list[int] = []
+        patch_rows: list[int] = []
+        for r, i in enumerate(kv_pass.items):
+            w = work[i]
+            ids[r] = w.tokens[-1]
+            if w.prev_row >= 0:
+                patch_at.append(r)
+                patch_rows.append(w.prev_row)
+        if rows == n and len(patch_at) == n and prev is not None and prev.shape[0] == n and patch_rows == patch_at:
+            input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
+        else:
+            input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
+        scratch_slot = self._scratch_block * self.manager.block_size
+        arrays = {
+            "positions": mx.array(_pad_rows(f["positions"], rows, 0)),
+            "slot_mapping": mx.array(_pad_rows(f["slot_mapping"], rows, scratch_slot)),
+            "block_tables": mx.array(_pad_table(f["block_tables"], rows, cols, self._scratch_block)),
+            "context_lens": mx.array(_pad_rows(f["context_lens"], rows, 1)),
+        }
+        if f.get("layer_groups") is not None:
+            arrays["group_slot_mappings"] = [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f["group_slot_mappings"]]
+            arrays["group_block_tables"] = [
+                mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f["group_block_tables"]]
+        pool = self.pool
+        if self._wait_for_pools:
+            # On the CPU backend a pool still pending from the previous (pipelined) step
+            # cannot be updated in place by the compiled step: MLX copies every layer's
+            # pool (peak memory + whole pools, tens of ms per step on a large pool). The
+            # wait costs little there, as mx.async_eval already waited for all but the
+            # previous step's tail. GPU backends skip it, so the host keeps building
+            # ahead of the device (unmeasured here: no GPU on this machine).
+            mx.eval(pool.k, pool.v)
+        try:
+            logits, k_pools, v_pools = self._compiled_step((rows, cols))(input_ids, arrays, pool.k, pool.v)
+        except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
+            if "compile" not in str(e) and "transformation" not in str(e):
+                raise
+            logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
+            self._compiled_decode = None
+            return None
+        pool.k, pool.v = list(k_pools), list(v_pools)
+        return logits if rows == n else logits[:n]
+
+    def _compiled_step(self, shape: tuple[int, int]):
+        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use).
+
+        ``mx.compile`` keeps one trace per input shape; once more than
+        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table) were
+        seen the function is dropped with its traces and compiled anew, so a
+        long-running server holds a bounded number of graphs.
+        """
+        key = threading.get_ident()
+        entry = self._compiled_decode.get(key)
+        if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
+            entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
+        entry[1].add(shape)
+        return entry[0]
+
+    def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
+        """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
+        metadata arrays, and every layer's K/V pool -> ``(logits [B, vocab], k_pools, v_pools)``."""
+        pool = self.pool.with_arrays(k_pools, v_pools)
+        groups = getattr(self.manager, "layer_groups", None) if "group_block_tables" in arrays else None
+        meta = AttentionMetadata(
+            layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
+            layer_groups=groups, **arrays,
+        )
+        if self._packed_tokens:
+            return self.model(input_ids, meta), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
+        return self.model(input_ids[None], meta)[0], pool.k, pool.v
+
+    def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
+        """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""
+        f = dict(fields)
+        lens_after = f.pop("cache_lens_after", None)
+        if lens_after is not None:
+            f["pad_mask"] = contiguous_pad_mask(lens_after, new_tokens, self.dtype)
+        for k, v in f.items():
+            if isinstance(v, np.ndarray):
+                f[k] = mx.array(v)
+            elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # per layer group
+                f[k] = [mx.array(x) for x in v]
+        return AttentionMetadata(metal_kernels=self._metal_kernels, **f)
+
+    # ------------------------------------------------------------ cache operations
+    def trim_cache(self, cache_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of a cache (the engine's rollback of a
+        rejected draft); whole paged blocks past them are freed.
+
+        Raises:
+            UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
+        """
+        with self._lock:
+            self.store.truncate(cache_id, num_tokens)
+
+    def fork_cache(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        """Start ``new_cache_id`` with ``cache_id``'s tokens (paged: shared blocks, copy-on-write;
+        contiguous: copied buffers).
+
+        Raises:
+            UnknownCacheError: unknown ``cache_id``.
+        """
+        with self._lock:
+            self.store.fork(cache_id, new_cache_id)
+
+    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Create the paged cache ``cache_id`` holding the first ``num_tokens`` tokens of
+        ``token_ids`` by sharing prefix-cached blocks (reference counts; no K/V is computed
+        or copied). The engine calls this for what the scheduler planned
+        (``SchedulerOutput.prefix_lookups``, from the manager's read-only
+        ``longest_cached_prefix``); the match itself is the manager's ``match_prefix``
+        (chained SHA-256 block keys, as in vLLM's automatic prefix caching).
+
+        Args:
+            cache_id: a new cache id.
+            token_ids: the prompt's token ids (ints).
+            num_tokens: cached tokens to share: a multiple of ``block_size``, at most
+                ``len(token_ids) - 1``; 0 creates an empty cache.
+
+        Raises:
+            ExecutorError: the contiguous layout, or prefix caching is off
+                (``RuntimeConfig(prefix_cache=True)`` / ``FERRUM_PREFIX_CACHE=1``).
+            KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
+                cached (nothing changes then).
+        """
+        if not isinstance(self.store, PagedKvStore) or not self.manager.prefix_cache:
+            raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
+                                "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
+        with self._lock:
+            self.store.claim_prefix(cache_id, token_ids, num_tokens)
+
+    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """Tell the KV store the ids of tokens it stored before they were known on the host
+        (a pipelined step's ``prev_row`` token), so prefix caching can hash their blocks.
+
+        A no-op without prefix caching, for an unknown cache, and for positions not stored yet.
+
+        Args:
+            cache_id: the sequence.
+            start: position of ``token_ids[0]`` in the sequence (tokens).
+            token_ids: the ids (ints).
+
+        Raises:
+            KvCacheError: a position already holds a different known id.
+        """
+        manager = self.manager
+        if manager is None or not manager.prefix_cache:
+            return
+        with self._lock:
+            if manager.has(cache_id):
+                manager.set_token_ids(cache_id, start, token_ids)
+
+    def release_cache(self, cache_id: Hashable) -> None:
+        """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
+        with self._lock:
+            self.store.release(cache_id)
+
+    # ------------------------------------------------------------ reports
+    def kv_used_bytes(self) -> int:
+        """Bytes of KV memory holding tokens: blocks in use (paged) or buffer capacities (contiguous)."""
+        return self.store.used_bytes()
+
+    def kv_allocated_bytes(self) -> int:
+        """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
+        return self.store.allocated_bytes()
+
+    def cache_metrics_snapshot(self) -> dict:
+        """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
+        return self.store.metrics()

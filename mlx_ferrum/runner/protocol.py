@@ -1,0 +1,156 @@
+"""The runner contract: :class:`ModelRunner`, the batch item :class:`SeqWork` and :class:`ModelInfo`.
+
+:class:`ModelRunner` is exactly what the layers above call: the engine's step
+(:mod:`mlx_ferrum.engine.engine`), the speculative draft proposer
+(:mod:`mlx_ferrum.engine.speculative`) and the readers of ``engine.runner`` (the
+server, ``mlx-ferrum bench``). The ferrum-compatible ``ModelExecutor`` surface
+(prefill / decode / handles) is an adapter over it in :mod:`mlx_ferrum.executor`.
+
+Units: token counts and positions are tokens; byte counts are bytes. Cache ids are
+any hashable (the engine uses request ids, strings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional, Protocol, Sequence, runtime_checkable
+
+import mlx.core as mx
+
+from ..config import RuntimeConfig
+
+
+@dataclass
+class SeqWork:
+    """New tokens of one sequence for one forward pass.
+
+    Attributes:
+        cache_id: the sequence's cache (created when absent).
+        tokens: the new token ids (Python ints in ``[0, vocab_size)``).
+        all_logits: return logits for every new token, else for the last one.
+        return_logits: False for a prefill chunk that does not reach the end of its
+            prompt: no logits row at all (ignored when ``all_logits``).
+        prev_row: ``>= 0``: the last token is not known on the host yet; it is row
+            ``prev_row`` of the ``prev_tokens`` device array given to
+            :meth:`ModelRunner.forward` (``tokens[-1]`` is a placeholder then).
+    """
+
+    cache_id: str
+    tokens: list[int]
+    all_logits: bool = False
+    return_logits: bool = True
+    prev_row: int = -1
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logits rows this item gets back: ``len(tokens)``, 1, or 0."""
+        if self.all_logits:
+            return len(self.tokens)
+        return 1 if self.return_logits else 0
+
+
+@dataclass
+class ModelInfo:
+    """Static facts about the model a runner (or executor) serves."""
+
+    model_id: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_sequence_length: int
+    dtype: str
+    num_parameters: int = 0
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """One model and its KV store, driven by batches of :class:`SeqWork`.
+
+    Implementation: :class:`~mlx_ferrum.runner.LlmRunner`. Every method may be called
+    from any thread; calls are serialised by the runner's lock.
+
+    Attributes:
+        config: the runtime settings the runner was built with.
+        info: static facts (``vocab_size``, ``max_sequence_length``, ...).
+        args: the model's ``ModelArgs`` (read by the server for its limits).
+        manager: the paged block manager, or None for the contiguous layout. Callers
+            above the runner only READ it (the scheduler through a
+            :class:`~mlx_ferrum.kv_cache.BlockPlan`); every change goes through the
+            methods below.
+    """
+
+    config: RuntimeConfig
+    info: ModelInfo
+    args: Any
+    manager: Optional[Any]
+
+    def forward(
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Build one forward pass over ``work`` (each ``cache_id`` once) and return it
+        UNEVALUATED: ``(logits [R, vocab] model dtype, the rows of every item in work
+        order, num_logit_rows each; the KV arrays to evaluate with them)``.
+        ``prev_tokens`` ``[N]`` int32 (device): an item with ``prev_row >= 0`` takes its
+        last token from it.
+
+        Raises:
+            PromptTooLongError, KvCacheExhaustedError, InvalidInputIdsError, ExecutorError:
+            nothing changes then (every touched cache is restored).
+        """
+
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+        """:meth:`forward`, evaluated: one array per item, ``[n_i, vocab]`` if
+        ``all_logits`` else ``[1, vocab]`` (``[0, vocab]`` without logits).
+
+        Raises:
+            as :meth:`forward`; an evaluation failure restores every touched cache too.
+        """
+
+    def schedule_kv_state(self) -> None:
+        """Queue the evaluation of every KV array without waiting (after a failed pass)."""
+
+    def has_cache(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds a cache."""
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored for ``cache_id``. Raises UnknownCacheError for an unknown id."""
+
+    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Create the paged cache ``cache_id`` sharing the first ``num_tokens`` prefix-cached
+        tokens of ``token_ids``.
+
+        Raises:
+            ExecutorError: contiguous layout or prefix caching off.
+            KvCacheError: ``cache_id`` exists or the tokens are not all cached (nothing changes).
+        """
+
+    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """Tell the store the ids of tokens stored before they were known on the host
+        (positions ``start ..``), so prefix caching can hash their blocks.
+
+        Raises:
+            KvCacheError: a position already holds a different known id.
+        """
+
+    def trim_cache(self, cache_id: Hashable, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of a cache.
+
+        Raises:
+            UnknownCacheError: unknown cache. KvCacheError: ``num_tokens`` out of range.
+        """
+
+    def release_cache(self, cache_id: Hashable) -> None:
+        """Free a cache; unknown ids are ignored."""
+
+    def kv_capacity(self) -> int:
+        """Most tokens one sequence may hold."""
+
+    def kv_allocated_bytes(self) -> int:
+        """Bytes of KV memory held (the whole pool, or every contiguous buffer)."""
+
+    def cache_metrics_snapshot(self) -> dict:
+        """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
