@@ -403,3 +403,53 @@ def test_presence_and_frequency_penalties_are_applied_when_verifying(model, layo
     assert spec_stats(eng)["spec_proposed_tokens"] > 0
     for ref_out, out in zip(ref, outs):
         assert out.token_ids == ref_out.token_ids
+
+
+def test_a_draft_row_is_laid_out_as_decode_rows_with_causal_context_lengths():
+    """PagedKvStore.prepare(as_decode=...) turns an n-token row into n one-query rows over
+    the same block table, row j attending to the cache up to its own token."""
+    from mlx_ferrum.kv_cache import PagedKvCacheManager, PagedKvPool
+    from mlx_ferrum.kv_cache.store import PagedKvStore
+
+    mgr = PagedKvCacheManager(32, 4, 16)
+    store = PagedKvStore(mgr, PagedKvPool(1, 32, 1, 4, 8, mx.float32), bytes_per_token=64)
+    store.prepare([("a", list(range(6))), ("b", [1, 2, 3])])
+    passes, _ = store.prepare([("a", [7, 8, 9]), ("b", [4]), ("c", [5, 6, 7, 8, 9])], as_decode=[True, False, False])
+    f = passes[0].fields
+    # decode rows first: a's three tokens (expanded) and b's one, then c's prefill segment
+    assert [passes[0].items[k] for k in range(3)] == [0, 1, 2]
+    assert f["num_decode_seqs"] == 4
+    assert f["context_lens"].tolist() == [7, 8, 9, 4, 5]
+    assert f["positions"].tolist()[:4] == [6, 7, 8, 3]
+    assert f["query_start_loc"].tolist() == [0, 1, 2, 3, 4, 9]
+    table_a = mgr.block_table("a")
+    assert [row[: len(table_a)].tolist() for row in f["block_tables"][:3]] == [table_a] * 3
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_drafts_run_through_the_compiled_decode_step_with_the_same_tokens(model, layout):
+    """A batch whose rows all carry drafts is a decode pass: the paged runner runs it through
+    the compiled step (spied), and the tokens equal the eager run's and plain decoding's."""
+    r = random.Random(9)
+    story = [r.randrange(97) for _ in range(12)]
+    prompts = [story * 3 for _ in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        cfg = config(layout, speculative="ngram", enforce_eager=eager)
+        eng = Engine(model, None, cfg)
+        calls = []
+        if layout == "paged" and not eager:
+            real = eng.runner._decode_pass
+
+            def spy(work, kv_pass, prev, real=real):
+                calls.append(sum(len(work[i].tokens) for i in kv_pass.items) - len(kv_pass.items))
+                return real(work, kv_pass, prev)
+
+            eng.runner._decode_pass = spy
+        outs[eager] = [o.token_ids for o in eng.generate(prompts, params)]
+        assert eng.stats()["spec_accepted_tokens"] > 0
+        if layout == "paged" and not eager:
+            assert any(extra > 0 for extra in calls), "no drafted pass went through the compiled step"
+    plain = [o.token_ids for o in Engine(model, None, config(layout)).generate(prompts, params)]
+    assert outs[False] == outs[True] == plain

@@ -60,7 +60,8 @@ class KvStore(Protocol):
 
     def num_tokens(self, cache_id: Hashable) -> int: ...
 
-    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> tuple[list[KvPass], Callable[[], None]]: ...
+    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
+                as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]: ...
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None: ...
 
@@ -105,14 +106,27 @@ class PagedKvStore:
         """Tokens stored (raises UnknownCacheError for an unknown id)."""
         return self.manager.num_tokens(cache_id)
 
-    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> tuple[list[KvPass], Callable[[], None]]:
+    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
+                as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]:
         """Append slots for every item and pack them into one pass, decode tokens first.
+
+        Args:
+            items: ``(cache_id, token ids)`` per sequence.
+            as_decode: per item, True to lay its ``n`` tokens out as ``n`` decode rows of
+                one query each (the same block table, context lengths ``start + 1`` ..
+                ``start + n``) instead of one prefill segment. Each token then attends to
+                the cache up to itself, exactly as causal prefill attention would (every
+                row's K/V is written before any row attends), so a speculative draft
+                runs through the decode attention, and through the compiled decode step
+                when the whole pass is decode rows, as vLLM runs drafts as multi-query decode.
 
         Raises:
             KvCacheExhaustedError: the pool is full (nothing changes then).
         """
         mgr = self.manager
-        order = sorted(range(len(items)), key=lambda i: len(items[i][1]) != 1)  # decodes first, stable
+        expand = [bool(as_decode[i]) if i < len(as_decode) else False for i in range(len(items))]
+        # decode rows (one token, or expanded drafts) first, stable
+        order = sorted(range(len(items)), key=lambda i: not (len(items[i][1]) == 1 or expand[i]))
         before: list[tuple[Hashable, Optional[int]]] = []
 
         def undo() -> None:
@@ -159,13 +173,23 @@ class PagedKvStore:
             undo()
             raise
         lens = np.fromiter((len(items[i][1]) for i in order), dtype=np.int64, count=len(order))
-        qsl = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=qsl[1:])
+        item_qsl = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=item_qsl[1:])
         starts_np = np.asarray(starts, dtype=np.int64)
         # position of packed token j: its sequence's start + (j - that sequence's first row)
-        positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts_np, lens)
+        positions = np.arange(int(item_qsl[-1]), dtype=np.int64) - np.repeat(item_qsl[:-1] - starts_np, lens)
+        # attention rows: one per item, or one per token of an expanded item
+        row_item = np.concatenate([np.full(int(n) if expand[i] else 1, k, dtype=np.int64)
+                                   for k, (i, n) in enumerate(zip(order, lens))]) if order else np.zeros(0, np.int64)
+        row_lens = np.concatenate([np.ones(int(n), np.int64) if expand[i] else np.array([n], np.int64)
+                                   for i, n in zip(order, lens)]) if order else np.zeros(0, np.int64)
+        qsl = np.zeros(len(row_lens) + 1, dtype=np.int64)
+        np.cumsum(row_lens, out=qsl[1:])
+        ctx_np = positions[qsl[1:] - 1] + 1  # each row attends up to its last token
         table_arr = self._block_tables(mgr.seqs, [items[i][0] for i in order])
-        ctx = (starts_np + lens).tolist()
+        if len(row_item) != len(order):
+            table_arr = table_arr[row_item]
+        ctx = ctx_np.tolist()
         fields = dict(
             layout="paged",
             positions=positions.astype(np.int32),
@@ -174,15 +198,17 @@ class PagedKvStore:
             block_tables=table_arr,
             context_lens=np.asarray(ctx, dtype=np.int32),
             query_start_loc=qsl.astype(np.int32),
-            num_decode_seqs=int(np.sum(lens == 1)),
+            num_decode_seqs=int(np.sum(row_lens == 1)),
             host_context_lens=ctx,
             host_query_start_loc=qsl.tolist(),
         )
         if grouped:
             fields["layer_groups"] = mgr.layer_groups
             fields["group_slot_mappings"] = [np.asarray(gs, dtype=np.int32) for gs in group_slots]
-            fields["group_block_tables"] = [self._block_tables(g.seqs, [items[i][0] for i in order]) for g in mgr.groups]
-        return [KvPass(order, 1, int(qsl[-1]), qsl[:-1].tolist(), fields)], undo
+            fields["group_block_tables"] = [
+                t[row_item] if len(row_item) != len(order) else t
+                for t in (self._block_tables(g.seqs, [items[i][0] for i in order]) for g in mgr.groups)]
+        return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), fields)], undo
 
     @staticmethod
     def _block_tables(seqs, cache_ids) -> np.ndarray:
@@ -279,7 +305,8 @@ class ContiguousKvStore:
         """Tokens stored (raises UnknownCacheError for an unknown id)."""
         return self._get(cache_id)[0].len
 
-    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> tuple[list[KvPass], Callable[[], None]]:
+    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
+                as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]:
         """One pass per distinct new-token count; caches are created as needed. The K/V
         writes happen inside attention, so ``undo`` truncates back to these lengths."""
         groups: dict[int, list[int]] = {}

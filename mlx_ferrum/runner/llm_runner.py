@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 #: traces of the compiled decode step kept per executor and thread (see ``_compiled_step``)
 MAX_DECODE_TRACES = 64
+#: Longest row laid out as one decode row per token (a speculative draft plus its token):
+#: past it the decode attention's per-row reads of the whole context cost more than a
+#: prefill segment's.
+MAX_DECODE_EXPANSION = 16
 
 
 def shape_bucket(n: int) -> int:
@@ -350,7 +354,8 @@ class LlmRunner:
         # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
         # hashes its block once set_token_ids() brings the id
         passes, undo = self.store.prepare(
-            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work])
+            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work],
+            as_decode=[self._as_decode(w) for w in work])
         pieces: list[mx.array] = []
         owner: list[int] = []  # work index of each returned logits row, in piece order
         try:
@@ -365,6 +370,14 @@ class LlmRunner:
         if order != list(range(len(order))):
             logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
         return logits, self.store.state([w.cache_id for w in work]), undo
+
+    def _as_decode(self, w: SeqWork) -> bool:
+        """True for a short row that returns every position's logits on a cache that
+        exists (a speculative draft): it runs as one decode row per token (see
+        ``PagedKvStore.prepare``), so a batch of drafts stays a decode pass and goes
+        through the compiled step instead of the op-by-op prefill path."""
+        return (w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
+                and self.manager is not None and self.manager.has(w.cache_id))
 
     def schedule_kv_state(self) -> None:
         """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
@@ -391,7 +404,8 @@ class LlmRunner:
         if self._compiled_decode is not None and self._is_decode_pass(work, kv_pass):
             logits = self._decode_pass(work, kv_pass, prev)
             if logits is not None:
-                owner.extend(kv_pass.items)
+                for i in kv_pass.items:
+                    owner.extend([i] * work[i].num_logit_rows)
                 return logits
         flat = np.empty(kv_pass.rows * kv_pass.cols, dtype=np.int32)
         patch_at: list[int] = []
@@ -420,10 +434,14 @@ class LlmRunner:
 
     @staticmethod
     def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
-        """One new token and one logits row for every item of a paged pass."""
+        """Every attention row of a paged pass is a decode row with its logits returned:
+        one token per item, or an item laid out as one decode row per token (a draft)."""
         f = kv_pass.fields
-        return f.get("layout") == "paged" and f["num_decode_seqs"] == len(kv_pass.items) and all(
-            work[i].num_logit_rows == 1 for i in kv_pass.items
+        if f.get("layout") != "paged":
+            return False
+        tokens = sum(len(work[i].tokens) for i in kv_pass.items)
+        return f["num_decode_seqs"] == tokens and all(
+            work[i].num_logit_rows == len(work[i].tokens) for i in kv_pass.items
         )
 
     def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
@@ -441,16 +459,18 @@ class LlmRunner:
         the executor then stays eager for good, and the caller runs the pass op by op.
         """
         f = kv_pass.fields
-        n = len(kv_pass.items)
+        n = int(f["num_decode_seqs"])
         rows, cols = shape_bucket(n), shape_bucket(f["block_tables"].shape[1])
         ids = np.zeros(rows, dtype=np.int32)
         patch_at: list[int] = []
         patch_rows: list[int] = []
-        for r, i in enumerate(kv_pass.items):
+        r = 0
+        for i in kv_pass.items:
             w = work[i]
-            ids[r] = w.tokens[-1]
+            ids[r : r + len(w.tokens)] = w.tokens
+            r += len(w.tokens)
             if w.prev_row >= 0:
-                patch_at.append(r)
+                patch_at.append(r - 1)
                 patch_rows.append(w.prev_row)
         if rows == n and len(patch_at) == n and prev is not None and prev.shape[0] == n and patch_rows == patch_at:
             input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
