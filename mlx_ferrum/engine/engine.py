@@ -642,7 +642,7 @@ class Engine:
             end = s.num_computed + it.num_tokens
             tokens = s.token_at(s.num_computed, end)
             if i in proposals:
-                work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True))
+                work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True, as_decode=True))
                 continue
             prev_row = -1
             if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:

@@ -372,11 +372,11 @@ class LlmRunner:
         return logits, self.store.state([w.cache_id for w in work]), undo
 
     def _as_decode(self, w: SeqWork) -> bool:
-        """True for a short row that returns every position's logits on a cache that
-        exists (a speculative draft): it runs as one decode row per token (see
+        """True for a short row marked ``as_decode`` that returns every position's logits on
+        a cache that exists (a speculative draft): it runs as one decode row per token (see
         ``PagedKvStore.prepare``), so a batch of drafts stays a decode pass and goes
         through the compiled step instead of the op-by-op prefill path."""
-        return (w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
+        return (w.as_decode and w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
                 and self.manager is not None and self.manager.has(w.cache_id))
 
     def schedule_kv_state(self) -> None:

@@ -33,6 +33,11 @@ class SeqWork:
         prev_row: ``>= 0``: the last token is not known on the host yet; it is row
             ``prev_row`` of the ``prev_tokens`` device array given to
             :meth:`ModelRunner.forward` (``tokens[-1]`` is a placeholder then).
+        as_decode: lay the tokens out as one decode row each (the same results as a
+            prefill segment; see ``PagedKvStore.prepare``): the engine sets it for a
+            speculative draft, whose few tokens then keep a batch of drafts on the
+            compiled decode step. Honoured by the paged layout for rows of at most
+            ``MAX_DECODE_EXPANSION`` tokens with ``all_logits`` on an existing cache.
     """
 
     cache_id: str
@@ -40,6 +45,7 @@ class SeqWork:
     all_logits: bool = False
     return_logits: bool = True
     prev_row: int = -1
+    as_decode: bool = False
 
     @property
     def num_logit_rows(self) -> int:
