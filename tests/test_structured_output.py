@@ -160,3 +160,56 @@ def test_structured_outputs_params_are_validated():
     with pytest.raises(SamplingParamsError, match="structured_outputs"):
         SamplingParams(structured_outputs="json")
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
+
+
+def _overlap_requests():
+    """Constrained rows (seeded, temperature 1, penalties on some) that end at different
+    steps, some inside the pipeline's lag, beside unconstrained ones (greedy and seeded)."""
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+             StructuredOutputsParams(regex=r"[a-z ]{3,40}\."), StructuredOutputsParams(regex=r"(ab|cd){2,4}x"),
+             StructuredOutputsParams(choice=["a", "bb"]), StructuredOutputsParams(json_object=True)]
+    params = [SamplingParams(temperature=1.0, seed=10 + i, max_tokens=48, structured_outputs=s,
+                             repetition_penalty=1.2 if i % 2 else 1.0, presence_penalty=0.3 if i % 3 == 0 else 0.0)
+              for i, s in enumerate(specs)]
+    params += [SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(temperature=0.9, seed=5, max_tokens=30)]
+    prompts = ["Once upon a time", "Lily and Tom", "The dog", "A big red ball", "One day", "Tim", "Sue", "The cat"]
+    return prompts, params
+
+
+def _spy_forward(eng) -> list:
+    """Record, per forward pass of ``eng``, whether it was queued while the previous step's
+    tokens were still on the device (the executor takes them as ``prev``)."""
+    forward, calls = eng.executor.forward, []
+
+    def spy(work, prev):
+        calls.append(prev is not None)
+        return forward(work, prev)
+
+    eng.executor.forward = spy
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, layout):
+    """The pipelined step queues the forward pass of step t+1 before it reads back step t
+    even when every row is constrained (the mask needs the token, the pass does not), and
+    the outputs stay those of the synchronous step, requests ending inside the lag included."""
+    mode = "pipelined-paged" if layout == "paged" else "contiguous"
+    prompts, params = _overlap_requests()
+    sync = _engine(stories, "synchronous-paged", kv_layout=layout).generate(prompts, params)
+    want = [(o.token_ids, o.text, o.finish_reason) for o in sync]
+    assert [o.finish_reason for o in sync[1:4]] == ["stop"] * 3
+
+    eng = _engine(stories, mode)
+    piped = eng.generate(prompts, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in piped] == want
+    # all rows constrained: most passes are queued before the previous step is read back
+    only = _engine(stories, mode)
+    calls = _spy_forward(only)
+    outs = only.generate(prompts[:6], params[:6])
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == want[:6]
+    assert sum(calls) >= len(calls) // 2, calls
+    mgr = only.executor.manager
+    if mgr is not None:
+        assert mgr.allocator.num_in_use == 0 and not mgr.seqs
+    assert not only.has_unfinished_requests()

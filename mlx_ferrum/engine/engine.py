@@ -567,7 +567,7 @@ class Engine:
                             self._policy.record(request.request_id, 0, 0, self.num_steps)
                 with self._lock:
                     work = self._build_work(items, proposals)
-                launched, verified = self._launch(items, work, proposals)
+                launched, verified = self._launch(items, work, proposals, outputs)
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
                 # the pass's KV writes may be left lazy, bound to this thread: see step()
                 self.executor.schedule_kv_state()
@@ -599,13 +599,12 @@ class Engine:
     def _can_overlap(self) -> bool:
         """True when the next step may be queued before the in-flight tokens are known.
 
-        Prefix caching and penalties never need to wait (see ``__init__``); a row that
-        will propose a draft next step does, since its draft continues that token, and so
-        does a constrained row (its grammar must take the token before the next mask exists).
+        Prefix caching and penalties never need to wait (see ``__init__``), nor does a
+        constrained row: the forward pass takes its token on the device, and only its mask
+        needs it on the host, which :meth:`_launch` reads back after the pass is queued. A
+        row that will propose a draft next step does wait, since its draft continues that token.
         """
         if not self._pipelined:
-            return False
-        if any(s.grammar is not None for s, _, _ in self._inflight.rows):
             return False
         if self._policy is None:
             return True
@@ -660,12 +659,20 @@ class Engine:
             r += n
         return arrays
 
-    def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None):
-        """Queue the forward pass and the sampling of ``items``; nothing is read back.
+    def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None,
+                outputs: Optional[list] = None):
+        """Queue the forward pass and the sampling of ``items``; nothing of this step is read back.
 
         Returns ``(flight, verified)``: the :class:`_InFlight` of the plain sampled rows
         (or None), and ``(sequence, logits [1 + m, V], proposal)`` for each row that carried
         a draft of ``m`` tokens, which :meth:`_verify` settles after this step's launch.
+
+        A constrained row whose previous token is still in flight needs that token on the
+        host for its mask (its grammar takes it in :meth:`_emit`): once the forward pass
+        is queued, the step in flight is read back here (:meth:`_resolve`, its outputs
+        appended to ``outputs``, and ``self._inflight`` cleared so that the caller does
+        not resolve it again), so the pass still overlaps the read-back; a row whose
+        request ended in that read-back is not sampled.
 
         Isolation (issue 13) as in a synchronous step: an ``Exception`` from the executor
         fails this step's requests (the caller does that; the executor restored every
@@ -710,6 +717,29 @@ class Engine:
                     sampled.append(s)
                     in_flight = bool(s.output_ids) and s.output_ids[-1] == _IN_FLIGHT
                     pending_rows.append(self._inflight.row_of[s.request_id] if in_flight else -1)
+            if self._inflight is not None and any(s.grammar is not None and p >= 0
+                                                  for s, p in zip(sampled, pending_rows)):
+                try:
+                    mx.async_eval(logits)  # the pass runs while the host reads back and masks
+                except BaseException as e:
+                    self._evaluation_failed(sampled, e)
+                    raise
+                flight, self._inflight = self._inflight, None
+                try:
+                    resolved = self._resolve(flight)
+                except BaseException as e:
+                    # this step's rows were computed but will never be sampled: end them too
+                    self._pending.extend(self._fail_seqs(sampled, e))
+                    raise
+                if outputs is not None:
+                    outputs.extend(resolved)
+                else:
+                    self._pending.extend(resolved)
+                # every token of that step is on the host now: the penalties count it from
+                # the history, and a request it ended is not sampled
+                sampled = [s for s in sampled if not s.finished]
+                pending_rows = [-1] * len(sampled)
+                prev = None
             # an item's sampled row is its last one (a prompt-logprobs chunk returns them all)
             rows = [row_of_item[i] + work[i].num_logit_rows - 1 for i, it in enumerate(items)
                     if samples[i] and not it.seq.finished and i not in proposals]
