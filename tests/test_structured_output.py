@@ -213,3 +213,28 @@ def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, layout
     if mgr is not None:
         assert mgr.allocator.num_in_use == 0 and not mgr.seqs
     assert not only.has_unfinished_requests()
+
+
+def test_masks_on_the_calling_thread_equal_the_thread_pools(stories):
+    """Few rows are masked on the calling thread, many by llguidance's pool: both give the
+    same bits, unconstrained rows all ones."""
+    from mlx_ferrum.engine.structured import GrammarBackend
+
+    model, tok = stories
+    pooled = GrammarBackend(tok, model.args.vocab_size, parallel_min_rows=1)
+    in_turn = GrammarBackend(tok, model.args.vocab_size, parallel_min_rows=1 << 30)
+    specs = [StructuredOutputsParams(json=SCHEMA), None, StructuredOutputsParams(regex=r"[a-z ]{3,40}\."),
+             StructuredOutputsParams(choice=["yes", "no"])]
+    rows = [[b.matcher(s) if s is not None else None for s in specs] for b in (pooled, in_turn)]
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        want, got = pooled.fill_bitmask(rows[0]), in_turn.fill_bitmask(rows[1])
+        np.testing.assert_array_equal(got, want)
+        assert (got[1] == -1).all()
+        for b, m in enumerate(rows[0]):
+            if m is None or m.done:
+                continue
+            allowed = np.flatnonzero(np.unpackbits(want[b].view(np.uint8), bitorder="little")[:model.args.vocab_size])
+            t = int(rng.choice(allowed))
+            m.accept(t)
+            rows[1][b].accept(t)
