@@ -160,3 +160,92 @@ def test_structured_outputs_params_are_validated():
     with pytest.raises(SamplingParamsError, match="structured_outputs"):
         SamplingParams(structured_outputs="json")
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
+
+
+def _overlap_requests():
+    """Constrained rows (seeded, temperature 1, penalties on some) that end at different
+    steps, some inside the pipeline's lag, beside unconstrained ones (greedy and seeded)."""
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+             StructuredOutputsParams(regex=r"[a-z ]{3,40}\."), StructuredOutputsParams(regex=r"(ab|cd){2,4}x"),
+             StructuredOutputsParams(choice=["a", "bb"]), StructuredOutputsParams(json_object=True)]
+    params = [SamplingParams(temperature=1.0, seed=10 + i, max_tokens=48, structured_outputs=s,
+                             repetition_penalty=1.2 if i % 2 else 1.0, presence_penalty=0.3 if i % 3 == 0 else 0.0)
+              for i, s in enumerate(specs)]
+    params += [SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(temperature=0.9, seed=5, max_tokens=30)]
+    prompts = ["Once upon a time", "Lily and Tom", "The dog", "A big red ball", "One day", "Tim", "Sue", "The cat"]
+    return prompts, params
+
+
+def _spy_forward(eng) -> list:
+    """Record, per forward pass of ``eng``, whether it was queued while the previous step's
+    tokens were still on the device (the executor takes them as ``prev``)."""
+    forward, calls = eng.executor.forward, []
+
+    def spy(work, prev):
+        calls.append(prev is not None)
+        return forward(work, prev)
+
+    eng.executor.forward = spy
+    return calls
+
+
+@pytest.mark.parametrize("mode,overlap", [("pipelined-paged", True), ("contiguous", True), ("prefix-cache", True),
+                                          ("speculative-ngram", True), ("pipelined-paged", False), ("contiguous", False)])
+def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, mode, overlap):
+    """With ``overlap_constrained_rows`` the pipelined step builds the forward pass of step
+    t+1 before it reads back step t even when every row is constrained (the mask needs the
+    token, the pass does not); without it, it waits. Either way the outputs are those of
+    the synchronous step, requests ending inside the lag included."""
+    prompts, params = _overlap_requests()
+    sync = _engine(stories, "synchronous-paged", kv_layout=MODES[mode]["kv_layout"]).generate(prompts, params)
+    want = [(o.token_ids, o.text, o.finish_reason) for o in sync]
+    assert [o.finish_reason for o in sync[1:4]] == ["stop"] * 3
+
+    eng = _engine(stories, mode)
+    eng.overlap_constrained_rows = overlap
+    piped = eng.generate(prompts, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in piped] == want
+    only = _engine(stories, mode)
+    only.overlap_constrained_rows = overlap
+    calls = _spy_forward(only)
+    outs = only.generate(prompts[:6], params[:6])
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == want[:6]
+    if overlap:  # all rows constrained: most passes are built before the previous step is read back
+        assert sum(calls) >= len(calls) // 2, calls
+    else:
+        assert not any(calls), calls
+    mgr = only.executor.manager
+    if mgr is not None:
+        assert mgr.allocator.num_in_use == 0 and not mgr.seqs
+    assert not only.has_unfinished_requests()
+
+
+def test_constrained_rows_wait_for_their_token_on_the_cpu_backend(stories):
+    """On MLX's CPU backend the overlap measured slower, so it is off there by default."""
+    eng = _engine(stories, "pipelined-paged")
+    assert eng.overlap_constrained_rows == (mx.default_device().type != mx.DeviceType.cpu)
+
+
+def test_masks_on_the_calling_thread_equal_the_thread_pools(stories):
+    """Few rows are masked on the calling thread, many by llguidance's pool: both give the
+    same bits, unconstrained rows all ones."""
+    from mlx_ferrum.engine.structured import GrammarBackend
+
+    model, tok = stories
+    pooled = GrammarBackend(tok, model.args.vocab_size, parallel_min_rows=1)
+    in_turn = GrammarBackend(tok, model.args.vocab_size, parallel_min_rows=1 << 30)
+    specs = [StructuredOutputsParams(json=SCHEMA), None, StructuredOutputsParams(regex=r"[a-z ]{3,40}\."),
+             StructuredOutputsParams(choice=["yes", "no"])]
+    rows = [[b.matcher(s) if s is not None else None for s in specs] for b in (pooled, in_turn)]
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        want, got = pooled.fill_bitmask(rows[0]), in_turn.fill_bitmask(rows[1])
+        np.testing.assert_array_equal(got, want)
+        assert (got[1] == -1).all()
+        for b, m in enumerate(rows[0]):
+            if m is None or m.done:
+                continue
+            allowed = np.flatnonzero(np.unpackbits(want[b].view(np.uint8), bitorder="little")[:model.args.vocab_size])
+            t = int(rng.choice(allowed))
+            m.accept(t)
+            rows[1][b].accept(t)
