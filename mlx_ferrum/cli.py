@@ -77,19 +77,34 @@ def positive_int(raw: str) -> int:
     return value
 
 
+def _unit_number(raw: str, zero_allowed: bool, example: str) -> float:
+    """``raw`` as a float in [0, 1] (or (0, 1] unless ``zero_allowed``)."""
+    interval = "[0, 1]" if zero_allowed else "(0, 1]"
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number: give a number in {interval}, e.g. {example}") from None
+    if not (0.0 <= value <= 1.0) or (value == 0.0 and not zero_allowed):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give a number in {interval}, e.g. {example}")
+    return value
+
+
 def fraction(raw: str) -> float:
     """A number in (0, 1].
 
     Raises:
         argparse.ArgumentTypeError: not a number, or outside (0, 1].
     """
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number: give a number in (0, 1], e.g. 0.5") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give a number in (0, 1], e.g. 0.5")
-    return value
+    return _unit_number(raw, False, "0.5")
+
+
+def unit_interval(raw: str) -> float:
+    """A number in [0, 1].
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or outside [0, 1].
+    """
+    return _unit_number(raw, True, "0.3")
 
 
 def port_number(raw: str) -> int:
@@ -420,21 +435,6 @@ def cmd_bench(args) -> int:
     from .bench import run_bench_cli
 
     return run_bench_cli(args)
-
-
-def unit_interval(raw: str) -> float:
-    """A number in [0, 1].
-
-    Raises:
-        argparse.ArgumentTypeError: not a number, or outside [0, 1].
-    """
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number: give a number in [0, 1], e.g. 0.3") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give a number in [0, 1], e.g. 0.3")
-    return value
 
 
 def _runtime_flag_type(parse, name: str = ""):
