@@ -199,7 +199,7 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-min-acceptance", type=unit_interval, default=None, metavar="F",
                    help="a request whose drafts are accepted less often than F, or find nothing, backs off "
                         "from speculating for a growing number of steps; 0 never backs off (default: "
-                        "$FERRUM_SPECULATIVE_MIN_ACCEPTANCE, else 0.3)")
+                        "$FERRUM_SPECULATIVE_MIN_ACCEPTANCE, else 0.2)")
 
 
 def _config(args) -> RuntimeConfig:

@@ -81,7 +81,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
     "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
     "speculative_disable_by_batch_size": ("FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE", _parse_int, 8),
-    "speculative_min_acceptance": ("FERRUM_SPECULATIVE_MIN_ACCEPTANCE", _parse_float, 0.3),
+    "speculative_min_acceptance": ("FERRUM_SPECULATIVE_MIN_ACCEPTANCE", _parse_float, 0.2),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -223,7 +223,7 @@ class RuntimeConfig:
       no request speculates in a step while at least this many requests run (vLLM's
       ``speculative_disable_by_batch_size``): a full batch already keeps the device busy,
       and verification rows cost more than the tokens they save.
-    - ``speculative_min_acceptance`` (``FERRUM_SPECULATIVE_MIN_ACCEPTANCE``, 0.3): a request
+    - ``speculative_min_acceptance`` (``FERRUM_SPECULATIVE_MIN_ACCEPTANCE``, 0.2): a request
       whose drafts are accepted less often than this (a moving average of accepted /
       proposed), or whose proposer finds nothing, stops proposing for 1, 2, 4 ... up to
       64 steps, so text that does not repeat itself runs on the pipelined plain step.

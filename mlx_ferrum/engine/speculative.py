@@ -463,7 +463,7 @@ class SpeculationPolicy:
     """
 
     MAX_BACKOFF = 64
-    MAX_NO_MATCH_BACKOFF = 4
+    MAX_NO_MATCH_BACKOFF = 2
 
     def __init__(self, config: RuntimeConfig):
         self.k = config.num_speculative_tokens
