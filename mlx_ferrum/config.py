@@ -80,6 +80,10 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "num_speculative_tokens": ("FERRUM_NUM_SPECULATIVE_TOKENS", _parse_int, 4),
     "prompt_lookup_min": ("FERRUM_PROMPT_LOOKUP_MIN", _parse_int, 2),
     "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
+    "enable_lora": ("FERRUM_ENABLE_LORA", _parse_bool, False),
+    "max_loras": ("FERRUM_MAX_LORAS", _parse_int, 8),
+    "max_lora_rank": ("FERRUM_MAX_LORA_RANK", _parse_int, 64),
+    "max_cpu_loras": ("FERRUM_MAX_CPU_LORAS", _parse_int, None),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -101,6 +105,10 @@ FIELD_HELP: dict[str, str] = {
     "num_speculative_tokens": "tokens proposed per decode step and request",
     "prompt_lookup_min": "shortest n-gram the 'ngram' proposer matches",
     "prompt_lookup_max": "longest n-gram the 'ngram' proposer matches",
+    "enable_lora": "serve LoRA adapters (several per batch, one per request)",
+    "max_loras": "adapters resident at once (slots in every batch)",
+    "max_lora_rank": "largest adapter rank accepted (smaller ranks are zero-padded to it)",
+    "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted (default max_loras)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -212,6 +220,13 @@ class RuntimeConfig:
       decode step and request (k).
     - ``prompt_lookup_min`` / ``prompt_lookup_max`` (``FERRUM_PROMPT_LOOKUP_MIN`` / ``_MAX``,
       2 / 4): shortest and longest n-gram the prompt-lookup proposer matches.
+    - ``enable_lora`` (``FERRUM_ENABLE_LORA``, 0): serve LoRA adapters (vLLM's name).
+    - ``max_loras`` (``FERRUM_MAX_LORAS``, 8): adapter slots resident at once; a batch mixes
+      at most this many adapters.
+    - ``max_lora_rank`` (``FERRUM_MAX_LORA_RANK``, 64): the largest rank accepted; every slot
+      is this wide (smaller adapters are zero-padded, which adds exact zeros).
+    - ``max_cpu_loras`` (``FERRUM_MAX_CPU_LORAS``, None = ``max_loras``): adapters kept loaded
+      in memory; the least recently used beyond it are dropped and re-read from disk on use.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -234,6 +249,10 @@ class RuntimeConfig:
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
+    enable_lora: Optional[bool] = None
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -290,6 +309,18 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        v = self.max_cpu_loras
+        if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:
+            raise ConfigurationError(
+                f"{n('max_cpu_loras')}={v!r} is not valid: use an integer of at least max_loras={self.max_loras} "
+                "(every resident adapter is also loaded), or leave it unset"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(
                 f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "
