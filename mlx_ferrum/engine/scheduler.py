@@ -203,7 +203,7 @@ class Scheduler:
             plan = self._plan
             if plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache:
                 # counted as taken at once: the blocks it revives are no longer free
-                tokens = seq.token_at(0, seq.num_tokens)
+                tokens = seq.prefix_key_ids()  # salted by its LoRA adapter: no KV shared across adapters
                 cached = plan.longest_cached_prefix(tokens)
                 plan.claim(seq.request_id, tokens, cached)
                 lookup = PrefixLookup(seq, cached, admitted=False)

@@ -39,7 +39,7 @@ from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.pool import check_pool_fits
 from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
-from ..lora import LoraAdapter, LoraRegistry
+from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
 from .types import (
     AttentionType,
     DecodeInput,
@@ -277,6 +277,7 @@ class LlmExecutor:
         # LoRA: the registry switches the decoder projections to their LoRA variants
         # (exactly the base until a pass binds slots); None without enable_lora
         self.lora: Optional[LoraRegistry] = None
+        self._cache_salts: dict[str, int] = {}  # cache id -> its adapter's prefix-cache salt
         if self.config.enable_lora:
             self.lora = LoraRegistry(model, self.config.max_loras, self.config.max_lora_rank,
                                      self.config.max_cpu_loras, self.dtype)
@@ -457,7 +458,8 @@ class LlmExecutor:
         # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
         # hashes its block once set_token_ids() brings the id
         passes, undo = self.store.prepare(
-            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work])
+            [(w.cache_id, self._cache_key_ids(w, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens))
+             for w in work])
         pieces: list[mx.array] = []
         owner: list[int] = []  # work index of each returned logits row, in piece order
         try:
@@ -505,6 +507,16 @@ class LlmExecutor:
         logits = self._call_model(tokens, meta, None)
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if rows else logits[:0]
+
+    def _cache_key_ids(self, w: SeqWork, token_ids: list[int]) -> list[int]:
+        """The ids the KV store keys ``w``'s tokens by: salted by its adapter
+        (:func:`~mlx_ferrum.lora.salt_token_ids`), so prefix caching never shares blocks
+        across adapters; the salt is remembered for :meth:`set_token_ids`."""
+        if w.lora_slot < 0 or self.lora is None:
+            return token_ids
+        salt = prefix_salt(self.lora.slot_name(w.lora_slot))
+        self._cache_salts[w.cache_id] = salt
+        return salt_token_ids(token_ids, salt)
 
     def _lora_token_slots(self, work: Sequence[SeqWork], kv_pass, size: int) -> Optional[mx.array]:
         """``[size]`` int32 LoRA slot of each flattened token of the pass (the zero slot for
@@ -772,7 +784,8 @@ class LlmExecutor:
 
         Args:
             cache_id: a new cache id.
-            token_ids: the prompt's token ids (ints).
+            token_ids: the prompt's token ids (ints); for a sequence with a LoRA adapter,
+                salted with :func:`~mlx_ferrum.lora.salt_token_ids` (``Sequence.prefix_key_ids``).
             num_tokens: cached tokens to share: a multiple of ``block_size``, at most
                 ``len(token_ids) - 1``; 0 creates an empty cache.
 
@@ -811,12 +824,13 @@ class LlmExecutor:
             return
         with self._lock:
             if manager.has(cache_id):
-                manager.set_token_ids(cache_id, start, token_ids)
+                manager.set_token_ids(cache_id, start, salt_token_ids(token_ids, self._cache_salts.get(cache_id, 0)))
 
     def release_cache(self, cache_id: str) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
         with self._lock:
             self.store.release(cache_id)
+            self._cache_salts.pop(cache_id, None)
 
     # ------------------------------------------------------------- LoRA
     def _lora_registry(self) -> LoraRegistry:

@@ -5,7 +5,7 @@ pass's slots (``SeqWork.lora_slot``), and the engine maps request adapter names 
 """
 
 from .formats import LoraAdapter, LoraModule, load_adapter, resolve_adapter_path
-from .registry import LoraRegistry, adaptable_modules, match_adapter
+from .registry import LoraRegistry, adaptable_modules, match_adapter, prefix_salt, salt_token_ids
 
 __all__ = ["LoraAdapter", "LoraModule", "LoraRegistry", "adaptable_modules", "load_adapter", "match_adapter",
-           "resolve_adapter_path"]
+           "prefix_salt", "resolve_adapter_path", "salt_token_ids"]

@@ -372,3 +372,28 @@ class LoraRegistry:
                 "stack_bytes": sum(a.nbytes + b.nbytes for a, b in self._stacks.values()),
                 **self.counters,
             }
+
+
+def prefix_salt(name: str) -> int:
+    """A nonzero 31-bit number for adapter ``name``, from SHA-256: the prefix-cache salt of
+    its sequences (see :func:`salt_token_ids`)."""
+    import hashlib
+
+    return (int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:4], "little") & 0x7FFFFFFF) | 1
+
+
+def salt_token_ids(token_ids, salt: int) -> list[int]:
+    """The ids the prefix cache keys a sequence's blocks by: each known id plus
+    ``salt << 32`` (unknown ids, ``< 0``, stay as they are); ``salt`` 0 changes nothing.
+
+    The KV of a token depends on the adapter when k/v (or anything below them) are
+    adapted, so two sequences with the same prompt but different adapters must not share
+    blocks. Salting the ids enters the adapter into every block's SHA-256 chain digest
+    (``block_digest`` packs ids as int64; vocabularies are far below ``2**32``) and into
+    the token comparison that guards against digest collisions, with no change to the
+    KV manager.
+    """
+    if not salt:
+        return list(token_ids)
+    offset = salt << 32
+    return [t + offset if t >= 0 else t for t in token_ids]
