@@ -180,8 +180,16 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="tokens proposed per step (default: $FERRUM_NUM_SPECULATIVE_TOKENS, else 4)")
 
 
+def _add_adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter-path", default=None, metavar="PATH",
+                   help="a LoRA adapter to run with: a PEFT or mlx-lm adapter folder, or a hub repo id "
+                        "(mlx-lm's flag; default: none)")
+
+
 def _config(args) -> RuntimeConfig:
     overrides = {}
+    if getattr(args, "adapter_path", None):
+        overrides["enable_lora"] = True
     if args.paged:
         overrides["kv_layout"] = "paged"
     if getattr(args, "speculative", None):
@@ -195,26 +203,33 @@ class _Streamer:
     """``stream_generate`` for one prompt at a time; through the engine when speculation
     is on (the engine is where speculative decoding runs), else the plain api loop."""
 
-    def __init__(self, model, tokenizer, config: RuntimeConfig):
+    def __init__(self, model, tokenizer, config: RuntimeConfig, adapter_path: Optional[str] = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.lora = adapter_path or None
         self.engine = None
         if config.speculative is not None:
             from .engine import Engine
 
             self.engine = Engine(model, tokenizer, config)
+            if self.lora:
+                self.engine.add_lora(self.lora, self.lora)
+        elif self.lora:
+            from .api import _lora_config
+
+            _lora_config(model, config, self.lora)  # a bad adapter fails at start-up, not at the first prompt
 
     def __call__(self, prompt, sampling: dict):
         from .api import stream_generate
 
         if self.engine is None:
-            return stream_generate(self.model, self.tokenizer, prompt, config=self.config, **sampling)
+            return stream_generate(self.model, self.tokenizer, prompt, config=self.config, lora=self.lora, **sampling)
         return self._engine_stream(prompt, sampling)
 
     def _engine_stream(self, prompt, sampling: dict):
         from .api import GenerationChunk, _peak_memory
         from .engine.sampling import SamplingParams
 
-        for out in self.engine.stream(prompt, SamplingParams(**sampling)):
+        for out in self.engine.stream(prompt, SamplingParams(**sampling), lora=self.lora):
             m = out.metrics
             prefill_s = (m.first_token_time or 0.0) - (m.first_scheduled_time or 0.0)
             decode_s = (m.token_times[-1] - m.first_token_time) if m.token_times else 0.0
@@ -274,7 +289,7 @@ def cmd_generate(args) -> int:
         prompt = msgs
     last = None
     text_end = ""
-    streamer = _Streamer(model, tokenizer, _config(args))
+    streamer = _Streamer(model, tokenizer, _config(args), args.adapter_path)
     for chunk in streamer(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -319,7 +334,7 @@ def cmd_chat(args) -> int:
 
     model, tokenizer = _load(args)
     config = _config(args)
-    streamer = _Streamer(model, tokenizer, config)
+    streamer = _Streamer(model, tokenizer, config, args.adapter_path)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
     # room the history trimming leaves for the reply (a reply may still run on to the context's end)
     reserve = min(args.max_tokens or DEFAULT_CHAT_RESERVE, capacity // 2)
@@ -573,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--newline", action="store_true", help="end the output with a newline")
     _add_sampling_args(g, temp=0.0)
     _add_speculative_args(g)
+    _add_adapter_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=HelpFormatter)
@@ -580,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message (default: none)")
     _add_sampling_args(c, temp=0.7, max_tokens=None)
     _add_speculative_args(c)
+    _add_adapter_args(c)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="engine throughput at several concurrency levels (the mlx-lm comparison "
