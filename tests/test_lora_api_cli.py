@@ -41,5 +41,5 @@ def test_cli_adapter_path(stories, stories_path, capsys):
                      "--adapter-path", adapter]) == 0
     assert capsys.readouterr().out.rstrip("\n") == expected.rstrip("\n")
     assert cli.main(["generate", "--model", str(stories_path), "-p", PROMPT, "-m", "2",
-                     "--adapter-path", "./no/such/adapter"]) == 1
+                     "--adapter-path", "./no/such/adapter"]) == 2  # a FerrumError: one line, exit 2
     assert "no LoRA adapter folder" in capsys.readouterr().err
