@@ -125,6 +125,14 @@ def api_key(raw: str) -> str:
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def lora_module(raw: str) -> tuple[str, str]:
+    """``--lora-modules`` item ``name=path`` (vLLM's form) -> ``(name, path)``."""
+    name, sep, path = raw.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{raw!r} is not NAME=PATH: give e.g. sql-lora=./adapters/sql")
+    return name.strip(), path.strip()
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
     p.add_argument("--dtype", default=None, choices=DTYPES,
@@ -459,11 +467,15 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
             default = "the model's max_position_embeddings"
         elif f.name == "speculative":
             default = "off"
+        elif f.name == "max_cpu_loras":
+            default = "--max-loras"
         elif isinstance(default, bool):
             default = int(default)
         kind = _runtime_flag_type(parse)
+        # vLLM's --enable-lora is a bare switch: accept it alone as well as with 1/0
+        bare = dict(nargs="?", const=True) if f.name == "enable_lora" else {}
         p.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            "--" + f.name.replace("_", "-"), dest=f.name, default=None, **bare,
             type=int if f.name == "block_size" else (str.lower if f.name == "kv_layout" else kind),
             choices=choices.get(f.name),
             metavar={boolean: "{1,0}", positive_int: "N", fraction: "F"}.get(kind) if f.name not in choices else None,
@@ -534,6 +546,8 @@ def cmd_serve(args) -> int:
     overrides = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if getattr(args, f.name) is not None}
     if args.enable_prefix_caching:
         overrides["prefix_cache"] = True
+    if args.lora_modules:
+        overrides["enable_lora"] = True
     if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
         overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
     config = _runtime_config(overrides)
@@ -561,7 +575,7 @@ def cmd_serve(args) -> int:
     code = run_server(
         model, tokenizer, config, host=args.host, port=port, served_model_names=names,
         api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
-        sockets=[sock], on_ready=banner,
+        sockets=[sock], on_ready=banner, lora_modules=dict(args.lora_modules or []),
     )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -619,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the checkpoint's own)")
     s.add_argument("--enable-prefix-caching", action="store_true", help="same as --prefix-cache 1 / FERRUM_PREFIX_CACHE=1")
+    s.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (PEFT or mlx-lm folders, or hub ids); a request whose 'model' is "
+                        "NAME uses it; implies --enable-lora (default: none)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and mlx_ferrum's log level")
     _add_runtime_args(s)

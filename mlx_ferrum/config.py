@@ -108,7 +108,7 @@ FIELD_HELP: dict[str, str] = {
     "enable_lora": "serve LoRA adapters (several per batch, one per request)",
     "max_loras": "adapters resident at once (slots in every batch)",
     "max_lora_rank": "largest adapter rank accepted (smaller ranks are zero-padded to it)",
-    "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted (default max_loras)",
+    "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports

@@ -116,9 +116,11 @@ class AsyncEngine:
         return outs
 
     async def astream(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and ``async for`` over its outputs; leaving early aborts it."""
+        """Submit a request (with LoRA adapter ``lora``, or the base model) and ``async for``
+        over its outputs; leaving early aborts it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request_id
@@ -128,7 +130,7 @@ class AsyncEngine:
             vocab = getattr(getattr(self.engine.executor, "info", None), "vocab_size", None)
             prompt = await asyncio.to_thread(encode_prompt, self.engine.tokenizer, prompt, vocab)
         with self._lock:
-            rid = self.engine.add_request(prompt, params, rid)
+            rid = self.engine.add_request(prompt, params, rid, lora=lora)
             self._queues[rid] = (loop, q)
         self._wake.set()
         finished = False
