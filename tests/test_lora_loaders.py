@@ -195,3 +195,20 @@ def test_registry_names_and_slots(tmp_path):
     ex.release_lora("r3")
     ex.remove_lora("a")
     assert ex.list_loras() == ["b", "c"] and ex.lora_metrics_snapshot()["resident"] == {}
+
+
+def test_lora_settings_from_the_environment(monkeypatch):
+    from mlx_ferrum.errors import ConfigurationError
+
+    monkeypatch.setenv("FERRUM_ENABLE_LORA", "1")
+    monkeypatch.setenv("FERRUM_MAX_LORAS", "3")
+    monkeypatch.setenv("FERRUM_MAX_LORA_RANK", "32")
+    cfg = RuntimeConfig()
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (True, 3, 32, 3)
+    assert RuntimeConfig(max_loras=2).max_loras == 2  # an explicit argument beats the environment
+    monkeypatch.setenv("FERRUM_MAX_CPU_LORAS", "2")
+    with pytest.raises(ConfigurationError, match="FERRUM_MAX_CPU_LORAS=2 is not valid.*at least max_loras=3"):
+        RuntimeConfig()
+    monkeypatch.setenv("FERRUM_MAX_LORAS", "abc")
+    with pytest.raises(ConfigurationError, match="FERRUM_MAX_LORAS='abc' is not an integer"):
+        RuntimeConfig()
