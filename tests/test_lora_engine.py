@@ -157,3 +157,20 @@ def test_64_adapters_8_slots_1000_requests_no_leaks(model, tmp_path):
     assert len(m["loaded"]) <= 16 and len(m["resident"]) <= 8 and m["stack_bytes"] == stack_bytes
     assert len({tuple(t) for t in expected.values()}) > 8, "the adapters barely differ: the test proves little"
     assert_no_leaks(eng)
+
+
+def test_draft_model_speculation_with_adapters_matches_plain_decoding(model, adapters):
+    """The draft proposes without the adapter; verification runs with it, so greedy
+    outputs equal the adapter's own plain decoding."""
+    from mlx_ferrum.engine.speculative import DraftModelProposer
+
+    cfg = config()
+    eng = Engine(model, None, cfg, proposer=DraftModelProposer(tiny_model("llama", seed=9), cfg, model.args.vocab_size))
+    for name, path in adapters.items():
+        eng.add_lora(name, path)
+    loras = ["b", None, "a", "d"]
+    outs = eng.generate(PROMPTS, GREEDY, lora=loras)
+    for prompt, name, out in zip(PROMPTS, loras, outs):
+        assert out.token_ids == solo(model, adapters, prompt, name)
+    assert eng.spec_proposed_tokens > 0
+    assert_no_leaks(eng)
