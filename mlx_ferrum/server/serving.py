@@ -363,7 +363,9 @@ class OpenAIServing:
         started = []
         for pi, ids, params in plan:
             rid = uuid.uuid4().hex
-            started.append((pi, ids, rid, self.async_engine.astream(ids, params, request_id=rid, lora=lora)))
+            # lora only when set: the base path keeps astream's three-argument call
+            extra = {"lora": lora} if lora is not None else {}
+            started.append((pi, ids, rid, self.async_engine.astream(ids, params, request_id=rid, **extra)))
             self._inflight[rid] = len(ids)
             self.queued_tokens += len(ids)
         tasks = [asyncio.ensure_future(stream.__anext__()) for *_, stream in started]
