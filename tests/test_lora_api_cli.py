@@ -43,3 +43,21 @@ def test_cli_adapter_path(stories, stories_path, capsys):
     assert cli.main(["generate", "--model", str(stories_path), "-p", PROMPT, "-m", "2",
                      "--adapter-path", "./no/such/adapter"]) == 2  # a FerrumError: one line, exit 2
     assert "no LoRA adapter folder" in capsys.readouterr().err
+
+
+def test_chat_adapter_path(stories, stories_path, capsys, monkeypatch):
+    """``chat --adapter-path`` answers with the adapter (the same streamer as generate)."""
+    model, tokenizer, adapter = stories
+    lines = [PROMPT]
+
+    def fake_input(prompt=""):
+        if not lines:
+            raise EOFError
+        return lines.pop()
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert cli.main(["chat", "--model", str(stories_path), "-m", "8", "--temp", "0", "--adapter-path", adapter]) == 0
+    with_adapter = capsys.readouterr().out
+    lines.append(PROMPT)
+    assert cli.main(["chat", "--model", str(stories_path), "-m", "8", "--temp", "0"]) == 0
+    assert capsys.readouterr().out != with_adapter
