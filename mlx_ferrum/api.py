@@ -19,7 +19,7 @@ from .config import RuntimeConfig
 from .engine.engine import Engine, context_full_message
 from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplingParams
-from .errors import FerrumError, NonFiniteLogitsError, PromptTooLongError
+from .errors import FerrumError, LoraError, NonFiniteLogitsError, PromptTooLongError
 from .executor import LlmExecutor
 from .models.loader import check_tokenizer_vocabulary, load_model
 from .tokenizer import Tokenizer
@@ -120,6 +120,24 @@ class GenerationChunk:
     logprob: Optional[float] = None
 
 
+def _lora_config(model, config: Optional[RuntimeConfig], lora: str) -> tuple[RuntimeConfig, str]:
+    """``config`` with LoRA on, and the adapter name ``lora`` resolves to on its executor
+    (a path is registered under itself on first use).
+
+    Raises:
+        LoraError: ``lora`` is not a string, or the adapter is refused.
+    """
+    if not isinstance(lora, str) or not lora:
+        raise LoraError(f"lora must be an adapter name or folder (a non-empty string), got {lora!r}")
+    cfg = config if config is not None else RuntimeConfig()
+    if not cfg.enable_lora:
+        cfg = RuntimeConfig(**{**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, "enable_lora": True})
+    ex = executor_for(model, cfg)
+    if lora not in ex.list_loras():
+        ex.add_lora(lora, lora)
+    return cfg, lora
+
+
 def _peak_memory() -> int:
     try:
         return int(mx.get_peak_memory())
@@ -134,6 +152,7 @@ def stream_generate(
     *,
     config: Optional[RuntimeConfig] = None,
     sampling_params: Optional[SamplingParams] = None,
+    lora: Optional[str] = None,
     **sampling: Any,
 ) -> Iterator[GenerationChunk]:
     """Generate text for one prompt, yielding it as it is produced.
@@ -142,6 +161,9 @@ def stream_generate(
         model, tokenizer: from :func:`load`.
         prompt: text, messages (``[{"role", "content"}]``) or token ids.
         config: runtime settings (KV layout ...); default from the environment.
+        lora: a LoRA adapter: the name of one registered on this model's executor, or a
+            PEFT / mlx-lm adapter folder (or hub id), registered under that string on
+            first use. LoRA is switched on in the config when it is off.
         sampling_params: a :class:`SamplingParams`, or give its fields as keywords
             (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
             ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``, ...).
@@ -156,8 +178,11 @@ def stream_generate(
         SamplingParamsError: a sampling field is out of range.
         RequestError: a prompt of the wrong type, or a token id outside the vocabulary.
         NonFiniteLogitsError: the model produced NaN or Inf logits (the cache is released).
+        LoraError: the adapter cannot be read or does not fit the model.
     """
     params = sampling_params if sampling_params is not None else SamplingParams(**sampling)
+    if lora is not None:
+        config, lora = _lora_config(model, config, lora)
     ex = executor_for(model, config)
     ids = encode_prompt(tokenizer, prompt, vocab_size=model.args.vocab_size)
     if len(ids) >= ex.kv_capacity():
@@ -171,7 +196,7 @@ def stream_generate(
     t0 = time.perf_counter()
     t_first = None
     n = 0
-    for out in engine.stream(ids, params):
+    for out in engine.stream(ids, params, lora=lora):
         now = time.perf_counter()
         for k, token in enumerate(out.new_token_ids):
             n += 1

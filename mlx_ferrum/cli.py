@@ -140,6 +140,14 @@ def api_key(raw: str) -> str:
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def lora_module(raw: str) -> tuple[str, str]:
+    """``--lora-modules`` item ``name=path`` (vLLM's form) -> ``(name, path)``."""
+    name, sep, path = raw.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{raw!r} is not NAME=PATH: give e.g. sql-lora=./adapters/sql")
+    return name.strip(), path.strip()
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
     p.add_argument("--dtype", default=None, choices=DTYPES,
@@ -202,8 +210,16 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "$FERRUM_SPECULATIVE_MIN_ACCEPTANCE, else 0.2)")
 
 
+def _add_adapter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter-path", default=None, metavar="PATH",
+                   help="a LoRA adapter to run with: a PEFT or mlx-lm adapter folder, or a hub repo id "
+                        "(mlx-lm's flag; default: none)")
+
+
 def _config(args) -> RuntimeConfig:
     overrides = {}
+    if getattr(args, "adapter_path", None):
+        overrides["enable_lora"] = True
     if args.paged:
         overrides["kv_layout"] = "paged"
     if getattr(args, "speculative", None):
@@ -218,26 +234,33 @@ class _Streamer:
     """``stream_generate`` for one prompt at a time; through the engine when speculation
     is on (the engine is where speculative decoding runs), else the plain api loop."""
 
-    def __init__(self, model, tokenizer, config: RuntimeConfig):
+    def __init__(self, model, tokenizer, config: RuntimeConfig, adapter_path: Optional[str] = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.lora = adapter_path or None
         self.engine = None
         if config.speculative is not None:
             from .engine import Engine
 
             self.engine = Engine(model, tokenizer, config)
+            if self.lora:
+                self.engine.add_lora(self.lora, self.lora)
+        elif self.lora:
+            from .api import _lora_config
+
+            _lora_config(model, config, self.lora)  # a bad adapter fails at start-up, not at the first prompt
 
     def __call__(self, prompt, sampling: dict):
         from .api import stream_generate
 
         if self.engine is None:
-            return stream_generate(self.model, self.tokenizer, prompt, config=self.config, **sampling)
+            return stream_generate(self.model, self.tokenizer, prompt, config=self.config, lora=self.lora, **sampling)
         return self._engine_stream(prompt, sampling)
 
     def _engine_stream(self, prompt, sampling: dict):
         from .api import GenerationChunk, _peak_memory
         from .engine.sampling import SamplingParams
 
-        for out in self.engine.stream(prompt, SamplingParams(**sampling)):
+        for out in self.engine.stream(prompt, SamplingParams(**sampling), lora=self.lora):
             m = out.metrics
             prefill_s = (m.first_token_time or 0.0) - (m.first_scheduled_time or 0.0)
             decode_s = (m.token_times[-1] - m.first_token_time) if m.token_times else 0.0
@@ -297,7 +320,7 @@ def cmd_generate(args) -> int:
         prompt = msgs
     last = None
     text_end = ""
-    streamer = _Streamer(model, tokenizer, _config(args))
+    streamer = _Streamer(model, tokenizer, _config(args), args.adapter_path)
     for chunk in streamer(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -342,7 +365,7 @@ def cmd_chat(args) -> int:
 
     model, tokenizer = _load(args)
     config = _config(args)
-    streamer = _Streamer(model, tokenizer, config)
+    streamer = _Streamer(model, tokenizer, config, args.adapter_path)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
     # room the history trimming leaves for the reply (a reply may still run on to the context's end)
     reserve = min(args.max_tokens or DEFAULT_CHAT_RESERVE, capacity // 2)
@@ -467,11 +490,15 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
             default = "the model's max_position_embeddings"
         elif f.name == "speculative":
             default = "off"
+        elif f.name == "max_cpu_loras":
+            default = "--max-loras"
         elif isinstance(default, bool):
             default = int(default)
         kind = _runtime_flag_type(parse, f.name)
+        # vLLM's --enable-lora is a bare switch: accept it alone as well as with 1/0
+        bare = dict(nargs="?", const=True) if f.name == "enable_lora" else {}
         p.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            "--" + f.name.replace("_", "-"), dest=f.name, default=None, **bare,
             type=int if f.name == "block_size" else (str.lower if f.name == "kv_layout" else kind),
             choices=choices.get(f.name),
             metavar={boolean: "{1,0}", positive_int: "N", fraction: "F", unit_interval: "F"}.get(kind)
@@ -545,6 +572,8 @@ def serve_config(args) -> RuntimeConfig:
     overrides = {f.name: getattr(args, f.name) for f in fields(RuntimeConfig) if getattr(args, f.name) is not None}
     if args.enable_prefix_caching is not None:
         overrides["prefix_cache"] = args.enable_prefix_caching
+    if getattr(args, "lora_modules", None):
+        overrides["enable_lora"] = True  # serving adapters implies LoRA on (as in vLLM)
     if "kv_layout" not in overrides and "FERRUM_METAL_PAGED_KV" not in os.environ:
         overrides["kv_layout"] = "paged"  # a server batches many requests: paged is the layout for it
     return _runtime_config(overrides)
@@ -584,6 +613,7 @@ def cmd_serve(args) -> int:
         model, tokenizer, config, host=args.host, port=port, served_model_names=names,
         api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
         sockets=[sock], on_ready=banner, tool_call_parser=args.tool_call_parser,
+        lora_modules=dict(args.lora_modules or []),
     )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -610,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--newline", action="store_true", help="end the output with a newline")
     _add_sampling_args(g, temp=0.0)
     _add_speculative_args(g)
+    _add_adapter_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=HelpFormatter)
@@ -617,6 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message (default: none)")
     _add_sampling_args(c, temp=0.7, max_tokens=None)
     _add_speculative_args(c)
+    _add_adapter_args(c)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="engine throughput at several concurrency levels (the mlx-lm comparison "
@@ -644,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="share full prompt blocks across requests (vLLM's flag; the same as --prefix-cache 1/0; "
                         "default: $FERRUM_PREFIX_CACHE, else on)")
+    s.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (PEFT or mlx-lm folders, or hub ids); a request whose 'model' is "
+                        "NAME uses it; implies --enable-lora (default: none)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and mlx_ferrum's log level")
     _add_runtime_args(s)

@@ -82,6 +82,10 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "prompt_lookup_max": ("FERRUM_PROMPT_LOOKUP_MAX", _parse_int, 4),
     "speculative_disable_by_batch_size": ("FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE", _parse_int, 8),
     "speculative_min_acceptance": ("FERRUM_SPECULATIVE_MIN_ACCEPTANCE", _parse_float, 0.2),
+    "enable_lora": ("FERRUM_ENABLE_LORA", _parse_bool, False),
+    "max_loras": ("FERRUM_MAX_LORAS", _parse_int, 8),
+    "max_lora_rank": ("FERRUM_MAX_LORA_RANK", _parse_int, 64),
+    "max_cpu_loras": ("FERRUM_MAX_CPU_LORAS", _parse_int, None),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -107,6 +111,10 @@ FIELD_HELP: dict[str, str] = {
     "(verifying drafts costs more than it saves in a full batch)",
     "speculative_min_acceptance": "a request whose recent drafts were accepted less than this fraction of the time, "
     "or that found nothing to propose, stops proposing for a growing number of steps (0 never backs off)",
+    "enable_lora": "serve LoRA adapters (several per batch, one per request)",
+    "max_loras": "adapters resident at once (slots in every batch)",
+    "max_lora_rank": "largest adapter rank accepted (smaller ranks are zero-padded to it)",
+    "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -227,6 +235,13 @@ class RuntimeConfig:
       whose drafts are accepted less often than this (a moving average of accepted /
       proposed), or whose proposer finds nothing, stops proposing for 1, 2, 4 ... up to
       64 steps, so text that does not repeat itself runs on the pipelined plain step.
+    - ``enable_lora`` (``FERRUM_ENABLE_LORA``, 0): serve LoRA adapters (vLLM's name).
+    - ``max_loras`` (``FERRUM_MAX_LORAS``, 8): adapter slots resident at once; a batch mixes
+      at most this many adapters.
+    - ``max_lora_rank`` (``FERRUM_MAX_LORA_RANK``, 64): the largest rank accepted; every slot
+      is this wide (smaller adapters are zero-padded, which adds exact zeros).
+    - ``max_cpu_loras`` (``FERRUM_MAX_CPU_LORAS``, None = ``max_loras``): adapters kept loaded
+      in memory; the least recently used beyond it are dropped and re-read from disk on use.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -251,6 +266,10 @@ class RuntimeConfig:
     prompt_lookup_max: Optional[int] = None
     speculative_disable_by_batch_size: Optional[int] = None
     speculative_min_acceptance: Optional[float] = None
+    enable_lora: Optional[bool] = None
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -317,6 +336,18 @@ class RuntimeConfig:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
             raise ConfigurationError(
                 f"{n('speculative_min_acceptance')}={v!r} is not valid: use a number in [0, 1] (0 never backs off)"
+            )
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        v = self.max_cpu_loras
+        if not isinstance(v, int) or isinstance(v, bool) or v < self.max_loras:
+            raise ConfigurationError(
+                f"{n('max_cpu_loras')}={v!r} is not valid: use an integer of at least max_loras={self.max_loras} "
+                "(every resident adapter is also loaded), or leave it unset"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(

@@ -142,3 +142,17 @@ class InsufficientMemoryError(ConfigurationError, MemoryError):
     """A setting asks for more memory than the machine has free (a paged KV pool from
     ``FERRUM_KV_MAX_BLOCKS``, ...); refused before anything is allocated. The message
     names the setting, the bytes asked for, the bytes free and the largest value that fits."""
+
+
+class LoraError(FerrumError, ValueError):
+    """A LoRA adapter cannot be loaded or served: unknown adapter name, a format or PEFT
+    type this package does not read (DoRA, IA3 ...), a module or shape that does not
+    match the base model, a rank above ``max_lora_rank``, or LoRA not enabled (the
+    message names the adapter, the module and the fix)."""
+
+
+class UnknownLoraError(LoraError, KeyError):
+    """A request or call names an adapter that is not registered (the message lists the known ones)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""

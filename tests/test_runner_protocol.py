@@ -113,3 +113,25 @@ def test_an_executor_given_to_the_engine_is_driven_through_its_runner():
     assert len(out.token_ids) == 3
     assert executor.status().prefill_operations == 0  # the engine never goes through the adapter
     assert not executor.manager.seqs  # one KV store: the engine released its cache in the executor's
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_the_engine_serves_lora_adapters_through_model_runner_methods(layout, tmp_path):
+    """Adapters on (n-gram drafts, prefix caching, a slot wait): every call the engine
+    makes for LoRA is a ModelRunner method too."""
+    from lora_fixtures import random_peft_adapter
+
+    model = tiny_model("llama", seed=3)
+    cfg = config(layout, enable_lora=True, max_loras=1)
+    runner = RecordingRunner(LlmRunner(model, cfg))
+    eng = Engine(model, None, cfg, executor=runner)
+    for i, name in enumerate("ab"):
+        eng.add_lora(name, str(random_peft_adapter(model, tmp_path / name, seed=i)))
+    prompts, params = mixed_workload(model.args.vocab_size)
+    loras = ["a", "b", None, "a", "b", None, "a", "b", "a", None]
+    assert all(o.token_ids for o in eng.generate(prompts, params, lora=loras))
+    assert eng.list_loras() == ["a", "b"] and eng.lora_metrics_snapshot()["pinned_slots"] == 0
+    eng.remove_lora("b")
+    assert {"add_lora", "lora_path", "acquire_lora", "release_lora", "list_loras", "lora_metrics_snapshot",
+            "remove_lora"} <= runner.used
+    assert runner.used <= PROTOCOL, f"the engine used {sorted(runner.used - PROTOCOL)} outside ModelRunner"

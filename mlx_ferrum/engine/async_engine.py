@@ -127,13 +127,13 @@ class AsyncEngine:
         """On the stepping thread: add the submitted requests to the engine (a refusal goes
         to its stream), then apply the aborts."""
         while self._submissions:
-            rid, prompt, params = self._submissions.popleft()
+            rid, prompt, params, lora = self._submissions.popleft()
             with self._lock:
                 target = self._queues.get(rid)
             if target is None:
                 continue  # its stream ended before it was admitted
             try:
-                self.engine.add_request(prompt, params, rid)
+                self.engine.add_request(prompt, params, rid, lora=lora)
             except Exception as e:  # noqa: BLE001 - this request only: its stream raises it
                 try:
                     target[0].call_soon_threadsafe(target[1].put_nowait, _Refused(e))
@@ -180,9 +180,11 @@ class AsyncEngine:
         return outs
 
     async def astream(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and ``async for`` over its outputs; leaving early aborts it.
+        """Submit a request (with LoRA adapter ``lora``, or the base model) and ``async for``
+        over its outputs; leaving early aborts it.
 
         Raises:
             EngineShutdownError: the engine was shut down (before the call or while it ran).
@@ -211,7 +213,7 @@ class AsyncEngine:
             self._queues[rid] = (loop, q)
         # the stepping thread admits it (Engine.add_request) before its next step; a
         # refusal (too long, bad ids, a bad constraint ...) comes back through the queue
-        self._submissions.append((rid, prompt, params))
+        self._submissions.append((rid, prompt, params, lora))
         self._wake.set()
         finished = False
         admitted = False

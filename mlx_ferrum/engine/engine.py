@@ -25,9 +25,10 @@ from typing import Iterator, Optional, Sequence as Seq, Union
 import mlx.core as mx
 
 from ..config import RuntimeConfig
-from ..errors import NonFiniteLogitsError, PromptTooLongError, RequestError
+from ..errors import LoraError, NonFiniteLogitsError, PromptTooLongError, RequestError
 from ..runner import LlmRunner, ModelRunner, SeqWork
 from ..models.loader import tokenizer_id_limit
+from ..lora import prefix_salt
 from .metrics import LatencyReservoir
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
@@ -118,7 +119,7 @@ def apply_kv_plan(runner: ModelRunner, plan: SchedulerOutput) -> list[tuple[Sequ
     for lookup in plan.prefix_lookups:
         seq = lookup.seq
         try:
-            runner.claim_prefix(seq.request_id, seq.token_at(0, seq.num_tokens), lookup.num_tokens)
+            runner.claim_prefix(seq.request_id, seq.prefix_key_ids(), lookup.num_tokens)
         except Exception as e:  # noqa: BLE001 - this request only
             if lookup.admitted:
                 failed.append((seq, e))
@@ -262,6 +263,10 @@ class Engine:
         self.overlap_constrained_rows = mx.default_device().type != mx.DeviceType.cpu
         self._grammar_backend: Optional[GrammarBackend] = None  # built with the first constrained request
         self._grammar_init_lock = threading.Lock()
+        # LoRA: requests with an adapter hold a pinned slot from admission to their end;
+        # those that find every slot pinned by other adapters wait here, outside the scheduler
+        self._lora_slot_of: dict[str, int] = {}
+        self._lora_waiting: collections.deque = collections.deque()
 
     @property
     def executor(self) -> ModelRunner:
@@ -312,10 +317,15 @@ class Engine:
         prompt: Prompt,
         params: Optional[SamplingParams] = None,
         request_id: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> str:
         """Queue a request (text, chat messages or token ids); returns its id. Thread-safe.
 
+        ``lora`` names a registered adapter (:meth:`add_lora`) to run the request with;
+        None runs the base model.
+
         Raises:
+            UnknownLoraError: ``lora`` is not registered. LoraError: LoRA is off.
             PromptTooLongError: the prompt fills the context, or the paged pool (it could
                 never produce a token: see :meth:`max_sequence_tokens`).
             RequestError: the id is in use, the prompt is empty or not a prompt type, or a
@@ -331,15 +341,18 @@ class Engine:
         if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
             raise PromptTooLongError(self._pool_full_message(len(ids)))
         params.check_vocab(self.model.args.vocab_size)
+        self._check_lora_name(lora)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         grammar = self.compile_constraint(params)
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
         seq.grammar = grammar
+        if lora is not None:
+            seq.lora, seq.prefix_salt = lora, prefix_salt(lora)
         with self._lock:
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is in use: pick another")
             self._seqs[rid] = seq
-            self.scheduler.add(seq)
+            self._admit_with_lora(seq)
         return rid
 
     def max_sequence_tokens(self) -> int:
@@ -381,7 +394,8 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while a request waits or runs (or has an output not yet returned)."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+            return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+                    or bool(self._lora_waiting))
 
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         while seq.output_ids and seq.output_ids[-1] == _IN_FLIGHT:
@@ -391,6 +405,7 @@ class Engine:
         seq.error = error
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
+        self._release_lora_of(seq)
         if seq.request_id in self._in_flight:
             self._deferred_release.append(seq.request_id)
         else:
@@ -547,6 +562,7 @@ class Engine:
     def _schedule(self, outputs: list[RequestOutput]) -> list:
         """The scheduler's items for this step; requests the pool can never hold end here
         with ``"error"`` (their outputs are appended to ``outputs``). Call with the lock held."""
+        self._admit_lora_waiting()
         lookahead = None
         if self._policy is not None and self._policy.enabled_for_batch(len(self.scheduler.running)
                                                                        + len(self.scheduler.waiting)):
@@ -664,7 +680,7 @@ class Engine:
                 tokens[-1] = 0
             work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
                                 all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
-        return work
+        return self._with_lora_slots(work)
 
     @staticmethod
     def _score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -> list[mx.array]:
@@ -1067,17 +1083,26 @@ class Engine:
         self,
         prompts: Seq[Prompt],
         params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+        lora: Union[str, None, Seq[Optional[str]]] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
-        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt.
+        ``params`` is one :class:`SamplingParams` for all prompts or one per prompt;
+        ``lora`` one adapter name (or None) for all prompts or one per prompt.
         Thread-safe: several threads may call it (and :meth:`stream`) at once; each gets
         its own outputs.
 
         Raises:
-            RequestError, PromptTooLongError, SamplingParamsError: see :meth:`add_request`
+            RequestError, PromptTooLongError, SamplingParamsError, UnknownLoraError: see :meth:`add_request`
                 (a bad prompt aborts the call's other requests).
+                Also RequestError: ``params`` or ``lora`` lists of the wrong length.
         """
+        if lora is None or isinstance(lora, str):
+            loras = [lora] * len(prompts)
+        else:
+            loras = list(lora)
+            if len(loras) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(loras)} lora names: give one or one each")
         if params is None or isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
         else:
@@ -1087,8 +1112,8 @@ class Engine:
         ids = []
         final: dict[str, RequestOutput] = {}
         try:
-            for p, sp in zip(prompts, plist):
-                ids.append(self._add_boxed(p, sp))
+            for p, sp, name in zip(prompts, plist, loras):
+                ids.append(self._add_boxed(p, sp, lora=name))
             while len(final) < len(ids):
                 for out in self._wait_outputs([rid for rid in ids if rid not in final]):
                     if out.finished:
@@ -1104,7 +1129,8 @@ class Engine:
                 self._close_box(rid)
         return [final[i] for i in ids]
 
-    def _add_boxed(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str] = None) -> str:
+    def _add_boxed(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str] = None,
+                   lora: Optional[str] = None) -> str:
         """:meth:`add_request`, with a box that collects the request's outputs from any
         thread's step (opened before the request can run, so none is missed)."""
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
@@ -1113,21 +1139,23 @@ class Engine:
                 raise RequestError(f"request id {rid!r} is in use: pick another")
             self._boxes[rid] = collections.deque()
         try:
-            return self.add_request(prompt, params, rid)
+            return self.add_request(prompt, params, rid, lora=lora)
         except BaseException:
             self._close_box(rid)
             raise
 
     def stream(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> Iterator[RequestOutput]:
-        """Add one request and yield its outputs as they come, stepping the engine.
+        """Add one request (with adapter ``lora``, or the base) and yield its outputs as
+        they come, stepping the engine.
 
         Other requests in the engine advance too. Closing the iterator early aborts
         the request. Thread-safe: several threads may stream (and :meth:`generate`) at
         once; each gets its own request's outputs.
         """
-        rid = self._add_boxed(prompt, params, request_id)
+        rid = self._add_boxed(prompt, params, request_id, lora=lora)
         done = False
         try:
             while not done:
@@ -1141,6 +1169,103 @@ class Engine:
                 except RequestError:
                     pass
             self._close_box(rid)
+
+    # ----------------------------------------------------------------- LoRA
+    def add_lora(self, name: str, path: str) -> None:
+        """Register the PEFT or mlx-lm LoRA adapter at ``path`` (folder or hub id) as
+        ``name``; it is read and checked against the model now. Thread-safe.
+
+        Raises:
+            LoraError: LoRA is off (``RuntimeConfig(enable_lora=True)``), or the adapter is
+            refused (format, DoRA, module, shape, rank; the message says which).
+        """
+        self._lora_executor().add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister ``name``.
+
+        Raises:
+            UnknownLoraError: unknown ``name``. LoraError: requests still use it, or LoRA is off.
+        """
+        with self._lock:
+            if any(s.lora == name for s in self._lora_waiting):
+                raise LoraError(f"adapter {name!r} has waiting requests: remove it once they finish")
+            self._lora_executor().remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """Registered adapter names (empty when LoRA is off)."""
+        return self.runner.list_loras()
+
+    def lora_metrics_snapshot(self) -> dict:
+        """The executor's adapter metrics (registered, loaded, resident, requests per
+        adapter, loads, evictions) plus ``waiting_for_slot`` (requests waiting for a
+        slot); ``{}`` when LoRA is off."""
+        snapshot = self.runner.lora_metrics_snapshot()
+        if snapshot:
+            snapshot["waiting_for_slot"] = len(self._lora_waiting)
+        return snapshot
+
+    def _lora_executor(self) -> ModelRunner:
+        """The runner, once it is known to serve adapters. Raises LoraError when LoRA is off."""
+        if not self.runner.config.enable_lora:
+            raise LoraError("LoRA is off for this engine: pass RuntimeConfig(enable_lora=True) "
+                            "(FERRUM_ENABLE_LORA=1, --enable-lora)")
+        return self.runner
+
+    def _check_lora_name(self, name: Optional[str]) -> None:
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise RequestError(f"lora must be an adapter name (str) or None, got {type(name).__name__}")
+        self._lora_executor().lora_path(name)  # UnknownLoraError names the known adapters
+
+    def _admit_with_lora(self, seq: Sequence) -> None:
+        """Hand ``seq`` to the scheduler, pinning its adapter's slot first; when every slot
+        is pinned by other adapters' requests it waits (FIFO) for one. Lock held."""
+        if seq.lora is None:
+            self.scheduler.add(seq)
+            return
+        slot = None if self._lora_waiting else self.runner.acquire_lora(seq.lora, seq.request_id)
+        if slot is None:
+            self._lora_waiting.append(seq)
+            return
+        self._lora_slot_of[seq.request_id] = slot
+        self.scheduler.add(seq)
+
+    def _admit_lora_waiting(self) -> None:
+        """Move waiting adapter requests to the scheduler while slots can be had, in order. Lock held."""
+        while self._lora_waiting:
+            seq = self._lora_waiting[0]
+            if seq.finished:
+                self._lora_waiting.popleft()
+                continue
+            try:
+                slot = self.runner.acquire_lora(seq.lora, seq.request_id)
+            except LoraError as e:  # removed, or its folder cannot be read any more: this request only
+                self._lora_waiting.popleft()
+                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+                self._pending.append(self._output(seq, "", []))
+                continue
+            if slot is None:
+                return
+            self._lora_waiting.popleft()
+            self._lora_slot_of[seq.request_id] = slot
+            self.scheduler.add(seq)
+
+    def _release_lora_of(self, seq: Sequence) -> None:
+        if seq.lora is None:
+            return
+        if self._lora_slot_of.pop(seq.request_id, None) is not None:
+            self.runner.release_lora(seq.request_id)
+        elif seq in self._lora_waiting:
+            self._lora_waiting.remove(seq)
+
+    def _with_lora_slots(self, work: list[SeqWork]) -> list[SeqWork]:
+        """``work`` with each item's ``lora_slot`` set from its request's pinned slot."""
+        if self._lora_slot_of:
+            for w in work:
+                w.lora_slot = self._lora_slot_of.get(w.cache_id, -1)
+        return work
 
     # -------------------------------------------------------------- metrics
     def stats(self) -> dict:

@@ -218,7 +218,7 @@ class Scheduler:
             if (plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache
                     and seq.params.prompt_logprobs is None):  # cached blocks bring no logits to score
                 # counted as taken at once: the blocks it revives are no longer free
-                tokens = seq.token_at(0, seq.num_tokens)
+                tokens = seq.prefix_key_ids()  # salted by its LoRA adapter: no KV shared across adapters
                 cached = plan.longest_cached_prefix(tokens)
                 plan.claim(seq.request_id, tokens, cached)
                 lookup = PrefixLookup(seq, cached, admitted=False)

@@ -70,6 +70,9 @@ class Sequence:
         text: the generated text emitted so far (stop strings trimmed).
         logprobs: log-probability of each generated token (when asked).
         order: admission counter; larger = admitted later (preempted first).
+        lora: the LoRA adapter name the request runs with, or None (the base model).
+        prefix_salt: its adapter's prefix-cache salt (0 without an adapter), see
+            :meth:`prefix_key_ids`.
     """
 
     request_id: str
@@ -94,6 +97,8 @@ class Sequence:
     prompt_logprobs: Optional[list] = None
     #: the request's grammar matcher (structured output), or None
     grammar: Optional[object] = None
+    lora: Optional[str] = None
+    prefix_salt: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +112,16 @@ class Sequence:
         if stop > p:
             out = out + self.output_ids[max(0, start - p) : stop - p]
         return out
+
+    def prefix_key_ids(self) -> list[int]:
+        """All token ids as the prefix cache keys them: salted by the request's LoRA
+        adapter (``prefix_salt``; see :func:`mlx_ferrum.lora.salt_token_ids`)."""
+        ids = self.token_at(0, self.num_tokens)
+        if not self.prefix_salt:
+            return ids
+        from ..lora.registry import salt_token_ids
+
+        return salt_token_ids(ids, self.prefix_salt)
 
     @property
     def remaining(self) -> int:

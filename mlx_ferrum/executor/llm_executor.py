@@ -350,6 +350,50 @@ class LlmExecutor:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
         self.runner.release_cache(cache_id)
 
+    # ------------------------------------------------------------- LoRA
+    lora = property(lambda self: self.runner.lora, doc="The runner's LoRA registry (None: LoRA off).")
+
+    def add_lora(self, name: str, path: str):
+        """Register an adapter: :meth:`LlmRunner.add_lora <mlx_ferrum.runner.LlmRunner.add_lora>`.
+
+        Raises:
+            ExecutorError: LoRA is off. LoraError: the adapter is refused.
+        """
+        return self.runner.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister ``name``.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown. LoraError: in use.
+        """
+        self.runner.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """Registered adapter names (empty when LoRA is off)."""
+        return self.runner.list_loras()
+
+    def lora_path(self, name: str) -> str:
+        """Where ``name`` was registered from. Raises ExecutorError (off) or UnknownLoraError."""
+        return self.runner.lora_path(name)
+
+    def acquire_lora(self, name: str, owner: object) -> Optional[int]:
+        """Pin ``name``'s slot for ``owner`` (None: every slot pinned by others); see
+        :meth:`LlmRunner.acquire_lora <mlx_ferrum.runner.LlmRunner.acquire_lora>`.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name``.
+        """
+        return self.runner.acquire_lora(name, owner)
+
+    def release_lora(self, owner: object) -> None:
+        """Unpin ``owner``'s adapter slot (a no-op when it holds none or LoRA is off)."""
+        self.runner.release_lora(owner)
+
+    def lora_metrics_snapshot(self) -> dict:
+        """The runner's adapter metrics; ``{}`` when LoRA is off."""
+        return self.runner.lora_metrics_snapshot()
+
     # ------------------------------------------------------------ reports
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""

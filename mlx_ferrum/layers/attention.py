@@ -69,6 +69,10 @@ class AttentionMetadata:
             executor (None: the kernels read ``FERRUM_METAL_KERNELS``).
         rope_tables: paged: the pass's RoPE ``(cos, sin)`` tables by ``Rope.table_key``,
             filled by :meth:`rope_table` on first use.
+        lora_slots: ``[N]`` int32 LoRA slot of each of the pass's flattened tokens (``B*L``,
+            or the packed ``T``), or None when no token has an adapter. Attention does not
+            read it: the executor binds it to the model's LoRA projections
+            (:class:`~mlx_ferrum.layers.lora.LoraContext`) while it builds the pass.
     """
 
     layout: str = "none"
@@ -95,6 +99,7 @@ class AttentionMetadata:
     decode_indices: Optional[dict] = None
     metal_kernels: Optional[bool] = None
     rope_tables: Optional[dict] = None
+    lora_slots: Optional[mx.array] = None
 
     def rope_table(self, rope) -> tuple[mx.array, mx.array]:
         """Paged: ``rope.table(positions)``, computed on the first call of a pass for each

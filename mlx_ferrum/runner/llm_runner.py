@@ -37,6 +37,7 @@ from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
 from ..layers.attention import AttentionMetadata, contiguous_pad_mask
+from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
 from .protocol import ModelInfo, SeqWork
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,13 @@ class LlmRunner:
         # (Model.packed_tokens): 2-D activations, so no flatten/unflatten pair of graph
         # ops around each projection (the matmul of a 3-D input adds them)
         self._packed_tokens = bool(getattr(model, "packed_tokens", False))
+        # LoRA: the registry switches the decoder projections to their LoRA variants
+        # (exactly the base until a pass binds slots); None without enable_lora
+        self.lora: Optional[LoraRegistry] = None
+        self._cache_salts: dict = {}  # cache id -> its adapter's prefix-cache salt
+        if self.config.enable_lora:
+            self.lora = LoraRegistry(model, self.config.max_loras, self.config.max_lora_rank,
+                                     self.config.max_cpu_loras, self.dtype)
         self.busy = False
         self.closed = False
 
@@ -331,6 +339,12 @@ class LlmRunner:
                 bad = next(t for t in host if not 0 <= t < vocab)
                 raise InvalidInputIdsError(f"token id {bad} is outside the vocabulary [0, {vocab}): pass ids the "
                                            "model's tokenizer produced")
+            if w.lora_slot >= 0 and (self.lora is None or self.lora.slot_name(w.lora_slot) is None):
+                raise ExecutorError(
+                    f"cache {w.cache_id!r} asks for LoRA slot {w.lora_slot}, which holds no adapter"
+                    + ("" if self.lora is not None else ": LoRA is off (RuntimeConfig(enable_lora=True))")
+                    + "; take slots from acquire_lora(name, owner)"
+                )
             have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
             if have + len(w.tokens) > self.max_seq_len:
                 raise PromptTooLongError(
@@ -354,7 +368,8 @@ class LlmRunner:
         # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
         # hashes its block once set_token_ids() brings the id
         passes, undo = self.store.prepare(
-            [(w.cache_id, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens) for w in work],
+            [(w.cache_id, self._cache_key_ids(w, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens))
+             for w in work],
             as_decode=[self._as_decode(w) for w in work])
         pieces: list[mx.array] = []
         owner: list[int] = []  # work index of each returned logits row, in piece order
@@ -422,15 +437,46 @@ class LlmRunner:
             rows.extend(range(start + n - k, start + n))
             owner.extend([i] * k)
         meta = self._metadata(kv_pass.fields, kv_pass.cols)
+        meta.lora_slots = self._lora_token_slots(work, kv_pass, flat.size)
         # the LM head runs only on the rows whose logits are returned
         if not (len(rows) == flat.size and rows == list(range(flat.size))):
             meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
         tokens = self._input_ids(flat, patch_at, patch_rows, prev)
         if not (self._packed_tokens and kv_pass.fields.get("layout") == "paged"):
             tokens = tokens.reshape(kv_pass.rows, kv_pass.cols)
-        logits = self.model(tokens, meta)
+        logits = self._call_model(tokens, meta, None)
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if rows else logits[:0]
+
+    def _cache_key_ids(self, w: SeqWork, token_ids: list[int]) -> list[int]:
+        """The ids the KV store keys ``w``'s tokens by: salted by its adapter
+        (:func:`~mlx_ferrum.lora.salt_token_ids`), so prefix caching never shares blocks
+        across adapters; the salt is remembered for :meth:`set_token_ids`."""
+        if w.lora_slot < 0 or self.lora is None:
+            return token_ids
+        salt = prefix_salt(self.lora.slot_name(w.lora_slot))
+        self._cache_salts[w.cache_id] = salt
+        return salt_token_ids(token_ids, salt)
+
+    def _lora_token_slots(self, work: Sequence[SeqWork], kv_pass, size: int) -> Optional[mx.array]:
+        """``[size]`` int32 LoRA slot of each flattened token of the pass (the zero slot for
+        tokens without an adapter and for padding), or None when no item of the pass has one."""
+        if self.lora is None or all(work[i].lora_slot < 0 for i in kv_pass.items):
+            return None
+        slots = np.full(size, self.lora.none_slot, dtype=np.int32)
+        for i, start in zip(kv_pass.items, kv_pass.starts):
+            if work[i].lora_slot >= 0:
+                slots[start : start + len(work[i].tokens)] = work[i].lora_slot
+        return mx.array(slots)
+
+    def _call_model(self, tokens: mx.array, meta: AttentionMetadata, lora_weights: Optional[dict]) -> mx.array:
+        """``self.model(tokens, meta)`` with the pass's LoRA slots bound to the model's LoRA
+        projections (``lora_weights``: the stacks, None = the registry's current ones)."""
+        if meta.lora_slots is None:
+            return self.model(tokens, meta)
+        weights = self.lora.weights() if lora_weights is None else lora_weights
+        with self.lora.context.bound(meta.lora_slots, weights):
+            return self.model(tokens, meta)
 
     @staticmethod
     def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
@@ -483,6 +529,19 @@ class LlmRunner:
             "block_tables": mx.array(_pad_table(f["block_tables"], rows, cols, self._scratch_block)),
             "context_lens": mx.array(_pad_rows(f["context_lens"], rows, 1)),
         }
+        if self.lora is not None and any(work[i].lora_slot >= 0 for i in kv_pass.items):
+            # one decode row per token: a draft laid out as several rows repeats its slot
+            slots = np.full(rows, self.lora.none_slot, dtype=np.int32)
+            r = 0
+            for i in kv_pass.items:
+                w = work[i]
+                if w.lora_slot >= 0:
+                    slots[r : r + len(w.tokens)] = w.lora_slot
+                r += len(w.tokens)
+            # inputs of the compiled step, not constants of its trace: the next step's
+            # slots (and the stacks, after an adapter is loaded into a slot) differ
+            arrays["lora_slots"] = mx.array(slots)
+            arrays["lora_weights"] = self.lora.weights()
         if f.get("layer_groups") is not None:
             arrays["group_slot_mappings"] = [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f["group_slot_mappings"]]
             arrays["group_block_tables"] = [
@@ -497,7 +556,8 @@ class LlmRunner:
             # ahead of the device (unmeasured here: no GPU on this machine).
             mx.eval(pool.k, pool.v)
         try:
-            logits, k_pools, v_pools = self._compiled_step((rows, cols))(input_ids, arrays, pool.k, pool.v)
+            step = self._compiled_step((rows, cols, "lora_slots" in arrays))
+            logits, k_pools, v_pools = step(input_ids, arrays, pool.k, pool.v)
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise
@@ -507,15 +567,18 @@ class LlmRunner:
         pool.k, pool.v = list(k_pools), list(v_pools)
         return logits if rows == n else logits[:n]
 
-    def _compiled_step(self, shape: tuple[int, int]):
+    def _compiled_step(self, shape: tuple):
         """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use).
 
         ``mx.compile`` keeps one trace per input shape; once more than
-        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table) were
-        seen the function is dropped with its traces and compiled anew, so a
-        long-running server holds a bounded number of graphs.
+        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table, with
+        LoRA) were seen the function is dropped with its traces and compiled anew, so
+        a long-running server holds a bounded number of graphs. Steps with and without
+        LoRA slots get separate functions (their inputs differ in structure).
         """
         key = threading.get_ident()
+        if len(shape) > 2 and shape[2]:
+            key = (key, "lora")
         entry = self._compiled_decode.get(key)
         if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
             entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
@@ -527,13 +590,15 @@ class LlmRunner:
         metadata arrays, and every layer's K/V pool -> ``(logits [B, vocab], k_pools, v_pools)``."""
         pool = self.pool.with_arrays(k_pools, v_pools)
         groups = getattr(self.manager, "layer_groups", None) if "group_block_tables" in arrays else None
+        arrays = dict(arrays)
+        lora_weights = arrays.pop("lora_weights", None)
         meta = AttentionMetadata(
             layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
             layer_groups=groups, **arrays,
         )
         if self._packed_tokens:
-            return self.model(input_ids, meta), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
-        return self.model(input_ids[None], meta)[0], pool.k, pool.v
+            return self._call_model(input_ids, meta, lora_weights), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
+        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.k, pool.v
 
     def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
         """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""
@@ -579,7 +644,8 @@ class LlmRunner:
 
         Args:
             cache_id: a new cache id.
-            token_ids: the prompt's token ids (ints).
+            token_ids: the prompt's token ids (ints); for a sequence with a LoRA adapter,
+                salted with :func:`~mlx_ferrum.lora.salt_token_ids` (``Sequence.prefix_key_ids``).
             num_tokens: cached tokens to share: a multiple of ``block_size``, at most
                 ``len(token_ids) - 1``; 0 creates an empty cache.
 
@@ -614,12 +680,77 @@ class LlmRunner:
             return
         with self._lock:
             if manager.has(cache_id):
-                manager.set_token_ids(cache_id, start, token_ids)
+                manager.set_token_ids(cache_id, start, salt_token_ids(token_ids, self._cache_salts.get(cache_id, 0)))
 
     def release_cache(self, cache_id: Hashable) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
         with self._lock:
             self.store.release(cache_id)
+            self._cache_salts.pop(cache_id, None)
+
+    # ------------------------------------------------------------- LoRA
+    def _lora_registry(self) -> LoraRegistry:
+        if self.lora is None:
+            raise ExecutorError("LoRA is off for this runner: pass RuntimeConfig(enable_lora=True) "
+                                "(FERRUM_ENABLE_LORA=1, --enable-lora)")
+        return self.lora
+
+    def add_lora(self, name: str, path: str) -> LoraAdapter:
+        """Register the PEFT or mlx-lm adapter at ``path`` (folder or hub id) as ``name``;
+        it is read and checked against the model now.
+
+        Returns:
+            The loaded :class:`~mlx_ferrum.lora.LoraAdapter`.
+
+        Raises:
+            ExecutorError: LoRA is off. LoraError: the adapter is refused (the message
+            names the reason: format, DoRA, module, shape, rank).
+        """
+        return self._lora_registry().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister ``name``.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name``.
+            LoraError: running requests still use it.
+        """
+        self._lora_registry().remove(name)
+
+    def list_loras(self) -> list[str]:
+        """Registered adapter names (empty when LoRA is off)."""
+        return [] if self.lora is None else self.lora.names()
+
+    def lora_path(self, name: str) -> str:
+        """The folder or hub id adapter ``name`` was registered from.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name`` (the message
+            lists the registered names).
+        """
+        return self._lora_registry().path_of(name)
+
+    def acquire_lora(self, name: str, owner: object) -> Optional[int]:
+        """The resident slot of adapter ``name`` for ``owner`` (a request id), pinned until
+        :meth:`release_lora`; None when every slot is pinned by other adapters' requests.
+        Pass it as ``SeqWork.lora_slot``.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name``.
+            LoraError: the adapter's folder cannot be read any more.
+        """
+        return self._lora_registry().acquire(name, owner)
+
+    def release_lora(self, owner: object) -> None:
+        """Unpin ``owner``'s adapter slot (a no-op when it holds none or LoRA is off)."""
+        if self.lora is not None:
+            self.lora.release(owner)
+
+    def lora_metrics_snapshot(self) -> dict:
+        """Adapters registered, loaded and resident (``{name: slot}``), requests per adapter,
+        loads and evictions (see :meth:`~mlx_ferrum.lora.LoraRegistry.metrics`); ``{}``
+        when LoRA is off."""
+        return {} if self.lora is None else self.lora.metrics()
 
     # ------------------------------------------------------------ reports
     def kv_used_bytes(self) -> int:

@@ -38,6 +38,9 @@ class SeqWork:
             speculative draft, whose few tokens then keep a batch of drafts on the
             compiled decode step. Honoured by the paged layout for rows of at most
             ``MAX_DECODE_EXPANSION`` tokens with ``all_logits`` on an existing cache.
+        lora_slot: the resident LoRA slot these tokens run with
+            (:meth:`ModelRunner.acquire_lora`), or -1 for the base model. A row laid out
+            ``as_decode`` runs every one of its decode rows with it.
     """
 
     cache_id: str
@@ -46,6 +49,7 @@ class SeqWork:
     return_logits: bool = True
     prev_row: int = -1
     as_decode: bool = False
+    lora_slot: int = -1
 
     @property
     def num_logit_rows(self) -> int:
@@ -160,3 +164,47 @@ class ModelRunner(Protocol):
 
     def cache_metrics_snapshot(self) -> dict:
         """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
+
+    # ------------------------------------------------------------------ LoRA
+    # ``config.enable_lora`` says whether these serve adapters; when it is off the
+    # methods that need the registry raise ExecutorError.
+    def add_lora(self, name: str, path: str) -> Any:
+        """Register the PEFT or mlx-lm adapter at ``path`` (folder or hub id) as ``name``,
+        read and checked against the model now.
+
+        Raises:
+            ExecutorError: LoRA is off. LoraError: the adapter is refused.
+        """
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister ``name``.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name``. LoraError: in use.
+        """
+
+    def list_loras(self) -> list[str]:
+        """Registered adapter names (empty when LoRA is off)."""
+
+    def lora_path(self, name: str) -> str:
+        """Where adapter ``name`` was registered from.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name``.
+        """
+
+    def acquire_lora(self, name: str, owner: Hashable) -> Optional[int]:
+        """Pin adapter ``name``'s resident slot for ``owner`` (loading it into a free or
+        least recently used unpinned slot); None when every slot is pinned by other
+        adapters. The slot goes into ``SeqWork.lora_slot``.
+
+        Raises:
+            ExecutorError: LoRA is off. UnknownLoraError: unknown ``name``. LoraError: unreadable.
+        """
+
+    def release_lora(self, owner: Hashable) -> None:
+        """Unpin ``owner``'s slot (a no-op when it holds none)."""
+
+    def lora_metrics_snapshot(self) -> dict:
+        """Adapter metrics (registered, loaded, resident slots, requests, loads,
+        evictions); ``{}`` when LoRA is off."""

@@ -25,7 +25,7 @@ import pydantic
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -205,7 +205,17 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
-        return p.ModelList(data=[p.ModelCard(id=n, root=n, max_model_len=serving.max_model_len) for n in serving.model_names]).model_dump()
+        return p.ModelList(data=serving.model_cards()).model_dump()
+
+    @app.post("/v1/load_lora_adapter", dependencies=guarded)
+    async def load_lora_adapter(request: Request):
+        body = await _body(request, p.LoadLoraAdapterRequest, limits)
+        return PlainTextResponse(await run_in_threadpool(serving.load_lora_adapter, body))
+
+    @app.post("/v1/unload_lora_adapter", dependencies=guarded)
+    async def unload_lora_adapter(request: Request):
+        body = await _body(request, p.UnloadLoraAdapterRequest, limits)
+        return PlainTextResponse(await run_in_threadpool(serving.unload_lora_adapter, body))
 
     @app.get("/health")
     async def health():
@@ -270,6 +280,7 @@ def run_server(
     sockets: Optional[list] = None,
     on_ready: Optional[Callable[[], None]] = None,
     tool_call_parser: Optional[str] = None,
+    lora_modules: Optional[dict[str, str]] = None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -286,10 +297,17 @@ def run_server(
             (the CLI binds first, so a taken port fails before the model loads).
         on_ready: called once the engine is built, just before serving starts.
         tool_call_parser: ``hermes``, ``llama3_json`` or ``mistral`` (None: from the chat template).
+        lora_modules: LoRA adapters to serve from the start, ``{name: folder or hub id}``
+            (needs ``config.enable_lora``); a request whose ``model`` is a name uses it.
+
+    Raises:
+        LoraError: an adapter of ``lora_modules`` is refused (before the server listens).
     """
     from ..engine import AsyncEngine, Engine
 
     engine = Engine(model, tokenizer, config)
+    for name, path in (lora_modules or {}).items():
+        engine.add_lora(name, path)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits,

@@ -56,7 +56,29 @@ class _EngineCollector:
         accepted = CounterMetricFamily("mlx_ferrum:spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
         accepted.add_metric([], s.get("spec_accepted_tokens", 0))
         return [running, waiting, usage, blocks, hit_rate, hits, preempt, generated, prefilled,
-                drafts, draft_tokens, accepted]
+                drafts, draft_tokens, accepted] + self._lora()
+
+    def _lora(self) -> list:
+        """Adapter families (only when LoRA is on): requests per adapter, adapters loaded
+        and resident, loads and slot evictions."""
+        snapshot = self.engine.lora_metrics_snapshot()
+        if not snapshot:
+            return []
+        requests = CounterMetricFamily("mlx_ferrum:lora_requests", "Requests admitted per LoRA adapter.",
+                                       labels=["lora_name"])
+        for name, count in snapshot["requests"].items():
+            requests.add_metric([name], count)
+        loaded = GaugeMetricFamily("mlx_ferrum:lora_loaded_adapters", "LoRA adapters held in memory.")
+        loaded.add_metric([], len(snapshot["loaded"]))
+        resident = GaugeMetricFamily("mlx_ferrum:lora_resident_adapters", "LoRA adapters in batch slots (at most max_loras).")
+        resident.add_metric([], len(snapshot["resident"]))
+        waiting = GaugeMetricFamily("mlx_ferrum:lora_requests_waiting_for_slot", "Requests waiting for a free LoRA slot.")
+        waiting.add_metric([], snapshot.get("waiting_for_slot", 0))
+        loads = CounterMetricFamily("mlx_ferrum:lora_loads", "LoRA adapters read from disk.")
+        loads.add_metric([], snapshot["loads"])
+        evictions = CounterMetricFamily("mlx_ferrum:lora_slot_evictions", "LoRA adapters evicted from a batch slot.")
+        evictions.add_metric([], snapshot["slot_evictions"])
+        return [requests, loaded, resident, waiting, loads, evictions]
 
 
 class ServerMetrics:

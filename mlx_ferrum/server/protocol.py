@@ -253,6 +253,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "mlx_ferrum"
     root: Optional[str] = None
+    parent: Optional[str] = None
     max_model_len: Optional[int] = None
 
 
@@ -290,3 +291,17 @@ class ErrorResponse(BaseModel):
     """``{"error": {"message", "type", "param", "code"}}``, OpenAI's error body."""
 
     error: ErrorInfo
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter at ``lora_path`` as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving ``lora_name``."""
+
+    lora_name: str
+    lora_int_id: Optional[int] = None

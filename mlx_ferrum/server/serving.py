@@ -30,7 +30,8 @@ from starlette.concurrency import run_in_threadpool
 from ..engine import AsyncEngine, RequestOutput, SamplingParams
 from ..engine.engine import context_full_message
 from ..engine.structured import StructuredOutputsParams
-from ..errors import ChatTemplateError, FerrumError, PromptTooLongError, RequestError, SamplingParamsError, StructuredOutputError
+from ..errors import (ChatTemplateError, FerrumError, LoraError, PromptTooLongError, RequestError, SamplingParamsError,
+                      StructuredOutputError, UnknownLoraError)
 from . import protocol as p
 from . import tool_parsers
 from .limits import ServerLimits, flag_of
@@ -271,10 +272,64 @@ class OpenAIServing:
         self.tool_parser = tool_parsers.get_parser(tool_call_parser)
 
     # -------------------------------------------------------------- checks
-    def check_model(self, name: Optional[str]) -> None:
-        """Raises ServingError(404) for a model name this server does not serve."""
-        if name is not None and name not in self.model_names:
-            raise ServingError(404, f"the model {name!r} does not exist: this server serves {self.model_names}", param="model", type="NotFoundError")
+    def check_model(self, name: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's ``model`` names (None: the base model).
+
+        Raises:
+            ServingError: 404 for a name that is neither a served model name nor a
+                registered adapter.
+        """
+        if name is None or name in self.model_names:
+            return None
+        adapters = self.engine.list_loras()
+        if name in adapters:
+            return name
+        served = self.model_names + adapters
+        raise ServingError(404, f"the model {name!r} does not exist: this server serves {served}", param="model",
+                           type="NotFoundError")
+
+    # ----------------------------------------------------------------- LoRA
+    def model_cards(self) -> list:
+        """``/v1/models``: the served names, then each adapter with ``parent`` set to the base."""
+        cards = [p.ModelCard(id=n, root=n, max_model_len=self.max_model_len) for n in self.model_names]
+        for name in self.engine.list_loras():
+            cards.append(p.ModelCard(id=name, root=self.engine.runner.lora_path(name), parent=self.model_names[0],
+                                     max_model_len=self.max_model_len))
+        return cards
+
+    def load_lora_adapter(self, req: "p.LoadLoraAdapterRequest") -> str:
+        """Register an adapter at run time (vLLM's ``/v1/load_lora_adapter``); blocking (reads the folder).
+
+        Raises:
+            ServingError: 400 when LoRA is off, the name is taken (or is a served model
+                name), or the adapter is refused (the message says why).
+        """
+        if not self.engine.runner.config.enable_lora:
+            raise ServingError(400, "LoRA is off: start the server with --enable-lora", param="lora_name")
+        if req.lora_name in self.model_names or req.lora_name in self.engine.list_loras():
+            raise ServingError(400, f"the LoRA adapter {req.lora_name!r} has already been loaded (or is a served model "
+                               "name): unload it first or pick another name", param="lora_name")
+        try:
+            self.engine.add_lora(req.lora_name, req.lora_path)
+        except LoraError as e:
+            raise ServingError(400, str(e), param="lora_path") from None
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    def unload_lora_adapter(self, req: "p.UnloadLoraAdapterRequest") -> str:
+        """Unregister an adapter at run time (vLLM's ``/v1/unload_lora_adapter``).
+
+        Raises:
+            ServingError: 404 for an unknown adapter, 400 when requests still use it or LoRA is off.
+        """
+        if not self.engine.runner.config.enable_lora:
+            raise ServingError(400, "LoRA is off: start the server with --enable-lora", param="lora_name")
+        try:
+            self.engine.remove_lora(req.lora_name)
+        except UnknownLoraError as e:
+            raise ServingError(404, str(e), param="lora_name", type="NotFoundError") from None
+        except LoraError as e:
+            raise ServingError(400, str(e), param="lora_name") from None
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
 
     def check_alive(self) -> None:
         """Raises ServingError(503) while shutting down or when the engine thread has died."""
@@ -421,8 +476,9 @@ class OpenAIServing:
             raise ServingError(400, str(e), param=m.group(1) if m else None) from None
 
     # -------------------------------------------------------------- engine
-    async def _submit(self, plan: list[tuple[int, list[int], SamplingParams]]) -> list[_Choice]:
-        """Start the planned engine requests together and await each one's first output.
+    async def _submit(self, plan: list[tuple[int, list[int], SamplingParams]], lora: Optional[str] = None) -> list[_Choice]:
+        """Start the planned engine requests together (with LoRA adapter ``lora``, or the
+        base model) and await each one's first output.
 
         Raises:
             ServingError: 400 when the request alone exceeds ``max_queued_tokens``, 429 when
@@ -440,7 +496,9 @@ class OpenAIServing:
         started = []
         for pi, ids, params in plan:
             rid = uuid.uuid4().hex
-            started.append((pi, ids, rid, self.async_engine.astream(ids, params, request_id=rid)))
+            # lora only when set: the base path keeps astream's three-argument call
+            extra = {"lora": lora} if lora is not None else {}
+            started.append((pi, ids, rid, self.async_engine.astream(ids, params, request_id=rid, **extra)))
             self._inflight[rid] = len(ids)
             self.queued_tokens += len(ids)
         tasks = [asyncio.ensure_future(stream.__anext__()) for *_, stream in started]
@@ -455,7 +513,9 @@ class OpenAIServing:
         for c in choices:
             if isinstance(c.first, BaseException):
                 self._release(c.request_id)
-                if isinstance(c.first, (PromptTooLongError, RequestError, SamplingParamsError)):
+                if isinstance(c.first, UnknownLoraError):  # unloaded since check_model
+                    failure = failure or ServingError(404, str(c.first), param="model", type="NotFoundError")
+                elif isinstance(c.first, (PromptTooLongError, RequestError, SamplingParamsError)):
                     failure = failure or ServingError(400, str(c.first), param="prompt")
                 else:
                     failure = failure or ServingError(500, f"{type(c.first).__name__}: {c.first}", type="internal_server_error")
@@ -622,7 +682,7 @@ class OpenAIServing:
             ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
         """
         self.check_alive()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         _check_unimplemented(req)
         self._check_counts(req.n, 1)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= _TOP_LOGPROBS_MAX:
@@ -630,7 +690,7 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         mode = _tool_mode(req)
-        choices = await self._submit(await run_in_threadpool(self._chat_plan, req, mode))
+        choices = await self._submit(await run_in_threadpool(self._chat_plan, req, mode), lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
@@ -761,7 +821,7 @@ class OpenAIServing:
             ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
         """
         self.check_alive()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         _check_unimplemented(req)
         prompt = req.prompt
         # a list of token ids is one prompt; a list of strings or of id lists, several
@@ -770,7 +830,7 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= _TOP_LOGPROBS_MAX:
             raise ServingError(400, f"logprobs={req.logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="logprobs")
         plan = await run_in_threadpool(self._completion_plan, req)
-        choices = await self._submit(plan.items)
+        choices = await self._submit(plan.items, lora)
         rid = f"cmpl-{uuid.uuid4().hex}"
         name = req.model or self.model_names[0]
         if req.stream:
