@@ -245,8 +245,8 @@ def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, mo
     monkeypatch.setattr(engine_module, "sample", sample)
     real_add = eng.add_request
 
-    def add_request(prompt, params=None, request_id=None):
-        rid = real_add(prompt, params, request_id)
+    def add_request(prompt, params=None, request_id=None, **kwargs):
+        rid = real_add(prompt, params, request_id, **kwargs)
         with fault_lock:
             explode = rng.random() < 0.05
         if explode:

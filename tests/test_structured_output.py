@@ -200,11 +200,18 @@ def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, mode, 
     sync = _engine(stories, "synchronous-paged", kv_layout=MODES[mode]["kv_layout"]).generate(prompts, params)
     want = [(o.token_ids, o.text, o.finish_reason) for o in sync]
     assert [o.finish_reason for o in sync[1:4]] == ["stop"] * 3
+    # every row must match, except, under speculation, a sampled unconstrained row: it
+    # keeps its distribution, not its draws, and the pipelined step sees a finished
+    # neighbour one step later, so the batch-size policy lets it draft at other steps
+    # (constrained rows never draft; greedy rows give the same tokens either way)
+    exact = [i for i, p in enumerate(params)
+             if "speculative" not in MODES[mode] or p.structured_outputs is not None or p.temperature == 0]
 
     eng = _engine(stories, mode)
     eng.overlap_constrained_rows = overlap
     piped = eng.generate(prompts, params)
-    assert [(o.token_ids, o.text, o.finish_reason) for o in piped] == want
+    got = [(o.token_ids, o.text, o.finish_reason) for o in piped]
+    assert [got[i] for i in exact] == [want[i] for i in exact]
     only = _engine(stories, mode)
     only.overlap_constrained_rows = overlap
     calls = _spy_forward(only)
