@@ -1,4 +1,4 @@
-"""Decode kernel costs in the harness's cost model: the kernel before issue 9 vs now.
+"""Decode kernel costs in the harness's cost model: the kernel before the GQA-packed rewrite vs now.
 
 Usage::
 
@@ -8,7 +8,7 @@ Usage::
 Machine-independent (counted, not timed; see tests/support/kernel_costs.py):
 simdgroup-wide operations per KV token per query head, device bytes read per KV token
 per KV head over the K+V bytes of one KV head, threadgroup barriers per call. "before"
-is the decode kernel as it was before issue 9 (``benchmarks/legacy_paged_attention_decode.metal``,
+is the decode kernel as it was before the GQA-packed rewrite (``benchmarks/legacy_paged_attention_decode.metal``,
 one threadgroup per query head, run in one pass); "after" is ``metal_kernels/`` in one
 pass and with split-K chosen by the occupancy policy (10 GPU cores assumed off a Mac),
 reduce kernel included. Needs clang-19 (the Metal harness).

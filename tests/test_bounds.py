@@ -1,4 +1,4 @@
-"""Issue 13: resources are bounded before they are allocated."""
+"""Resources are bounded before they are allocated."""
 
 import mlx.core as mx
 import pytest

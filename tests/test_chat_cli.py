@@ -1,4 +1,4 @@
-"""Issue 13: the README's chat survives long conversations, errors and Ctrl-C; CLI niceties.
+"""The README's chat survives long conversations, errors and Ctrl-C; CLI niceties.
 
 Runs the real stories260K checkpoint (512-token context, no chat template).
 """

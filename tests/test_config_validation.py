@@ -1,4 +1,4 @@
-"""Issue 13: malformed checkpoints fail at load with an error naming the key or tensor.
+"""Malformed checkpoints fail at load with an error naming the key or tensor.
 
 Before, these raised ZeroDivisionError, ValueError, AttributeError, std::bad_alloc, or
 loaded silently and emitted token 0 forever.

@@ -1,7 +1,7 @@
 """Every family against transformers' eager forward, on prompts longer than the window.
 
 For each family a tiny random checkpoint is written by transformers' own
-``save_pretrained`` (Hub layout) and loaded by our loader. Targets (issue 12):
+``save_pretrained`` (Hub layout) and loaded by our loader. Targets:
 float32 logits within 1e-3 of transformers at every position, and 32 greedy tokens
 identical, with no cache and through ``LlmExecutor`` in both KV layouts (the paged
 prefill in two chunks, so the second reads the first from the pool).

@@ -1,4 +1,4 @@
-"""Issue 13: fault injection over 1,000+ requests per KV layout.
+"""Fault injection over 1,000+ requests per KV layout.
 
 Random failures are injected into the executor (before the forward pass, inside the
 model after the paged slots were appended, and after a completed pass), into the

@@ -1,4 +1,4 @@
-"""Issue 13: one bad request never harms another, and the engine survives every failure.
+"""One bad request never harms another, and the engine survives every failure.
 
 Each test is built from a case found by hostile use. References are independent: the
 same request run alone in a fresh engine (greedy or seeded, token for token).

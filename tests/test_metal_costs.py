@@ -1,4 +1,4 @@
-"""The harness's cost model (issue 9): counts are exact on small kernels, and the
+"""The harness's cost model: counts are exact on small kernels, and the
 decode kernels stay within their budgets:
 
 - at most 1 simdgroup-wide operation per KV token per query head (amortised);

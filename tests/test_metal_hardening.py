@@ -1,4 +1,4 @@
-"""Harness checks for bug classes the default build cannot see (issue 9).
+"""Harness checks for bug classes the default build cannot see.
 
 - Build variants: ``ubsan`` (signed overflow, misaligned access, out-of-bounds array
   indexing trap and name the ``.metal`` line), ``cxx14`` (MSL before 3.2 is C++14: a

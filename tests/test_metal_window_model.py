@@ -1,5 +1,5 @@
 """Tiny sliding-window models on the Metal-kernel path, with the CPU harness standing in
-for ``mx.fast.metal_kernel`` (issue 12, item 6).
+for ``mx.fast.metal_kernel``.
 
 Mistral (every layer windowed) and gpt-oss (a sliding layer with sinks and a full layer
 with sinks) checkpoints written by transformers (tests/hf_reference.py), a prompt three

@@ -1,5 +1,5 @@
 """Sliding windows and attention sinks in the Metal decode and prefill kernels, run in
-the CPU harness (issue 12, item 6).
+the CPU harness.
 
 Each result is compared with two oracles: the pure-MLX reference
 (:mod:`mlx_ferrum.kernels.reference`, whose window/sink semantics are those of Mistral

@@ -1,4 +1,4 @@
-"""Issue 13: prefix-cache keys are a chained SHA-256 digest, and a hit checks the tokens.
+"""Prefix-cache keys are a chained SHA-256 digest, and a hit checks the tokens.
 
 Python's ``hash()`` over token tuples lets a crafted prompt collide with another user's
 prefix (GHSA-rm76-4mrf-v9r8 / CVE-2025-25183 in vLLM). The reference digest here is

@@ -27,7 +27,7 @@ from server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server  # noqa:
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "stories"
-# The target is 100 ms (issue text; benchmarks/bench_serving-style runs and the hostile
+# The target is 100 ms (benchmarks/bench_serving-style runs and the hostile
 # test check p99 against it). Single worst probes here run beside a busy server on a
 # 2-core machine, where the OS alone can delay one answer past 100 ms; a blocked event
 # loop (what these tests guard against) stalled /health for 5 to 120 s, so the bound on

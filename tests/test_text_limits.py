@@ -1,4 +1,4 @@
-"""Issue 13: text that cannot be tokenized, huge prompts and runaway chat templates fail
+"""Text that cannot be tokenized, huge prompts and runaway chat templates fail
 fast with a named error, and tokenizing never holds the AsyncEngine lock."""
 
 import asyncio

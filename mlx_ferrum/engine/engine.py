@@ -716,7 +716,7 @@ class Engine:
         not resolve it again), so the pass still overlaps the read-back; a row whose
         request ended in that read-back is not sampled.
 
-        Isolation (issue 13) as in a synchronous step: an ``Exception`` from the runner
+        Isolation as in a synchronous step: an ``Exception`` from the runner
         fails this step's requests (the caller does that; the runner restored every
         cache first), a ``BaseException`` propagates after the runner's rollback; a
         sampler failure ends only its row's request (:meth:`_sample_flight`), and a

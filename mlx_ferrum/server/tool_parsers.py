@@ -91,6 +91,13 @@ class ToolParser:
 
 
 class HermesParser(ToolParser):
+    """Hermes / Qwen2.5 / Qwen3 tool calls: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (the format of those checkpoints' chat templates; vLLM's ``hermes`` parser reads the same).
+
+    ``parse(text) -> (content or None, [ToolCall])``: the text before the first ``<tool_call>``
+    is the content; a block that is not a JSON call makes the whole reply plain text (no call).
+    """
+
     name = "hermes"
     markers = ("<tool_call>",)
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -112,6 +119,14 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
+    """Llama 3.1+ JSON tool calls: the reply is one or more ``{"name": ..., "parameters": {...}}``
+    objects (separated by ``;`` or whitespace), optionally after ``<|python_tag|>`` (Meta's
+    Llama 3.1 prompt format; vLLM's ``llama3_json``).
+
+    ``parse(text) -> (None, [ToolCall])`` for a reply made only of calls, else ``(text, [])``.
+    A reply that opens with ``{`` is held back from streaming until it is known not to be a call.
+    """
+
     name = "llama3_json"
     markers = ("<|python_tag|>",)
 
@@ -144,6 +159,14 @@ class Llama3JsonParser(ToolParser):
 
 
 class MistralParser(ToolParser):
+    """Mistral tool calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (v3
+    tokenizers) or ``name[ARGS]{...}`` per call (v11+), as Mistral's templates write them
+    (vLLM's ``mistral`` parser).
+
+    ``parse(text) -> (content before the marker or None, [ToolCall])``; malformed calls leave
+    the reply as plain text.
+    """
+
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
 

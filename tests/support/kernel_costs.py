@@ -1,4 +1,4 @@
-"""The harness's cost model applied to the decode kernels (issue 9).
+"""The harness's cost model applied to the decode kernels.
 
 :func:`measure_decode` runs ``mlx_ferrum.kernels.metal.paged_attention_decode`` (or any
 launch function with its arguments) in the harness's ``counting`` build and reduces the

@@ -15,7 +15,7 @@ Typical use: stand the harness in for ``mx.fast.metal_kernel``::
         out = metal.paged_attention_decode(...)
 
 Needs clang++-19 (``apt-get install -y clang-19``); :func:`clang_available` says
-whether it is there. Design: issue 4 of this project (after a prototype that ran
+whether it is there. Design: the same source as MLX compiles (after a prototype that ran
 vLLM-style paged-attention kernels this way).
 """
 

@@ -14,7 +14,7 @@ never by moving a line:
 - an ``extern "C" msl_kernel_invoke`` casts the runtime's buffers to the parameter
   types and passes each thread's attribute values.
 
-The algorithm follows the harness design of issue 4 (a feasibility prototype that
+The algorithm follows the harness design (a feasibility prototype that
 compiled MSL kernel bodies as C++ with clang address spaces and fibers).
 """
 
