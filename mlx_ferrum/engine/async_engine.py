@@ -163,9 +163,6 @@ class AsyncEngine:
             except RuntimeError:  # the client's event loop is closed: nobody is listening
                 pass
 
-    def _deliver(self, out: RequestOutput) -> None:
-        self._deliver_all([out])
-
     def _fail_all(self, exc: BaseException) -> list[RequestOutput]:
         """Fail every request the engine holds (after a step raised past the engine)."""
         eng = self.engine
