@@ -162,6 +162,27 @@ def test_structured_outputs_params_are_validated():
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
 
 
+def _check_constraint(spec: StructuredOutputsParams, text: str) -> None:
+    """The library's own matcher accepts ``text`` in full and is complete after it."""
+    from mlx_ferrum.engine.structured import GrammarBackend  # noqa: F401 - llguidance present
+
+    ref = llguidance.LLMatcher(_REF_TOKENIZER[0], spec.llguidance_grammar(), log_level=0)
+    assert ref.consume_tokens(_REF_TOKENIZER[1](text)) and ref.is_accepting(), text
+
+
+_REF_TOKENIZER: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_tokenizer(stories):
+    model, tok = stories
+    from mlx_ferrum.engine.structured import GrammarBackend
+
+    backend = GrammarBackend(tok, model.args.vocab_size)
+    _REF_TOKENIZER[:] = [backend.lltokenizer, backend.lltokenizer.tokenize_str]
+    yield
+
+
 def _overlap_requests():
     """Constrained rows (seeded, temperature 1, penalties on some) that end at different
     steps, some inside the pipeline's lag, beside unconstrained ones (greedy and seeded)."""
@@ -200,24 +221,29 @@ def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, mode, 
     sync = _engine(stories, "synchronous-paged", kv_layout=MODES[mode]["kv_layout"]).generate(prompts, params)
     want = [(o.token_ids, o.text, o.finish_reason) for o in sync]
     assert [o.finish_reason for o in sync[1:4]] == ["stop"] * 3
-    # every row must match, except, under speculation, a sampled unconstrained row: it
-    # keeps its distribution, not its draws, and the pipelined step sees a finished
-    # neighbour one step later, so the batch-size policy lets it draft at other steps
-    # (constrained rows never draft; greedy rows give the same tokens either way)
-    exact = [i for i, p in enumerate(params)
-             if "speculative" not in MODES[mode] or p.structured_outputs is not None or p.temperature == 0]
+    # every row must match, except, under speculation, a sampled row: it keeps its
+    # distribution, not its draws, and the pipelined step sees a finished neighbour one
+    # step later, so the batch-size policy lets it draft at other steps (greedy rows give
+    # the same tokens either way); a sampled constrained row must still satisfy its grammar
+    exact = [i for i, p in enumerate(params) if "speculative" not in MODES[mode] or p.temperature == 0]
 
     eng = _engine(stories, mode)
     eng.overlap_constrained_rows = overlap
     piped = eng.generate(prompts, params)
     got = [(o.token_ids, o.text, o.finish_reason) for o in piped]
     assert [got[i] for i in exact] == [want[i] for i in exact]
+    for out, p in zip(piped, params):
+        if p.structured_outputs is not None and out.finish_reason == "stop":
+            _check_constraint(p.structured_outputs, out.text)
     only = _engine(stories, mode)
     only.overlap_constrained_rows = overlap
     calls = _spy_forward(only)
     outs = only.generate(prompts[:6], params[:6])
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == want[:6]
-    if overlap:  # all rows constrained: most passes are built before the previous step is read back
+    if overlap and "speculative" in MODES[mode]:
+        # a row that drafts next step waits for its token (the draft continues it)
+        assert any(calls), calls
+    elif overlap:  # all rows constrained: most passes are built before the previous step is read back
         assert sum(calls) >= len(calls) // 2, calls
     else:
         assert not any(calls), calls
@@ -256,3 +282,60 @@ def test_masks_on_the_calling_thread_equal_the_thread_pools(stories):
             t = int(rng.choice(allowed))
             m.accept(t)
             rows[1][b].accept(t)
+
+
+def _draftable_requests():
+    """Greedy constrained rows whose outputs repeat, so prompt-lookup drafts often, and
+    drafts that run past what the grammar allows (the ``{2,10}`` bound, the choice's end)."""
+    specs = [StructuredOutputsParams(regex=r"([a-z]+ ){2,30}[a-z]+\."),
+             StructuredOutputsParams(json={"type": "object", "properties": {"story": {"type": "string", "maxLength": 120}},
+                                           "required": ["story"]}),
+             StructuredOutputsParams(regex=r"(ab|cd){2,10}x"),
+             StructuredOutputsParams(grammar='start: "Lily" " " ("and Tom " | "had a ball ")+ "."'),
+             StructuredOutputsParams(choice=["once upon a time there was a girl", "once upon a time there was a boy"])]
+    prompts = ["Once upon a time, there was a little girl named Lily. She",
+               "Lily and Tom went to the park. Lily and Tom", "abcdabcdab cdab",
+               "Lily had a ball. Lily and Tom had a ball. Lily", "once upon a time there was"]
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s) for s in specs]
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "contiguous"])
+def test_constrained_rows_draft_and_verify_against_per_position_masks(stories, kv_layout):
+    """Under speculation a constrained row drafts too: the draft is cut where the grammar
+    stops allowing it, every verified position is masked by the grammar state after the
+    draft's earlier tokens, and the grammar is rolled back to the accepted tokens. Greedy
+    outputs equal those of the same requests without speculation, token for token."""
+    prompts, params = _draftable_requests()
+    plain = _engine(stories, "synchronous-paged", kv_layout=kv_layout).generate(prompts, params)
+    eng = _engine(stories, "speculative-ngram", kv_layout=kv_layout)
+    drafted = eng.generate(prompts, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in drafted] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in plain]
+    assert eng.spec_num_drafts > 0 and eng.spec_accepted_tokens > 0  # every row is constrained
+    for out, p in zip(drafted, params):
+        if out.finish_reason == "stop":
+            _check_constraint(p.structured_outputs, out.text)
+    mgr = eng.executor.manager
+    if mgr is not None:
+        assert mgr.allocator.num_in_use == 0 and not mgr.seqs
+
+
+def test_a_draft_past_the_grammar_leaves_the_matcher_unchanged(stories):
+    """Cutting a draft must not consume-and-roll-back: llguidance's matcher enters an
+    error state on a rejected token that ``rollback`` does not undo."""
+    eng = _engine(stories, "speculative-ngram")
+    spec = StructuredOutputsParams(regex=r"(ab|cd){2,3}x")
+    matcher = eng.grammar_backend().matcher(spec)
+    tokenize = eng.grammar_backend().lltokenizer.tokenize_str
+    a, b, x = (tokenize(c)[0] for c in "abx")
+    for t in (a, b, a, b, a, b):
+        matcher.accept(t)
+    assert matcher.allowed_prefix([a, b, a, b]) == 0  # a fourth "ab" breaks {2,3}
+    before = eng.grammar_backend().fill_bitmask([matcher])
+    assert matcher.allowed_prefix([x, a]) == 1
+    masks = matcher.draft_bitmask([x], eng.grammar_backend().words)
+    np.testing.assert_array_equal(masks[0], before[0])
+    np.testing.assert_array_equal(eng.grammar_backend().fill_bitmask([matcher]), before)
+    assert matcher.error is None
+    matcher.accept(x)
+    assert matcher.done

@@ -37,7 +37,7 @@ from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .speculative import Proposal, SpeculationPolicy, SpeculativeRequest, make_proposer, token_logprobs, verify
 from .stop import emit_token
 from . import prompt_logprobs as _prompt_lp
-from .structured import GrammarBackend
+from .structured import GrammarBackend, apply_token_bitmask
 
 _req_ids = itertools.count()
 
@@ -67,6 +67,20 @@ class _InFlight:
     rows: list = field(default_factory=list)
     row_of: dict = field(default_factory=dict)
     unsampled: list = field(default_factory=list)
+
+
+def _grammar_allowed(seq: Sequence, proposal: Proposal) -> tuple[Proposal, int]:
+    """``proposal`` cut to the prefix ``seq``'s grammar allows (unchanged without one), and
+    the number of draft tokens it proposed: a draft token the grammar forbids would be
+    rejected by the masked verification anyway, so it is not sent to the model."""
+    proposed = len(proposal.token_ids)
+    if seq.grammar is None or not proposed:
+        return proposal, proposed
+    allowed = seq.grammar.allowed_prefix(proposal.token_ids, seq.stop_ids)
+    if allowed == proposed:
+        return proposal, proposed
+    probs = proposal.draft_probs[:allowed] if proposal.draft_probs is not None else None
+    return Proposal(proposal.token_ids[:allowed], probs), proposed
 
 
 def _non_finite_error() -> str:
@@ -600,10 +614,11 @@ class Engine:
                 if drafts:
                     found = self._proposer.propose([r for _, r in drafts])
                     for (i, request), proposal in zip(drafts, found):
+                        proposal, rejected = _grammar_allowed(items[i].seq, proposal)
                         if proposal.token_ids:
                             proposals[i] = proposal
                         else:
-                            self._policy.record(request.request_id, 0, 0, self.num_steps)
+                            self._policy.record(request.request_id, rejected, 0, self.num_steps)
                 with self._lock:
                     work = self._build_work(items, proposals)
                 launched, verified = self._launch(items, work, proposals, outputs)
@@ -626,8 +641,8 @@ class Engine:
         """Speculative tokens ``seq`` would like this step (the scheduler bounds them by
         budget and blocks): none while its last token is still in flight (a proposal
         extends it), while it backs off or opted out, or past ``max_tokens`` / the context."""
-        if not seq.params.speculative or seq.grammar is not None:
-            return 0  # constrained rows opt out: a rejected draft would have to roll the grammar back
+        if not seq.params.speculative or (seq.grammar is not None and seq.grammar.done):
+            return 0
         if not seq.output_ids or seq.output_ids[-1] == _IN_FLIGHT:
             return 0
         if not self._policy.wants(seq.request_id, self.num_steps):
@@ -653,8 +668,8 @@ class Engine:
         if not self._policy.enabled_for_batch(len(self.scheduler.running) + len(self.scheduler.waiting)):
             return True
         return not any(
-            s.params.speculative and s.grammar is None and self._policy.wants(s.request_id, self.num_steps + 1)
-            for s, _, _ in self._inflight.rows  # constrained rows never draft (see _lookahead)
+            s.params.speculative and self._policy.wants(s.request_id, self.num_steps + 1)
+            for s, _, _ in self._inflight.rows
         )
 
     def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
@@ -1025,6 +1040,16 @@ class Engine:
                 break
         return self._output(s, delta, new_ids)
 
+    def _draft_rows(self, seq: Sequence, logits: mx.array, proposal: Proposal) -> mx.array:
+        """The ``[1 + m, V]`` logits a draft is verified against: undecodable ids masked,
+        and, for a constrained row, each position masked by its grammar state after the
+        draft's earlier tokens, so acceptance and the bonus token follow the grammar."""
+        logits = self._mask_undecodable(logits)
+        if seq.grammar is None:
+            return logits
+        mask = seq.grammar.draft_bitmask(proposal.token_ids, self._grammar_backend.words)
+        return apply_token_bitmask(logits, mx.array(mask))
+
     def _verify(self, verified: list) -> list[RequestOutput]:
         """The sampling stage of rows that carried a draft: accept a prefix of each draft
         and add one token of the target's (:func:`~mlx_ferrum.engine.speculative.verify`:
@@ -1038,16 +1063,26 @@ class Engine:
         live = [(s, row, prop) for s, row, prop in verified if not s.finished]
         if not live:
             return []
+        outs, masked = [], []
+        for s, row, prop in live:
+            try:
+                masked.append(self._draft_rows(s, row, prop))
+            except Exception as e:  # noqa: BLE001 - a grammar failure ends its own request only
+                outs.extend(self._fail_seqs([s], e))
+                masked.append(None)
+        live = [x for x, m in zip(live, masked) if m is not None]
+        masked = [m for m in masked if m is not None]
+        if not live:
+            return outs
         seqs = [s for s, _, _ in live]
         try:
             finite = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1).tolist()
-            results = verify([self._mask_undecodable(row) for _, row, _ in live], [p for _, _, p in live],
-                             [s.sampler for s in seqs])
+            results = verify(masked, [p for _, _, p in live], [s.sampler for s in seqs])
         except Exception as e:  # noqa: BLE001 - this step's drafts only
-            return self._fail_seqs(seqs, e)
+            return outs + self._fail_seqs(seqs, e)
         cap = self.max_sequence_tokens()
         now = time.time()
-        outs, offset = [], 0
+        offset = 0
         for (s, row, prop), res in zip(live, results):
             rows = 1 + len(prop.token_ids)
             ok = all(finite[offset : offset + rows])

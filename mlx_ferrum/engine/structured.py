@@ -182,6 +182,47 @@ class GrammarMatcher:
             self.matcher.rollback(num_tokens)
             self.num_tokens -= num_tokens
 
+    def allowed_prefix(self, token_ids: Sequence[int], stop_ids: Sequence[int] = ()) -> int:
+        """How many leading tokens of a speculative draft the grammar allows, without
+        changing its state (``LLMatcher.validate_tokens``: a rejected ``consume_token``
+        would leave the matcher in an error state that ``rollback`` does not undo). The
+        count ends after a stop id: nothing after one is emitted."""
+        allowed = int(self.matcher.validate_tokens([int(t) for t in token_ids])) if token_ids else 0
+        for i, tok in enumerate(token_ids[:allowed]):
+            if tok in stop_ids:
+                return i + 1
+        return allowed
+
+    def draft_bitmask(self, token_ids: Sequence[int], words: int) -> np.ndarray:
+        """The masks of the ``m + 1`` positions a draft of ``m`` tokens is verified at.
+
+        Row ``i`` is the mask after the accepted tokens and ``token_ids[:i]`` (llguidance's
+        packed layout, ``[m + 1, words]`` int32), so verifying the draft against masked
+        logits accepts and samples exactly what one token at a time would. Each draft
+        token is consumed to reach the next position and all are rolled back at the end
+        (``LLMatcher.rollback``): the state is unchanged. Call with a draft that
+        :meth:`allowed_prefix` accepted in full.
+
+        Raises:
+            StructuredOutputError: a draft token is not allowed.
+        """
+        mask = np.full((len(token_ids) + 1, words), -1, dtype=np.int32)
+        row_bytes = words * 4
+        consumed = 0
+        try:
+            for i in range(len(token_ids) + 1):
+                if self.matcher.is_stopped():
+                    break  # nothing follows a complete output: the row stays unmasked, never emitted
+                self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
+                if i < len(token_ids):
+                    if not self.matcher.consume_token(int(token_ids[i])):
+                        raise StructuredOutputError(f"the grammar rejected draft token {token_ids[i]}")
+                    consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return mask
+
     @property
     def done(self) -> bool:
         """True when the grammar allows no further token (the output is complete)."""
