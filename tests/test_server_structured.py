@@ -268,3 +268,43 @@ def test_malformed_tools_are_400s(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"model": MODEL, "messages": MSGS, "max_tokens": 4, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# a scripted reply per parser, in the syntax of the model family that parser serves
+SCRIPTED = {
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}', None),
+    "mistral": ('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]', "Sure."),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(SCRIPTED))
+def test_llama3_and_mistral_tool_calls_parse_end_to_end_streamed_and_not(stories_path, tmp_path, parser):
+    """``--tool-call-parser`` picks the syntax: a reply the regex scripts in that syntax
+    comes back as ``tool_calls``, whole and as streamed deltas."""
+    import re
+
+    reply, content = SCRIPTED[parser]
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    args = ["--served-model-name", MODEL, "--chat-template", str(template), "--tool-call-parser", parser]
+    with running_server(stories_path, tmp_path, args) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        script = {"guided_regex": re.escape(reply)}
+        r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=120, temperature=0,
+                                           extra_body=script)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content == content, c
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome", "days": 2}
+        stream = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=120,
+                                                temperature=0, extra_body=script, stream=True)
+        text, calls, finish = "", [], None
+        for chunk in stream:
+            if chunk.choices:
+                d = chunk.choices[0].delta
+                text += d.content or ""
+                calls.extend(d.tool_calls or [])
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and (text.strip() or None) == content
+        assert [(k.function.name, json.loads(k.function.arguments)) for k in calls] == \
+            [("get_weather", {"city": "Rome", "days": 2})]
