@@ -19,7 +19,8 @@ Four measurements:
    ``--repeats`` wall times divided by the number of steps.
 
 ``python benchmarks/bench_structured.py [--model ../shared/models/stories260K] [--quick] [--json FILE]``;
-``--step-only`` runs measurement 4 alone, ``--mc N`` the multiple-choice loglikelihood task
+``--step-only`` runs measurement 4 alone; ``--speculative`` compares constrained greedy
+requests with and without n-gram speculation (tokens/s, alternating, outputs equal); ``--mc N`` the multiple-choice loglikelihood task
 of ``benchmarks/mc_task.py`` (server vs mlx-lm) alone.
 """
 
@@ -232,6 +233,54 @@ def step_times(model_path: Path, repeats: int, max_tokens: int) -> dict:
             "constrained_all_ms": [round(x * 1e3, 3) for x in constrained]}
 
 
+def speculative_times(model_path: Path, repeats: int, max_tokens: int) -> dict:
+    """Constrained greedy requests, one at a time (where speculation pays), with and
+    without n-gram speculation: tokens per second of each side, alternating, and the
+    outputs of the two sides compared (they must be token-identical)."""
+    from mlx_ferrum import load
+    from mlx_ferrum.config import RuntimeConfig
+    from mlx_ferrum.engine import Engine, SamplingParams, StructuredOutputsParams
+
+    model, tok = load(str(model_path))
+    engines = {name: Engine(model, tok, RuntimeConfig(kv_layout="paged", speculative=spec))
+               for name, spec in (("plain", None), ("ngram", "ngram"))}
+    story = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                              "story": {"type": "string", "maxLength": 4 * max_tokens}},
+             "required": ["title", "story"], "additionalProperties": False}
+    specs = [StructuredOutputsParams(json=story), StructuredOutputsParams(regex=f"([a-z]+[ ,.]){{8,{max_tokens}}}"),
+             StructuredOutputsParams(json_object=True)]
+    work = [(PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                       structured_outputs=specs[i % len(specs)])) for i in range(6)]
+
+    def run(name: str) -> tuple[float, list]:
+        eng = engines[name]
+        start, tokens, outs = time.perf_counter(), 0, []
+        for prompt, params in work:
+            out = eng.generate([prompt], params)[0]
+            tokens += len(out.token_ids)
+            outs.append(out.token_ids)
+        return tokens / (time.perf_counter() - start), outs
+
+    run("plain"), run("ngram")  # warm-up (traces, grammar compile)
+    rates: dict[str, list] = {"plain": [], "ngram": []}
+    identical = True
+    for i in range(repeats):  # alternating, each side first every other time
+        order = ("plain", "ngram") if i % 2 == 0 else ("ngram", "plain")
+        got = {}
+        for name in order:
+            rate, got[name] = run(name)
+            rates[name].append(rate)
+        identical = identical and got["plain"] == got["ngram"]
+    ratios = sorted(n / p for p, n in zip(rates["plain"], rates["ngram"]))
+    spec = engines["ngram"].stats()
+    return {"requests": len(work), "max_tokens": max_tokens, "identical_outputs": identical,
+            "plain_tokens_per_s": round(statistics.median(rates["plain"]), 1),
+            "ngram_tokens_per_s": round(statistics.median(rates["ngram"]), 1),
+            "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(ratios[0], 3),
+            "ratio_max": round(ratios[-1], 3), "spec_acceptance_rate": spec.get("spec_acceptance_rate"),
+            "spec_mean_accepted_length": spec.get("spec_mean_accepted_length")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -244,7 +293,16 @@ def main(argv=None) -> int:
     ap.add_argument("--step-only", action="store_true", help="only the engine step time (measurement 4)")
     ap.add_argument("--mc", type=int, default=0, metavar="N",
                     help="only the multiple-choice loglikelihood task of N items (benchmarks/mc_task.py)")
+    ap.add_argument("--speculative", action="store_true",
+                    help="only constrained greedy requests with vs without n-gram speculation")
     args = ap.parse_args(argv)
+    if args.speculative:
+        print_header("structured output under speculation", {"requests": 6})
+        s = speculative_times(args.model, args.repeats, 32 if args.quick else 128)
+        print(json.dumps(s, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(s, indent=2))
+        return 0 if s["identical_outputs"] else 1
     if args.mc:
         from mc_task import run as run_mc
 
