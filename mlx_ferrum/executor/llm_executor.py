@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from ..config import RuntimeConfig
 from ..errors import ExecutorError, InvalidInputIdsError, UnknownCacheError
-from ..kv_cache import PagedKvCacheManager
+from ..kv_cache import LayerGroupKvManager
 from ..runner import LlmRunner, SeqWork
 # re-exported: code and tests import these from here
 from ..runner.llm_runner import MAX_DECODE_TRACES, layer_windows, model_dtype, shape_bucket  # noqa: F401
@@ -113,7 +113,7 @@ class LlmExecutor:
         model: Optional[nn.Module] = None,
         config: Optional[RuntimeConfig] = None,
         model_id: str = "model",
-        manager: Optional[PagedKvCacheManager] = None,
+        manager: Optional[LayerGroupKvManager] = None,
         runner: Optional[LlmRunner] = None,
     ):
         if runner is None:

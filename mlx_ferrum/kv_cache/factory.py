@@ -10,16 +10,19 @@
   - a pool of :func:`pool_num_blocks` blocks (``max_num_blocks``, else sized from the
     memory budget and ``max_num_seqs`` sequences of ``max_seq_len`` tokens), checked
     against free memory before anything is allocated;
-  - a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` when the layers mix attention
-    windows (Gemma 3, gpt-oss: one block table per layer group), else a
-    :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (with the shared sliding window,
-    if any, so blocks outside it are freed);
+  - a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`, the only paged block manager:
+    one block table per layer group, so layers with different attention windows
+    (Gemma 3, gpt-oss) free blocks independently; a model whose layers share one window
+    (or have none) has one group (with that window, so blocks outside it are freed);
   - a :class:`~mlx_ferrum.kv_cache.PagedKvPool` of one block more than the manager
     hands out: the scratch block (id ``manager.num_blocks``) that the pad rows of a
     compiled decode step write to.
 
-Nothing above this module tests the layout string to decide how KV is stored: the
-runner asks the store it was given.
+The attention backend (:mod:`mlx_ferrum.layers.backends`) is chosen here too, once
+per store: :class:`~mlx_ferrum.layers.backends.ContiguousAttentionBackend` or
+:class:`~mlx_ferrum.layers.backends.PagedAttentionBackend`; the store puts it in every
+pass's metadata. Nothing above this module tests the layout string to decide how KV is
+stored or attended: the runner asks the store it was given.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import mlx.core as mx
 from ..config import RuntimeConfig
 from ..errors import ExecutorError
 from .contiguous import ContiguousKvCache
+from ..layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
 from .layer_groups import LayerGroupKvManager
-from .manager import PagedKvCacheManager
 from .pool import PagedKvPool, check_pool_fits, default_num_blocks
 from .store import ContiguousKvStore, KvStore, PagedKvStore
 
@@ -94,32 +97,26 @@ def pool_num_blocks(spec: KvSpec, config: RuntimeConfig, weight_bytes: int) -> i
     )
 
 
-def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> PagedKvCacheManager:
-    """The block manager for ``spec``: one block table per layer group when the layers'
-    windows differ, else one :class:`PagedKvCacheManager` (with the shared window).
+def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> LayerGroupKvManager:
+    """The block manager for ``spec``: one block table per group of layers sharing a
+    window (one group when every layer has the same window or none).
 
     Args:
-        spec: the model's KV shape (``layer_windows`` decides the manager).
+        spec: the model's KV shape (``layer_windows`` decides the groups).
         config: ``block_size``, ``prefix_cache``.
         num_blocks: blocks to manage.
     """
     bs = config.block_size
-    windows = list(spec.layer_windows)
     max_blocks_per_seq = -(-spec.max_seq_len // bs)
-    if len(set(windows)) > 1:
-        # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
-        return LayerGroupKvManager(num_blocks, bs, max_blocks_per_seq, windows, prefix_cache=config.prefix_cache)
-    return PagedKvCacheManager(
-        num_blocks, bs, max_blocks_per_seq=max_blocks_per_seq,
-        prefix_cache=config.prefix_cache, sliding_window=windows[0] if windows else None,
-    )
+    return LayerGroupKvManager(num_blocks, bs, max_blocks_per_seq, list(spec.layer_windows) or [None],
+                               prefix_cache=config.prefix_cache)
 
 
 def build_kv_store(
     spec: KvSpec,
     config: RuntimeConfig,
     weight_bytes: int,
-    manager: Optional[PagedKvCacheManager] = None,
+    manager: Optional[LayerGroupKvManager] = None,
 ) -> KvStore:
     """The KV store ``config.kv_layout`` names, sized for ``spec``.
 
@@ -129,22 +126,28 @@ def build_kv_store(
             ``max_num_seqs``, ``prefix_cache``, ``kv_capacity``, ``kv_cache_step``.
         weight_bytes: bytes of the model's parameters (the pool's memory budget is what
             is left beside them).
-        manager: an existing paged manager to store into (paged layout only); its block
-            size and block count size the pool.
+        manager: an existing :class:`LayerGroupKvManager` to store into (paged layout
+            only); its block size and block count size the pool. One group serves every
+            layer; several must match the model's layer windows.
 
     Returns:
         A :class:`PagedKvStore` (``.manager``, ``.pool`` with ``manager.num_blocks + 1``
         blocks: the last is the scratch block) or a :class:`ContiguousKvStore`.
 
     Raises:
-        ExecutorError: ``manager`` given for the contiguous layout.
+        ExecutorError: ``manager`` given for the contiguous layout, or not a
+            :class:`LayerGroupKvManager`.
         InsufficientMemoryError: the pool (``max_num_blocks`` blocks) does not fit in free
             memory; raised before the manager's host bookkeeping or the pool is allocated.
     """
     if config.kv_layout != "paged":
         if manager is not None:
-            raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
-        return ContiguousKvStore(contiguous_cache_maker(spec, config), spec.bytes_per_token)
+            raise ExecutorError("a block manager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
+        return ContiguousKvStore(contiguous_cache_maker(spec, config), spec.bytes_per_token,
+                                 ContiguousAttentionBackend())
+    if manager is not None and not isinstance(manager, LayerGroupKvManager):
+        raise ExecutorError(f"the paged store takes a LayerGroupKvManager, not {type(manager).__name__}: "
+                            "build it as LayerGroupKvManager(num_blocks, block_size, max_blocks_per_seq)")
     if manager is None:
         num_blocks = pool_num_blocks(spec, config, weight_bytes)
         # before the manager builds its per-block lists: a huge FERRUM_KV_MAX_BLOCKS
@@ -156,7 +159,8 @@ def build_kv_store(
     # decode step write to (the manager never hands it out)
     pool = PagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
                        spec.head_dim, spec.dtype)
-    return PagedKvStore(manager, pool, spec.bytes_per_token)
+    return PagedKvStore(manager, pool, spec.bytes_per_token, PagedAttentionBackend(),
+                        metal_kernels=bool(config.metal_kernels))
 
 
 def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
