@@ -179,7 +179,7 @@ class PagedKvStore:
         self.metal_kernels = metal_kernels
         self.ropes: list = []
         # (a store without a pool does block bookkeeping only: the manager's layers)
-        num_layers = len(pool.k) if pool is not None else len(manager.layer_groups)
+        num_layers = pool.num_layers if pool is not None else len(manager.layer_groups)
         if len(manager.groups) == 1:
             self.layer_groups = [0] * num_layers
         elif len(manager.layer_groups) == num_layers:
@@ -354,7 +354,7 @@ class PagedKvStore:
 
     def state(self, cache_ids: Sequence[Hashable]) -> list:
         """The pool arrays (every pass writes them)."""
-        return self.pool.k + self.pool.v
+        return self.pool.arrays()
 
     def used_bytes(self) -> int:
         """Bytes of the blocks in use, per layer group (each group's blocks cost only its layers)."""
@@ -461,12 +461,11 @@ class ContiguousKvStore:
             c.truncate(new_len)
 
     def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
-        """Copy ``cache_id``'s tokens into a new sequence."""
+        """Copy ``cache_id``'s tokens into a new sequence (a quantized cache copies its codes)."""
         src = self._get(cache_id)
         dst = self.make_caches()
         for s, d in zip(src, dst):
-            if s.len:
-                d.append(s.k[..., : s.len, :], s.v[..., : s.len, :])
+            d.copy_from(s)
         self.caches[new_cache_id] = dst
 
     def release(self, cache_id: Hashable) -> None:
@@ -482,7 +481,7 @@ class ContiguousKvStore:
         out: list[Any] = []
         for cid in cache_ids:
             for layer in self.caches.get(cid, ()):
-                out.extend((layer.k, layer.v))
+                out.extend(layer.arrays())
         return out
 
     def used_bytes(self) -> int:

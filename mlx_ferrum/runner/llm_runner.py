@@ -181,7 +181,7 @@ class LlmRunner:
             num_parameters=n_params,
         )
         spec = KvSpec(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.dtype, self.max_seq_len,
-                      tuple(layer_windows(model)))
+                      tuple(layer_windows(model)), self.config.kv_cache_dtype)
         self.store: KvStore = build_kv_store(spec, self.config, self.weight_bytes, manager)
         self.store.set_ropes(table_ropes(model))
         self.layout = self.store.layout
@@ -564,17 +564,17 @@ class LlmRunner:
             # wait costs little there, as mx.async_eval already waited for all but the
             # previous step's tail. GPU backends skip it, so the host keeps building
             # ahead of the device (unmeasured here: no GPU on this machine).
-            mx.eval(pool.k, pool.v)
+            mx.eval(pool.arrays())
         try:
             step = self._compiled_step((rows, cols, "lora_slots" in arrays))
-            logits, k_pools, v_pools = step(input_ids, arrays, pool.k, pool.v)
+            logits, pool_arrays = step(input_ids, arrays, pool.arrays())
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise
             logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
             self._compiled_decode = None
             return None
-        pool.k, pool.v = list(k_pools), list(v_pools)
+        pool.set_arrays(pool_arrays)
         return logits if rows == n else logits[:n]
 
     def _compiled_step(self, shape: tuple):
@@ -595,14 +595,15 @@ class LlmRunner:
         entry[1].add(shape)
         return entry[0]
 
-    def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
+    def _decode_graph(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
         """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
-        metadata arrays, and every layer's K/V pool -> ``(logits [B, vocab], k_pools, v_pools)``.
+        metadata arrays, and every pool array (``pool.arrays()``: K/V, or a quantized pool's
+        codes, scales and biases) -> ``(logits [B, vocab], the written pool arrays)``.
 
         The complete metadata (:func:`~mlx_ferrum.layers.backends.paged_metadata`: pool
         indices, decode indices, RoPE tables) is built here from the traced inputs, before
         the model runs, so every replay derives it from that step's arrays."""
-        pool = self.pool.with_arrays(k_pools, v_pools)
+        pool = self.pool.with_arrays(pool_arrays)
         store = self.store
         meta = paged_metadata(
             store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
@@ -612,8 +613,8 @@ class LlmRunner:
         meta.lora_slots = arrays.get("lora_slots")
         lora_weights = arrays.get("lora_weights")
         if self._packed_tokens:
-            return self._call_model(input_ids, meta, lora_weights), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
-        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.k, pool.v
+            return self._call_model(input_ids, meta, lora_weights), pool.arrays()  # packed [B] tokens -> [B, vocab]
+        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.arrays()
 
     # ------------------------------------------------------------ cache operations
     def trim_cache(self, cache_id: str, num_tokens: int) -> None:
