@@ -166,6 +166,12 @@ def test_the_store_holds_quantized_storage_and_the_backend_of_its_dtype(llama):
     # bytes per token: int8 codes (head_dim 8) + one float16 scale per group, K and V, per layer
     args = llama.args
     assert contiguous.store.bytes_per_token == args.num_hidden_layers * 2 * args.num_key_value_heads * (8 + 2)
+    # reported per token and layer, as stored (auto: float32 K and V)
+    from mlx_ferrum.executor import LlmExecutor
+
+    for kind, per_value in (("int8", 8 + 2), ("int4", 4 + 4), ("auto", 8 * 4)):
+        caps = LlmExecutor(llama, config("paged", kind)).capabilities()
+        assert caps.memory_requirements.kv_cache_memory_per_token == 2 * args.num_key_value_heads * per_value, kind
 
 
 def test_int4_refuses_an_odd_head_dim():

@@ -150,7 +150,8 @@ def _unknown(cache_id: Hashable) -> UnknownCacheError:
 
 class PagedKvStore:
     """The paged layout: a :class:`LayerGroupKvManager` (block tables, one per layer group)
-    over a :class:`PagedKvPool`, read and written by one attention backend.
+    over a :class:`PagedKvPool` (or a :class:`~mlx_ferrum.kv_cache.quantized.QuantizedPagedKvPool`),
+    read and written by one attention backend.
 
     Args:
         manager: host-side block tables (one group when no layer has its own window).
@@ -158,9 +159,12 @@ class PagedKvStore:
         bytes_per_token: K+V bytes of one token over all layers.
         backend: the attention backend (default :class:`PagedAttentionBackend`), chosen
             once by the factory.
+        metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
+
+    Attributes:
+        layer_groups: each layer's group in the manager (all 0 with one group).
         ropes: the model's distinct table ropes, whose ``(cos, sin)`` tables the
             metadata carries (set by the runner with :meth:`set_ropes`).
-        metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
 
     Raises:
         KvCacheError: a manager of several groups whose ``layer_groups`` does not name
