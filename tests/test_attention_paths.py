@@ -16,7 +16,7 @@ import pytest
 
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import LlmExecutor, SeqWork
-from mlx_ferrum.layers.attention import PagedMetadata, prefill_runs, sdpa_base2
+from mlx_ferrum.layers.attention import PagedAttentionBackend, PagedMetadata, prefill_runs, sdpa_base2
 
 from tiny_models import tiny_model
 
@@ -76,7 +76,7 @@ def test_sdpa_base2_equals_fused_sdpa_and_numpy(shape, mask_kind, with_sinks):
 
 def _meta(context_lens, query_lens, num_decode):
     starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
-    return PagedMetadata(backend=None, pool=None, positions=None, context_lens=None, num_decode_seqs=num_decode,
+    return PagedMetadata(backend=PagedAttentionBackend(), pool=None, positions=None, context_lens=None, num_decode_seqs=num_decode,
                          layer_groups=[], groups=[], host_context_lens=list(context_lens),
                          host_query_start_loc=starts, metal_kernels=False)
 

@@ -154,6 +154,32 @@ def test_attention_calls_equal_the_oracle_on_the_same_inputs(gemma3, kind, monke
     assert max(e for _, e in errors) < 1e-5, errors
 
 
+def test_with_the_metal_path_on_a_quantized_cache_never_reaches_the_float_kernels(llama):
+    """Where the Metal kernels are enabled (a test launcher stands in for Metal), the
+    quantized backend still runs the quantized reference: the float kernels would read
+    codes as values. Its fresh prompts are batched as on the CPU."""
+    from mlx_ferrum.kernels import metal
+
+    launches = []
+
+    def launcher(**kernel):
+        def call(**inputs):
+            launches.append(kernel.get("name"))
+            raise AssertionError("a float Metal kernel was launched on a quantized cache")
+        return call
+
+    prompts = prompts_for(llama, [6, 6, 11], seed=2)
+    with metal.use_launcher(launcher):
+        runner = LlmRunner(llama, config("paged", "int8", compiled=True, metal_kernels=True))
+        out = runner.run([SeqWork(str(i), p) for i, p in enumerate(prompts)])
+        step = runner.run([SeqWork(str(i), [1]) for i in range(3)])
+    assert not launches
+    for p, o, s in zip(prompts, out, step):
+        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, "int8"), atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], "int8"), atol=2e-5,
+                                   rtol=1e-4)
+
+
 def test_the_store_holds_quantized_storage_and_the_backend_of_its_dtype(llama):
     paged = LlmRunner(llama, config("paged", "int4"))
     assert isinstance(paged.pool, QuantizedPagedKvPool) and paged.pool.rotate_keys

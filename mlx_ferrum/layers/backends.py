@@ -211,7 +211,7 @@ def paged_metadata(
     """
     nd = num_decode_seqs
     num_kv_heads, block_size = pool.shape[1], pool.shape[2]
-    launch = nd and kernels.metal_path_enabled(metal_kernels)
+    launch = nd and backend.uses_metal_kernels and kernels.metal_path_enabled(metal_kernels)
     groups = []
     for slots, tables in zip(slot_mappings, block_tables):
         groups.append(PagedGroupTables(
@@ -242,9 +242,13 @@ class AttentionBackend:
 
     Attributes:
         kv_cache_dtype: the KV storage format the backend reads (``"auto"``: the model dtype).
+        uses_metal_kernels: the backend runs the Metal kernels where they are enabled
+            (``RuntimeConfig.metal_kernels`` and a Metal device), so the metadata carries
+            their launch arrays and prefill runs go to the varlen kernel.
     """
 
     kv_cache_dtype = "auto"
+    uses_metal_kernels = False
 
     def rotate(self, rope, x: mx.array, meta) -> mx.array:
         """RoPE ``x`` ``[B, heads, L, head_dim]`` at the positions ``meta`` gives its tokens."""
@@ -394,6 +398,8 @@ class PagedAttentionBackend(AttentionBackend):
     :meth:`decode_attention`, :meth:`prefill_attention` and :meth:`fresh_attention`.
     """
 
+    uses_metal_kernels = True
+
     def rotate(self, rope, x: mx.array, meta) -> mx.array:
         """RoPE of packed tokens ``x`` ``[1, H, T, D]``: each token is rotated as a row of
         length 1 with its own position."""
@@ -514,10 +520,11 @@ def prefill_runs(meta: PagedMetadata, first_prefill: int, window: Optional[int])
     :func:`~mlx_ferrum.kernels.paged_prefill_attention`, and so does everything when the
     Metal kernels are in use (their prefill kernel takes a whole varlen batch in one launch).
 
-    Reads ``meta.host_context_lens``, ``meta.host_query_start_loc`` and ``meta.metal_kernels``.
+    Reads ``meta.host_context_lens``, ``meta.host_query_start_loc``, ``meta.metal_kernels``
+    and ``meta.backend.uses_metal_kernels``.
     """
     context_lens, starts = meta.host_context_lens, meta.host_query_start_loc
-    batch_fresh = not kernels.metal_path_enabled(meta.metal_kernels)
+    batch_fresh = not (meta.backend.uses_metal_kernels and kernels.metal_path_enabled(meta.metal_kernels))
     runs: list[tuple[int, int, bool]] = []
     for i in range(first_prefill, len(context_lens)):
         new = starts[i + 1] - starts[i]

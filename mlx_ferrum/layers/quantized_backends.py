@@ -70,6 +70,10 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         ConfigurationError: ``kv_cache_dtype`` is not "int8" or "int4".
     """
 
+    #: no Metal kernel reads quantized blocks yet: the reference runs on every device, and
+    #: fresh prompts are batched as on the CPU
+    uses_metal_kernels = False
+
     def __init__(self, kv_cache_dtype: str, rotate_keys: bool):
         _check_quantized(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
