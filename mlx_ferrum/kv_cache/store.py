@@ -23,7 +23,7 @@ masked inside attention), so no pad token is ever stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 import numpy as np

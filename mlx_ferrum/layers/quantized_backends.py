@@ -25,7 +25,6 @@ and :meth:`~QuantizedPagedAttentionBackend.prefill_attention` are where they plu
 
 from __future__ import annotations
 
-from typing import Optional
 
 import mlx.core as mx
 

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
-from ..kv_cache import LayerGroupKvManager, PagedKvPool
+from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.store import KvStore
@@ -186,7 +186,7 @@ class LlmRunner:
         self.store.set_ropes(table_ropes(model))
         self.layout = self.store.layout
         self.manager: Optional[LayerGroupKvManager] = self.store.manager
-        self.pool: Optional[PagedKvPool] = self.store.pool
+        self.pool = self.store.pool  # PagedKvPool or QuantizedPagedKvPool (None: contiguous)
         if self.manager is not None:
             # the pool's block past the manager's (see build_kv_store)
             self._scratch_block = self.manager.num_blocks
