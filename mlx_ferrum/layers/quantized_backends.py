@@ -25,7 +25,6 @@ and :meth:`~QuantizedPagedAttentionBackend.prefill_attention` are where they plu
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 
 from ..kernels.quantized_reference import (
