@@ -81,7 +81,8 @@ def make_prompts(vocab_size: int, concurrency: int, prompt_tokens: int, seed: in
     return rng.integers(0, vocab_size, size=(concurrency, prompt_tokens)).tolist()
 
 
-def bench_config(concurrency: int, prompt_tokens: int, max_tokens: int, block_size: Optional[int] = None) -> RuntimeConfig:
+def bench_config(concurrency: int, prompt_tokens: int, max_tokens: int, block_size: Optional[int] = None,
+                 kv_cache_dtype: Optional[str] = None) -> RuntimeConfig:
     """The engine configuration of a benchmark run: paged layout, ``max_num_seqs =
     concurrency``, and (unless ``FERRUM_KV_MAX_BLOCKS`` is set) a pool with exactly the
     blocks every request needs at its longest plus 8, so no request is preempted and
@@ -90,7 +91,8 @@ def bench_config(concurrency: int, prompt_tokens: int, max_tokens: int, block_si
     Raises:
         ConfigurationError: a ``FERRUM_*`` variable is malformed.
     """
-    cfg = RuntimeConfig(kv_layout="paged", max_num_seqs=concurrency, block_size=block_size)
+    cfg = RuntimeConfig(kv_layout="paged", max_num_seqs=concurrency, block_size=block_size,
+                        kv_cache_dtype=kv_cache_dtype)
     if cfg.max_num_blocks is None:
         per_seq = -(-(prompt_tokens + max_tokens) // cfg.block_size)
         cfg.max_num_blocks = concurrency * per_seq + 8
@@ -317,6 +319,8 @@ def run_bench_cli(args: Any) -> int:
             f"--prompt-tokens {args.prompt_tokens} / --max-tokens {args.max_tokens}: both must be >= 1"
         )
     err = sys.stderr
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", None)
+    bench_config(1, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)  # fails before the model loads
     model, tokenizer = load(args.model, dtype=args.dtype)
     a = model.args
     print(
@@ -329,7 +333,8 @@ def run_bench_cli(args: Any) -> int:
     results = []
     for c in levels:
         print(f"  concurrency {c}: mlx_ferrum ...", file=err, flush=True)
-        results.append(bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens))
+        config = bench_config(c, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)
+        results.append(bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, config=config))
     print(format_table(TABLE_HEADERS, table_rows(results)))
     return 0
 

@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from .config import _FALSE, _TRUE, FIELD_HELP, RuntimeConfig
+from .config import _FALSE, _TRUE, FIELD_HELP, KV_CACHE_DTYPES, RuntimeConfig
 from .errors import ChatTemplateError, ConfigurationError, FerrumError, PromptTooLongError
 
 
@@ -153,6 +153,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="cast the weights to this dtype (default: the checkpoint's own)")
     p.add_argument("--paged", action="store_true", help="use the paged KV cache (same as FERRUM_METAL_PAGED_KV=1)")
+    p.add_argument("--kv-cache-dtype", default=None, type=str.lower, choices=KV_CACHE_DTYPES,
+                   help=f"{FIELD_HELP['kv_cache_dtype']} (default: $FERRUM_KV_CACHE_DTYPE, else auto)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temp: float, max_tokens: Optional[int] = 256) -> None:
@@ -222,6 +224,8 @@ def _config(args) -> RuntimeConfig:
         overrides["enable_lora"] = True
     if args.paged:
         overrides["kv_layout"] = "paged"
+    if getattr(args, "kv_cache_dtype", None) is not None:
+        overrides["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "speculative", None):
         overrides["speculative"] = args.speculative
     for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_min_acceptance"):
@@ -311,6 +315,7 @@ def fit_history(tokenizer, messages: list, capacity: int, reserve: int, use_temp
 
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; stats to stderr."""
+    config = _config(args)  # a bad setting fails before the model loads
     model, tokenizer = _load(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
@@ -320,7 +325,7 @@ def cmd_generate(args) -> int:
         prompt = msgs
     last = None
     text_end = ""
-    streamer = _Streamer(model, tokenizer, _config(args), args.adapter_path)
+    streamer = _Streamer(model, tokenizer, config, args.adapter_path)
     for chunk in streamer(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -363,8 +368,8 @@ def cmd_chat(args) -> int:
     """
     from .config import resolve_kv_capacity
 
+    config = _config(args)  # a bad setting fails before the model loads
     model, tokenizer = _load(args)
-    config = _config(args)
     streamer = _Streamer(model, tokenizer, config, args.adapter_path)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
     # room the history trimming leaves for the reply (a reply may still run on to the context's end)
@@ -479,7 +484,8 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
 
     from .config import _ENV
 
-    choices = {"kv_layout": ("contiguous", "paged"), "block_size": (8, 16, 32, 64, 128)}
+    choices = {"kv_layout": ("contiguous", "paged"), "block_size": (8, 16, 32, 64, 128),
+               "kv_cache_dtype": KV_CACHE_DTYPES}
     for f in fields(RuntimeConfig):
         var, parse, default = _ENV[f.name]
         if f.name == "kv_layout":
@@ -499,7 +505,7 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
         bare = dict(nargs="?", const=True) if f.name == "enable_lora" else {}
         p.add_argument(
             "--" + f.name.replace("_", "-"), dest=f.name, default=None, **bare,
-            type=int if f.name == "block_size" else (str.lower if f.name == "kv_layout" else kind),
+            type=int if f.name == "block_size" else (str.lower if f.name in ("kv_layout", "kv_cache_dtype") else kind),
             choices=choices.get(f.name),
             metavar={boolean: "{1,0}", positive_int: "N", fraction: "F", unit_interval: "F"}.get(kind)
             if f.name not in choices else None,

@@ -54,6 +54,16 @@ def _parse_layout(var: str, raw: str) -> str:
     raise ConfigurationError(f"{var}={raw!r} is not valid: use 1 (paged) or 0 (contiguous)")
 
 
+#: The accepted ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names): "auto" stores
+#: K and V in the model dtype; "int8" / "int4" store group-wise quantized codes with float16
+#: scales (see ``kernels/quantized_reference.py`` for the format).
+KV_CACHE_DTYPES = ("auto", "int8", "int4")
+
+
+def _parse_kv_cache_dtype(var: str, raw: str) -> str:
+    return raw.strip().lower()
+
+
 def _parse_speculative(var: str, raw: str) -> Optional[str]:
     v = raw.strip()
     if v.lower() in ("", "0", "off", "none", "false", "no"):
@@ -86,6 +96,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "max_loras": ("FERRUM_MAX_LORAS", _parse_int, 8),
     "max_lora_rank": ("FERRUM_MAX_LORA_RANK", _parse_int, 64),
     "max_cpu_loras": ("FERRUM_MAX_CPU_LORAS", _parse_int, None),
+    "kv_cache_dtype": ("FERRUM_KV_CACHE_DTYPE", _parse_kv_cache_dtype, "auto"),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -115,6 +126,8 @@ FIELD_HELP: dict[str, str] = {
     "max_loras": "adapters resident at once (slots in every batch)",
     "max_lora_rank": "largest adapter rank accepted (smaller ranks are zero-padded to it)",
     "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted",
+    "kv_cache_dtype": "KV cache storage: 'auto' (the model dtype), 'int8' or 'int4' (group-wise quantized, "
+    "float16 scales; int4 rotates keys by a Walsh-Hadamard transform)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -242,6 +255,9 @@ class RuntimeConfig:
       is this wide (smaller adapters are zero-padded, which adds exact zeros).
     - ``max_cpu_loras`` (``FERRUM_MAX_CPU_LORAS``, None = ``max_loras``): adapters kept loaded
       in memory; the least recently used beyond it are dropped and re-read from disk on use.
+    - ``kv_cache_dtype`` (``FERRUM_KV_CACHE_DTYPE``, ``"auto"``): how K and V are stored: ``"auto"``
+      (the model dtype), ``"int8"`` or ``"int4"`` (group-wise quantized along ``head_dim``, float16
+      scales; int4 keys are Walsh-Hadamard rotated). vLLM's name.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -270,6 +286,7 @@ class RuntimeConfig:
     max_loras: Optional[int] = None
     max_lora_rank: Optional[int] = None
     max_cpu_loras: Optional[int] = None
+    kv_cache_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -348,6 +365,10 @@ class RuntimeConfig:
             raise ConfigurationError(
                 f"{n('max_cpu_loras')}={v!r} is not valid: use an integer of at least max_loras={self.max_loras} "
                 "(every resident adapter is also loaded), or leave it unset"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigurationError(
+                f"{n('kv_cache_dtype')}={self.kv_cache_dtype!r} is not valid: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(

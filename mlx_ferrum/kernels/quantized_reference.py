@@ -1,0 +1,464 @@
+"""Quantized KV cache in pure MLX: the storage format's math and the reference attention over it.
+
+Format (``kv_cache_dtype``; the shared storage contract of the quantized KV cache):
+
+- Values are quantized per token and KV head, in groups of ``G = kv_group_size(head_dim)``
+  consecutive elements along ``head_dim`` (the largest of 64, 32, 16, 8, 4, 2, 1 dividing it).
+- ``"int8"``: symmetric, ``scale = max|x| / 127`` (float16), codes ``round(x / scale)`` in
+  ``[-127, 127]`` (int8, last axis ``head_dim``); ``x_hat = code * scale``. This is
+  llama.cpp's ``q8_0`` rule (one scale per group, no offset), with its scale in float16.
+- ``"int4"``: affine (asymmetric), ``scale = (max - min) / 15`` and ``bias = min`` (float16),
+  codes ``round((x - bias) / scale)`` in ``[0, 15]``, two per byte (element ``2j`` in the low
+  nibble of byte ``j``, ``2j + 1`` in the high nibble; uint8, last axis ``head_dim // 2``);
+  ``x_hat = code * scale + bias``. This is the affine group quantization of MLX's
+  ``mx.quantize`` and of llama.cpp's ``q4_1``, done with plain MLX ops because
+  ``mx.quantize`` takes only groups of 32, 64 or 128 (stories260K has ``head_dim`` 8).
+- Scales and biases: float16, ``[..., head_dim // G]``.
+
+For int4, keys are rotated before quantization by a fixed normalized Walsh-Hadamard
+matrix ``H`` (block-diagonal, blocks of the largest power of two dividing ``head_dim``);
+``H`` is symmetric and orthonormal, so with queries rotated the same way
+``(q H) . (k H) = q . k``. The rotation spreads an outlier channel over the whole
+block, which shrinks the range a 4-bit group has to cover: the incoherence processing
+of QuaRot (Ashkboos et al., 2024) and QuIP# (Tseng et al., 2024), as applied to the K
+cache by llama.cpp / ik_llama.cpp (Hadamard-rotated K cache) and by vllm-metal's
+TurboQuant. Keys are rotated after RoPE; values are never rotated.
+
+Attention here takes the stored codes, scales and biases, gathers only the blocks
+that the block tables name, dequantizes those to float32 and attends as
+:mod:`mlx_ferrum.kernels.reference` does; no float copy of the pool is ever built.
+**The attention functions rotate the queries themselves** when ``keys_rotated`` is
+True: callers pass the same (post-RoPE) queries they would pass to the float path.
+
+This module sits at the kernels layer (it imports nothing above it);
+:mod:`mlx_ferrum.kv_cache.quantized` re-exports the format functions beside the storage.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import KV_CACHE_DTYPES
+from ..errors import ConfigurationError
+from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index
+
+#: The largest group size along ``head_dim`` (head_dim 64, 128, 256 use it).
+KV_GROUP_SIZE = 64
+
+#: Largest finite float16: a scale is clamped to it so that a huge (finite) input
+#: cannot store an infinite scale.
+_FLOAT16_MAX = 65504.0
+
+
+def kv_group_size(head_dim: int) -> int:
+    """The quantization group size along ``head_dim``: the largest of 64, 32, 16, 8, 4,
+    2, 1 that divides ``head_dim`` (64 -> 64, 128 -> 64, 80 -> 16, 8 -> 8).
+
+    Raises:
+        ConfigurationError: ``head_dim`` is not a positive integer.
+    """
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ConfigurationError(f"head_dim={head_dim!r} is not valid for a quantized KV cache: it must be a positive integer")
+    group = KV_GROUP_SIZE
+    while head_dim % group:
+        group //= 2
+    return group
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, head_dim: Optional[int] = None) -> None:
+    """Refuse an unknown ``kv_cache_dtype``, or int4 with an odd ``head_dim`` (two codes share a byte).
+
+    Raises:
+        ConfigurationError: names the value, the choices, or the ``head_dim`` and the fix.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigurationError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not valid: use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if kv_cache_dtype == "int4" and head_dim is not None and head_dim % 2:
+        raise ConfigurationError(
+            f"kv_cache_dtype='int4' needs an even head_dim (two 4-bit codes per byte) and this model's head_dim "
+            f"is {head_dim}: use kv_cache_dtype='int8' (--kv-cache-dtype int8) or 'auto'"
+        )
+
+
+def _quantized(kv_cache_dtype: str, head_dim: int) -> None:
+    check_kv_cache_dtype(kv_cache_dtype, head_dim)
+    if kv_cache_dtype == "auto":
+        raise ConfigurationError("kv_cache_dtype='auto' stores the model dtype: there is nothing to quantize")
+
+
+def quantize_kv(x: mx.array, kv_cache_dtype: str) -> tuple[mx.array, mx.array, Optional[mx.array]]:
+    """Quantize ``x`` ``[..., head_dim]`` (any float dtype) group-wise along its last axis.
+
+    Non-finite inputs are first replaced by finite values (``nan_to_num``, as the float
+    pool's writes do), so a stored group never holds a NaN or infinite scale.
+
+    Returns:
+        ``(codes, scales, biases)``: for ``"int8"`` codes ``[..., head_dim]`` int8, scales
+        ``[..., head_dim // G]`` float16 and biases None; for ``"int4"`` codes
+        ``[..., head_dim // 2]`` uint8 (two per byte, low nibble first), scales and biases
+        ``[..., head_dim // G]`` float16.
+
+    Raises:
+        ConfigurationError: ``kv_cache_dtype`` is not "int8" or "int4", or int4 with an odd head_dim.
+    """
+    head_dim = x.shape[-1]
+    _quantized(kv_cache_dtype, head_dim)
+    group = kv_group_size(head_dim)
+    lead = x.shape[:-1]
+    xg = mx.nan_to_num(x.astype(mx.float32)).reshape(*lead, head_dim // group, group)
+    if kv_cache_dtype == "int8":
+        amax = mx.abs(xg).max(axis=-1)
+        scales = mx.minimum(amax / 127.0, _FLOAT16_MAX).astype(mx.float16)
+        s = scales.astype(mx.float32)[..., None]
+        # a zero scale (an all-zero group) stores code 0; the where keeps 0/0 out
+        q = mx.where(s > 0, xg / mx.where(s > 0, s, 1.0), 0.0)
+        codes = mx.clip(mx.round(q), -127, 127).astype(mx.int8).reshape(*lead, head_dim)
+        return codes, scales, None
+    lo = xg.min(axis=-1)
+    hi = xg.max(axis=-1)
+    scales = mx.minimum((hi - lo) / 15.0, _FLOAT16_MAX).astype(mx.float16)
+    biases = mx.clip(lo, -_FLOAT16_MAX, _FLOAT16_MAX).astype(mx.float16)
+    s = scales.astype(mx.float32)[..., None]
+    q = mx.where(s > 0, (xg - biases.astype(mx.float32)[..., None]) / mx.where(s > 0, s, 1.0), 0.0)
+    u = mx.clip(mx.round(q), 0, 15).astype(mx.uint8).reshape(*lead, head_dim // 2, 2)
+    codes = u[..., 0] | (u[..., 1] << 4)
+    return codes, scales, biases
+
+
+def dequantize_kv(
+    codes: mx.array,
+    scales: mx.array,
+    biases: Optional[mx.array],
+    kv_cache_dtype: str,
+    head_dim: int,
+    dtype: mx.Dtype = mx.float32,
+) -> mx.array:
+    """Invert :func:`quantize_kv` (up to its rounding): ``[..., head_dim]`` in ``dtype``.
+
+    Args:
+        codes: ``[..., head_dim]`` int8 (int8) or ``[..., head_dim // 2]`` uint8 (int4).
+        scales, biases: ``[..., head_dim // G]`` float16; ``biases`` None for int8.
+        kv_cache_dtype: "int8" or "int4".
+        head_dim: the unpacked last axis.
+        dtype: the result's dtype; the arithmetic is float32.
+
+    Raises:
+        ConfigurationError: ``kv_cache_dtype`` is not "int8" or "int4", or int4 with an odd head_dim.
+    """
+    _quantized(kv_cache_dtype, head_dim)
+    group = kv_group_size(head_dim)
+    lead = codes.shape[:-1]
+    s = scales.astype(mx.float32)[..., None]
+    if kv_cache_dtype == "int8":
+        q = codes.astype(mx.float32).reshape(*lead, head_dim // group, group)
+        return (q * s).reshape(*lead, head_dim).astype(dtype)
+    u = mx.stack([codes & 15, codes >> 4], axis=-1).astype(mx.float32)
+    u = u.reshape(*lead, head_dim // group, group)
+    x = u * s + biases.astype(mx.float32)[..., None]
+    return x.reshape(*lead, head_dim).astype(dtype)
+
+
+def hadamard_block_size(head_dim: int) -> int:
+    """The block size ``P`` of :func:`hadamard_matrix`: the largest power of two dividing ``head_dim``."""
+    return head_dim & -head_dim
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_numpy(head_dim: int) -> np.ndarray:
+    size = hadamard_block_size(head_dim)
+    block = np.ones((1, 1))
+    while block.shape[0] < size:  # Sylvester's construction: H_2n = [[H, H], [H, -H]]
+        block = np.block([[block, block], [block, -block]])
+    block = block / np.sqrt(size)
+    return np.kron(np.eye(head_dim // size), block)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_block(head_dim: int) -> mx.array:
+    size = hadamard_block_size(head_dim)
+    return mx.array(_hadamard_numpy(head_dim)[:size, :size].astype(np.float32))
+
+
+def hadamard_matrix(head_dim: int) -> mx.array:
+    """The normalized Walsh-Hadamard rotation ``[head_dim, head_dim]`` float32.
+
+    Block-diagonal, with Sylvester Hadamard blocks of size ``P`` (the largest power of
+    two dividing ``head_dim``: ``P = head_dim`` for 64/128/256, 16 for 80) scaled by
+    ``1 / sqrt(P)``; symmetric and orthonormal (``H @ H = I``). Source: Sylvester's
+    construction; its use on the K cache follows QuaRot / QuIP# and llama.cpp's
+    Hadamard-rotated K cache.
+
+    Raises:
+        ConfigurationError: ``head_dim`` is not a positive integer.
+    """
+    kv_group_size(head_dim)  # validates head_dim
+    return mx.array(_hadamard_numpy(head_dim).astype(np.float32))
+
+
+def rotate(x: mx.array, head_dim: int) -> mx.array:
+    """``x @ hadamard_matrix(head_dim)`` for ``x`` ``[..., head_dim]``, in x's dtype
+    (computed in float32). The matrix is its own inverse, so ``rotate`` undoes itself.
+
+    Applied block by block (``[..., head_dim // P, P] @ H_P``), which costs ``P`` rather
+    than ``head_dim`` multiply-adds per element when ``P < head_dim``.
+
+    Raises:
+        ConfigurationError: ``head_dim`` is not a positive integer, or ``x``'s last axis differs from it.
+    """
+    if x.shape[-1] != head_dim:
+        raise ConfigurationError(f"rotate: the last axis of x is {x.shape[-1]}, not head_dim={head_dim}")
+    kv_group_size(head_dim)
+    size = hadamard_block_size(head_dim)
+    lead = x.shape[:-1]
+    xb = x.astype(mx.float32).reshape(*lead, head_dim // size, size)
+    return (xb @ _hadamard_block(head_dim)).reshape(*lead, head_dim).astype(x.dtype)
+
+
+def _kind(codes: mx.array) -> str:
+    """The ``kv_cache_dtype`` a codes array stores (its dtype says: int8 or packed uint8)."""
+    if codes.dtype == mx.int8:
+        return "int8"
+    if codes.dtype == mx.uint8:
+        return "int4"
+    raise ConfigurationError(f"quantized KV codes must be int8 (int8) or uint8 (int4), not {codes.dtype}")
+
+
+def _gather_rows(pool: mx.array, rows: mx.array) -> mx.array:
+    """``pool`` ``[num_blocks, KVH, bs, C]`` rows ``[..., KVH, nb]`` (see ``block_rows``)
+    -> ``[..., KVH, nb * bs, C]``: only the named blocks are read."""
+    num_blocks, kvh, bs, c = pool.shape
+    g = pool.reshape(num_blocks * kvh, bs, c)[rows]
+    return g.reshape(*g.shape[:-3], g.shape[-3] * bs, c)
+
+
+def gather_dequantized(
+    codes: mx.array,
+    scales: mx.array,
+    biases: Optional[mx.array],
+    table: mx.array,
+    head_dim: int,
+    dtype: mx.Dtype = mx.float32,
+    rows: Optional[mx.array] = None,
+) -> mx.array:
+    """The blocks ``table`` ``[..., nb]`` of one layer's quantized pool, dequantized:
+    ``[..., num_kv_heads, nb * block_size, head_dim]`` in ``dtype``.
+
+    Only the table's blocks are gathered (codes, scales and biases alike) before the
+    dequantization, so the cost follows the table, never the pool.
+
+    Args:
+        codes: ``[num_blocks, num_kv_heads, block_size, head_dim or head_dim // 2]``.
+        scales, biases: ``[num_blocks, num_kv_heads, block_size, head_dim // G]`` float16
+            (biases None for int8).
+        rows: ``block_rows(table, num_kv_heads)``, when the caller has it.
+    """
+    if rows is None:
+        rows = block_rows(table, codes.shape[1])
+    kind = _kind(codes)
+    return dequantize_kv(
+        _gather_rows(codes, rows), _gather_rows(scales, rows),
+        None if biases is None else _gather_rows(biases, rows), kind, head_dim, dtype,
+    )
+
+
+def quantized_paged_attention_decode(
+    q: mx.array,
+    k_codes: mx.array,
+    v_codes: mx.array,
+    k_scales: mx.array,
+    v_scales: mx.array,
+    k_biases: Optional[mx.array],
+    v_biases: Optional[mx.array],
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    *,
+    keys_rotated: bool = False,
+    host_context_lens: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+    index: Optional[DecodeIndex] = None,
+) -> mx.array:
+    """:func:`~mlx_ferrum.kernels.reference.paged_attention_decode` over a quantized pool.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]``, un-rotated (post-RoPE) queries.
+        k_codes, v_codes: one layer's codes, ``[num_blocks, num_kv_heads, block_size, C]``
+            int8 (``C = head_dim``) or uint8 (int4, ``C = head_dim // 2``); the dtype tells
+            which format the pool stores.
+        k_scales, v_scales, k_biases, v_biases: ``[num_blocks, num_kv_heads, block_size,
+            head_dim // G]`` float16; the biases None for int8.
+        block_tables, context_lens, scale, host_context_lens, window, sinks, index: as in
+            the float reference (``index``: :func:`decode_index`, shared by the layers).
+        keys_rotated: the pool's keys were rotated before quantization (int4 with
+            ``rotate_keys``): the queries are rotated here by the same matrix.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in q's dtype.
+
+    Only the blocks of ``block_tables`` are gathered and dequantized; the scores,
+    the base-2 softmax and the value product are the float reference's, in float32
+    (FlashAttention-2's base-2 exponent; Kwon et al.'s paged layout).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    kvh, bs = k_codes.shape[1], k_codes.shape[2]
+    nb = block_tables.shape[1]
+    g = num_heads // kvh
+    if keys_rotated:
+        q = rotate(q, head_dim)
+    if host_context_lens is not None and num_seqs == 1:
+        # one sequence: dequantize just its live blocks and use the fused SDPA
+        n = int(host_context_lens[0])
+        start = max(0, n - window) if window is not None else 0
+        first, last = start // bs, -(-n // bs)
+        table = block_tables[:, first:last]
+        keys = gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype)
+        values = gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype)
+        keys = keys[:, :, start - first * bs : n - first * bs]
+        values = values[:, :, start - first * bs : n - first * bs]
+        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, **extra)[:, :, 0, :]
+    f32 = mx.float32
+    if index is None:
+        index = decode_index(block_tables, context_lens, kvh, bs)
+    keys = gather_dequantized(k_codes, k_scales, k_biases, block_tables, head_dim, f32, index.rows)  # [S, KVH, T, D]
+    values = gather_dequantized(v_codes, v_scales, v_biases, block_tables, head_dim, f32, index.rows)
+    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
+    scores = qg @ keys.swapaxes(-1, -2)  # [S, KVH, g, T]
+    valid = index.valid
+    if window is not None:
+        valid = valid & (mx.arange(nb * bs)[None] >= context_lens[:, None] - window)
+    scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
+    m = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
+        m = mx.maximum(m, sink)
+    p = mx.power(2.0, scores - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + mx.power(2.0, sink - m)
+    out = (p @ values) / denom
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def quantized_paged_prefill_attention(
+    q: mx.array,
+    k_codes: mx.array,
+    v_codes: mx.array,
+    k_scales: mx.array,
+    v_scales: mx.array,
+    k_biases: Optional[mx.array],
+    v_biases: Optional[mx.array],
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    keys_rotated: bool = False,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """:func:`~mlx_ferrum.kernels.reference.paged_prefill_attention` over a quantized pool.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` packed (varlen) un-rotated queries.
+        k_codes ... v_biases: as in :func:`quantized_paged_attention_decode`.
+        block_tables, context_lens, query_start_loc, scale, host_*, window, sinks: as in
+            the float reference.
+        keys_rotated: rotate the queries (the pool's keys are rotated).
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+
+    Per sequence, only the blocks from the first one inside the window to the last
+    one holding its context are gathered and dequantized (to q's dtype), then one
+    causal ``mx.fast.scaled_dot_product_attention`` runs over them.
+    """
+    ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+    starts = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+    head_dim = q.shape[-1]
+    bs = k_codes.shape[2]
+    if keys_rotated:
+        q = rotate(q, head_dim)
+    outs = []
+    for i, clen in enumerate(ctx):
+        q0, q1 = starts[i], starts[i + 1]
+        qlen = q1 - q0
+        if qlen == 0:
+            continue
+        nb = -(-clen // bs)
+        first = max(0, clen - qlen - window + 1) // bs if window is not None else 0
+        table = block_tables[i, first:nb]
+        begin = first * bs
+        keys = gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype)[None, :, : clen - begin]
+        values = gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype)[None, :, : clen - begin]
+        qi = mx.swapaxes(q[q0:q1], 0, 1)[None]
+        qpos = mx.arange(clen - qlen, clen)[:, None]
+        kpos = mx.arange(begin, clen)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed = allowed & (kpos > qpos - window)
+        mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
+        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        o = mx.fast.scaled_dot_product_attention(qi, keys, values, scale=scale, mask=mask, **extra)
+        outs.append(mx.swapaxes(o[0], 0, 1))
+    if not outs:
+        return mx.zeros_like(q)
+    return mx.concatenate(outs, axis=0)
+
+
+def quantized_contiguous_attention(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    *,
+    keys_rotated: bool = False,
+    mask=None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """Attention of ``q`` ``[1, num_heads, L, head_dim]`` (the last ``L`` positions) over
+    the dequantized contents of one sequence's quantized contiguous cache.
+
+    Args:
+        q: un-rotated (post-RoPE) queries, ``[1, num_heads, L, head_dim]``.
+        keys, values: ``[1, num_kv_heads, n, head_dim]``, what
+            ``QuantizedContiguousKvCache.append`` returns (keys still rotated when the
+            cache rotates them).
+        keys_rotated: rotate ``q`` to match the keys.
+        mask: an additive mask ``[L, n]`` / "causal" / None (None: "causal" when L > 1).
+        window: sliding window in tokens; a decode step (L == 1) reads only its last
+            ``window`` keys, a prefill builds the windowed causal mask.
+        sinks: ``[num_heads]`` attention-sink logits, or None.
+
+    Returns:
+        ``[1, num_heads, L, head_dim]`` in q's dtype (``mx.fast.scaled_dot_product_attention``).
+    """
+    head_dim, length = q.shape[-1], q.shape[2]
+    if keys_rotated:
+        q = rotate(q, head_dim)
+    n = keys.shape[2]
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    if mask is None and length > 1:
+        mask = "causal"
+    if window is not None and n > window:
+        if length == 1:
+            keys, values = keys[:, :, n - window :], values[:, :, n - window :]
+        else:
+            qpos = mx.arange(n - length, n)[:, None]
+            kpos = mx.arange(n)[None, :]
+            allowed = (kpos <= qpos) & (kpos > qpos - window)
+            mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
+    extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+    if mask is not None:
+        extra["mask"] = mask
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, **extra)

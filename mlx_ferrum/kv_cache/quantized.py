@@ -1,0 +1,456 @@
+"""Quantized KV storage (``kv_cache_dtype`` "int8" / "int4"): a paged pool and a contiguous cache.
+
+The format (group-wise int8 / packed int4 codes with float16 scales and biases along
+``head_dim``, Walsh-Hadamard-rotated int4 keys) and its math live in
+:mod:`mlx_ferrum.kernels.quantized_reference`, which attention reads; they are
+re-exported here beside the storage (``kv_group_size``, ``quantize_kv``,
+``dequantize_kv``, ``hadamard_matrix``, ``rotate``).
+
+Every write quantizes the new tokens (rotating int4 keys first) and scatters their
+codes, scales and biases into the slots, in the same pass; nothing here ever
+builds a float copy of the stored tokens except :meth:`QuantizedContiguousKvCache.append`'s
+return value, which is that one sequence's keys and values for the reference path.
+
+Per layer, the paged pool holds (``C`` = ``head_dim`` for int8, ``head_dim // 2`` for int4;
+``G`` = :func:`kv_group_size`):
+
+- ``k_codes[layer]``, ``v_codes[layer]``: ``[num_blocks, num_kv_heads, block_size, C]`` int8 / uint8
+- ``k_scales[layer]``, ``v_scales[layer]``: ``[num_blocks, num_kv_heads, block_size, head_dim // G]`` float16
+- ``k_biases[layer]``, ``v_biases[layer]`` (int4 only, else the lists are empty): like the scales.
+
+The contiguous cache holds the same per layer with ``[1, num_kv_heads, capacity, ...]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import config as config_module
+from ..config import check_memory
+from ..errors import ConfigurationError, KvCacheError, KvCacheExhaustedError
+from ..kernels.quantized_reference import (
+    KV_CACHE_DTYPES,
+    KV_GROUP_SIZE,
+    check_kv_cache_dtype,
+    dequantize_kv,
+    hadamard_matrix,
+    kv_group_size,
+    quantize_kv,
+    rotate,
+)
+from ..kernels.reference import slot_indices
+from .pool import HOST_BYTES_PER_BLOCK
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "KV_GROUP_SIZE",
+    "QuantizedContiguousKvCache",
+    "QuantizedPagedKvPool",
+    "bytes_per_token",
+    "check_kv_cache_dtype",
+    "dequantize_kv",
+    "hadamard_matrix",
+    "kv_group_size",
+    "quantize_kv",
+    "quantized_bytes_per_block",
+    "rotate",
+]
+
+
+def bytes_per_token(num_kv_heads: int, head_dim: int, kv_cache_dtype: str, dtype: Optional[mx.Dtype] = None) -> int:
+    """Bytes one token's K and V take in one layer, scales and biases included.
+
+    ``2 * num_kv_heads * (code bytes + scale bytes (+ bias bytes))``; for "auto" the
+    model ``dtype``'s ``2 * num_kv_heads * head_dim * dtype.size``.
+
+    Raises:
+        ConfigurationError: an unknown ``kv_cache_dtype``, int4 with an odd head_dim,
+            or "auto" without ``dtype``.
+    """
+    check_kv_cache_dtype(kv_cache_dtype, head_dim)
+    if kv_cache_dtype == "auto":
+        if dtype is None:
+            raise ConfigurationError("bytes_per_token: kv_cache_dtype='auto' needs the model dtype (dtype=...)")
+        return 2 * num_kv_heads * head_dim * dtype.size
+    groups = head_dim // kv_group_size(head_dim)
+    if kv_cache_dtype == "int8":
+        per_head = head_dim + 2 * groups
+    else:
+        per_head = head_dim // 2 + 4 * groups
+    return 2 * num_kv_heads * per_head
+
+
+def quantized_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
+                              kv_cache_dtype: str) -> int:
+    """Bytes one block id costs across all layers, K and V, codes, scales and biases together."""
+    return num_layers * block_size * bytes_per_token(num_kv_heads, head_dim, kv_cache_dtype)
+
+
+def _default_rotate(kv_cache_dtype: str, rotate_keys: Optional[bool]) -> bool:
+    return kv_cache_dtype == "int4" if rotate_keys is None else bool(rotate_keys)
+
+
+def _shapes(lead: tuple, head_dim: int, kv_cache_dtype: str) -> tuple[tuple, mx.Dtype, tuple]:
+    """(codes shape, codes dtype, scales shape) for a leading shape ``lead``."""
+    groups = head_dim // kv_group_size(head_dim)
+    if kv_cache_dtype == "int8":
+        return (*lead, head_dim), mx.int8, (*lead, groups)
+    return (*lead, head_dim // 2), mx.uint8, (*lead, groups)
+
+
+class QuantizedPagedKvPool:
+    """Quantized K/V block pools of all layers (the paged layout with ``kv_cache_dtype`` int8/int4).
+
+    The interface follows :class:`~mlx_ferrum.kv_cache.pool.PagedKvPool`: :meth:`write`
+    at a ``slot_mapping`` with shared :meth:`slot_indices`, :meth:`copy_blocks`,
+    :meth:`with_arrays` for a compiled step that takes the pools as inputs, ``nbytes``.
+    Like that pool, this object is the only holder of its arrays, so MLX updates them
+    in place.
+
+    Args:
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim: the pool shape.
+        kv_cache_dtype: "int8" or "int4".
+        rotate_keys: rotate keys by the Walsh-Hadamard matrix before quantizing them
+            (None: True for int4, False for int8). Attention must then rotate queries
+            (``keys_rotated=self.rotate_keys`` in the quantized reference).
+
+    Attributes:
+        k_codes, v_codes, k_scales, v_scales, k_biases, v_biases: lists, one array per
+            layer (the bias lists are empty for int8); shapes in the module docstring.
+
+    Raises:
+        ConfigurationError: an unknown ``kv_cache_dtype``, "auto", or int4 with an odd head_dim.
+        InsufficientMemoryError: the pool does not fit in free memory.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 kv_cache_dtype: str, rotate_keys: Optional[bool] = None):
+        check_kv_cache_dtype(kv_cache_dtype, head_dim)
+        if kv_cache_dtype == "auto":
+            raise ConfigurationError("QuantizedPagedKvPool stores int8 or int4: use PagedKvPool for kv_cache_dtype='auto'")
+        check_quantized_pool_fits(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype)
+        self.num_layers = num_layers
+        self.shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.rotate_keys = _default_rotate(kv_cache_dtype, rotate_keys)
+        lead = (num_blocks, num_kv_heads, block_size)
+        codes_shape, codes_dtype, scales_shape = _shapes(lead, head_dim, kv_cache_dtype)
+        self.k_codes = [mx.zeros(codes_shape, codes_dtype) for _ in range(num_layers)]
+        self.v_codes = [mx.zeros(codes_shape, codes_dtype) for _ in range(num_layers)]
+        self.k_scales = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)]
+        self.v_scales = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)]
+        with_bias = kv_cache_dtype == "int4"
+        self.k_biases = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)] if with_bias else []
+        self.v_biases = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)] if with_bias else []
+        mx.eval(self.arrays())
+
+    # -- the arrays, flat, for a compiled step's inputs and outputs --------------------------------
+
+    def _lists(self) -> list[list]:
+        return [self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.k_biases, self.v_biases]
+
+    def arrays(self) -> list[mx.array]:
+        """Every array, flat, in a fixed order: k_codes, v_codes, k_scales, v_scales,
+        k_biases, v_biases (each all layers; the bias lists are empty for int8)."""
+        return [a for lst in self._lists() for a in lst]
+
+    def _split(self, arrays: list) -> list[list]:
+        n = self.num_layers
+        counts = [n, n, n, n, len(self.k_biases), len(self.v_biases)]
+        if len(arrays) != sum(counts):
+            raise KvCacheError(f"a quantized pool view needs {sum(counts)} arrays (got {len(arrays)})")
+        out, at = [], 0
+        for c in counts:
+            out.append(list(arrays[at : at + c]))
+            at += c
+        return out
+
+    def with_arrays(self, arrays: list) -> "QuantizedPagedKvPool":
+        """A pool object of the same shape over other arrays (:meth:`arrays`' order).
+
+        A compiled decode step takes ``pool.arrays()`` as inputs and returns the view's
+        ``arrays()`` as outputs; :meth:`set_arrays` then rebinds the real pool to them.
+
+        Raises:
+            KvCacheError: the number of arrays does not match this pool's.
+        """
+        view = object.__new__(QuantizedPagedKvPool)
+        view.num_layers, view.shape = self.num_layers, self.shape
+        view.kv_cache_dtype, view.rotate_keys = self.kv_cache_dtype, self.rotate_keys
+        (view.k_codes, view.v_codes, view.k_scales, view.v_scales,
+         view.k_biases, view.v_biases) = self._split(list(arrays))
+        return view
+
+    def set_arrays(self, arrays: list) -> None:
+        """Rebind this pool to ``arrays`` (:meth:`arrays`' order), e.g. a compiled step's outputs.
+
+        Raises:
+            KvCacheError: the number of arrays does not match this pool's.
+        """
+        (self.k_codes, self.v_codes, self.k_scales, self.v_scales,
+         self.k_biases, self.v_biases) = self._split(list(arrays))
+
+    def layer_arrays(self, layer: int) -> tuple:
+        """``(k_codes, v_codes, k_scales, v_scales, k_biases, v_biases)`` of one layer, in the
+        argument order of the quantized reference attention (biases None for int8)."""
+        kb = self.k_biases[layer] if self.k_biases else None
+        vb = self.v_biases[layer] if self.v_biases else None
+        return self.k_codes[layer], self.v_codes[layer], self.k_scales[layer], self.v_scales[layer], kb, vb
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer pool."""
+        return self.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads."""
+        return self.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        """Unpacked values per head and token."""
+        return self.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every allocated array (codes, scales, biases; all layers, K and V)."""
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot costs across all layers, scales and biases included,
+        measured from the allocated arrays (``nbytes / (num_blocks * block_size)``)."""
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def slot_indices(self, slot_mapping: mx.array):
+        """Index arrays addressing ``slot_mapping`` in this pool (see ``kernels.reference.slot_indices``);
+        they address codes, scales and biases alike (the last axis is left whole)."""
+        return slot_indices(slot_mapping, self.shape[1], self.shape[2])
+
+    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array, indices=None) -> None:
+        """Quantize and store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (post-RoPE,
+        any float dtype) at ``slot_mapping`` ``[num_tokens]`` int32 of layer ``layer``.
+
+        Keys are rotated first when ``rotate_keys``. Non-finite inputs are stored as
+        finite values (see :func:`quantize_kv`), so no slot ever holds a NaN scale.
+
+        Args:
+            indices: :meth:`slot_indices` of ``slot_mapping``, to reuse across layers.
+        """
+        if indices is None:
+            indices = self.slot_indices(slot_mapping)
+        if self.rotate_keys:
+            k = rotate(k, self.head_dim)
+        kc, ks, kb = quantize_kv(k, self.kv_cache_dtype)
+        vc, vs, vb = quantize_kv(v, self.kv_cache_dtype)
+        self.k_codes[layer][indices] = kc
+        self.v_codes[layer][indices] = vc
+        self.k_scales[layer][indices] = ks
+        self.v_scales[layer][indices] = vs
+        if kb is not None:
+            self.k_biases[layer][indices] = kb
+            self.v_biases[layer][indices] = vb
+
+    def copy_blocks(self, copies: list[tuple[int, int]], layers=None) -> None:
+        """Copy whole blocks ``src -> dst`` (codes, scales and biases) in every layer, or in
+        ``layers`` (a list of layer indices), for copy-on-write of shared blocks."""
+        if not copies:
+            return
+        src = mx.array([s for s, _ in copies], dtype=mx.int32)
+        dst = mx.array([d for _, d in copies], dtype=mx.int32)
+        chosen = range(self.num_layers) if layers is None else layers
+        lists = [lst for lst in self._lists() if lst]
+        blocks = [[lst[i][src] for i in chosen] for lst in lists]
+        # evaluate the gathers first: a pending read of a pool would make the scatter
+        # below copy the whole pool instead of updating it in place
+        mx.eval(blocks)
+        for lst, got in zip(lists, blocks):
+            for i, b in zip(chosen, got):
+                lst[i][dst] = b
+
+    def dequantized_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of the blocks ``block_ids`` ``[n]`` of one layer, dequantized to float32:
+        each ``[n, num_kv_heads, block_size, head_dim]`` (keys still rotated when
+        ``rotate_keys``). For tests and inspection; attention gathers its own blocks."""
+        kc, vc, ks, vs, kb, vb = self.layer_arrays(layer)
+        pick = lambda a: None if a is None else a[block_ids]  # noqa: E731
+        return (dequantize_kv(pick(kc), pick(ks), pick(kb), self.kv_cache_dtype, self.head_dim),
+                dequantize_kv(pick(vc), pick(vs), pick(vb), self.kv_cache_dtype, self.head_dim))
+
+
+def check_quantized_pool_fits(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                              kv_cache_dtype: str, extra_blocks: int = 0) -> None:
+    """Refuse a quantized pool that free memory cannot hold, before it is allocated.
+
+    Raises:
+        InsufficientMemoryError: names the blocks asked for, the bytes per block and the most that fit.
+    """
+    per = quantized_bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, kv_cache_dtype) + HOST_BYTES_PER_BLOCK
+    fits = max(0, config_module.available_memory_bytes() // per - extra_blocks)
+    check_memory(
+        (num_blocks + extra_blocks) * per,
+        f"a {kv_cache_dtype} paged KV pool of {num_blocks} blocks (FERRUM_KV_MAX_BLOCKS / --max-num-blocks / "
+        f"RuntimeConfig.max_num_blocks; {per} bytes per block)",
+        f"set it to at most {fits} blocks, or leave it unset to size the pool from FERRUM_PAGED_MAX_SEQS",
+    )
+
+
+class QuantizedContiguousKvCache:
+    """Quantized K and V of one layer of one sequence (the contiguous layout, int8/int4).
+
+    The interface follows :class:`~mlx_ferrum.kv_cache.contiguous.ContiguousKvCache`
+    (``append``, ``truncate``, ``len``, ``capacity``, ``nbytes``), and buffers grow the same way.
+
+    Args:
+        num_kv_heads, head_dim: per-token shape of K and V.
+        dtype: the model's dtype: :meth:`append` returns K and V in it.
+        max_capacity: most tokens this cache may hold.
+        kv_cache_dtype: "int8" or "int4".
+        step: growth step in tokens.
+        preallocate: allocate ``max_capacity`` tokens at once.
+        rotate_keys: as in :class:`QuantizedPagedKvPool` (None: True for int4 only).
+
+    Attributes:
+        k_codes, v_codes: ``[1, num_kv_heads, capacity, C]``; k_scales, v_scales (and for
+            int4 k_biases, v_biases; else None): ``[1, num_kv_heads, capacity, head_dim // G]``
+            float16; all None until the first write.
+        len, capacity: tokens stored, and tokens the buffers hold without growing.
+
+    Raises:
+        ConfigurationError: an unknown ``kv_cache_dtype``, "auto", or int4 with an odd head_dim.
+        KvCacheExhaustedError: an append would exceed ``max_capacity``.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, max_capacity: int, kv_cache_dtype: str,
+                 step: int = 256, preallocate: bool = False, rotate_keys: Optional[bool] = None):
+        check_kv_cache_dtype(kv_cache_dtype, head_dim)
+        if kv_cache_dtype == "auto":
+            raise ConfigurationError(
+                "QuantizedContiguousKvCache stores int8 or int4: use ContiguousKvCache for kv_cache_dtype='auto'")
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.max_capacity, self.step = max_capacity, step
+        self.kv_cache_dtype = kv_cache_dtype
+        self.rotate_keys = _default_rotate(kv_cache_dtype, rotate_keys)
+        self.len = 0
+        self.capacity = 0
+        self.k_codes = self.v_codes = self.k_scales = self.v_scales = None
+        self.k_biases = self.v_biases = None
+        if preallocate:
+            self._grow_to(max_capacity)
+
+    def _names(self) -> list[str]:
+        names = ["k_codes", "v_codes", "k_scales", "v_scales"]
+        return names + (["k_biases", "v_biases"] if self.kv_cache_dtype == "int4" else [])
+
+    def arrays(self) -> list[mx.array]:
+        """The stored arrays (codes, scales, biases for int4), empty before the first write."""
+        return [] if self.k_codes is None else [getattr(self, n) for n in self._names()]
+
+    def _grow_to(self, capacity: int) -> None:
+        codes_shape, codes_dtype, scales_shape = _shapes((1, self.num_kv_heads, capacity), self.head_dim,
+                                                         self.kv_cache_dtype)
+        for name in self._names():
+            shape, dtype = (codes_shape, codes_dtype) if name.endswith("codes") else (scales_shape, mx.float16)
+            new = mx.zeros(shape, dtype)
+            if self.len:
+                new[:, :, : self.len] = getattr(self, name)[:, :, : self.len]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def append(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Quantize and store ``L`` new tokens; return all stored K and V, dequantized.
+
+        Args:
+            k, v: ``[1, num_kv_heads, L, head_dim]`` (post-RoPE keys).
+
+        Returns:
+            ``(keys, values)``, each ``[1, num_kv_heads, len, head_dim]`` in the model dtype:
+            this sequence's tokens only. Keys are in the rotated basis when
+            ``rotate_keys`` (rotate queries to match, e.g. with
+            ``quantized_contiguous_attention(..., keys_rotated=cache.rotate_keys)``).
+
+        Raises:
+            KvCacheExhaustedError: ``len + L > max_capacity``.
+        """
+        n = k.shape[2]
+        end = self.len + n
+        if end > self.max_capacity:
+            raise KvCacheExhaustedError(
+                f"contiguous KV cache holds at most {self.max_capacity} tokens and {end} were asked for: "
+                "raise FERRUM_KV_CAPACITY or shorten the prompt/max_tokens"
+            )
+        if end > self.capacity:
+            self._grow_to(min(self.max_capacity, -(-end // self.step) * self.step))
+        if self.rotate_keys:
+            k = rotate(k, self.head_dim)
+        kc, ks, kb = quantize_kv(k, self.kv_cache_dtype)
+        vc, vs, vb = quantize_kv(v, self.kv_cache_dtype)
+        self.k_codes[:, :, self.len : end] = kc
+        self.v_codes[:, :, self.len : end] = vc
+        self.k_scales[:, :, self.len : end] = ks
+        self.v_scales[:, :, self.len : end] = vs
+        if kb is not None:
+            self.k_biases[:, :, self.len : end] = kb
+            self.v_biases[:, :, self.len : end] = vb
+        self.len = end
+        return self.fetch()
+
+    def fetch(self, start: int = 0) -> tuple[mx.array, mx.array]:
+        """Stored tokens ``start .. len - 1``, dequantized to the model dtype:
+        ``[1, num_kv_heads, len - start, head_dim]`` each (keys rotated when ``rotate_keys``)."""
+        if self.k_codes is None:
+            empty = mx.zeros((1, self.num_kv_heads, 0, self.head_dim), self.dtype)
+            return empty, empty
+        part = lambda a: None if a is None else a[:, :, start : self.len]  # noqa: E731
+        keys = dequantize_kv(part(self.k_codes), part(self.k_scales), part(self.k_biases),
+                             self.kv_cache_dtype, self.head_dim, self.dtype)
+        values = dequantize_kv(part(self.v_codes), part(self.v_scales), part(self.v_biases),
+                               self.kv_cache_dtype, self.head_dim, self.dtype)
+        return keys, values
+
+    def copy_from(self, other: "QuantizedContiguousKvCache") -> None:
+        """Take ``other``'s stored tokens as they are (codes, not re-quantized), for a fork.
+
+        Raises:
+            KvCacheError: the caches differ in format or shape.
+        """
+        same = (other.kv_cache_dtype, other.rotate_keys, other.num_kv_heads, other.head_dim)
+        if same != (self.kv_cache_dtype, self.rotate_keys, self.num_kv_heads, self.head_dim):
+            raise KvCacheError("copy_from: the two quantized caches differ in format or shape")
+        if other.len > self.max_capacity:
+            raise KvCacheExhaustedError(
+                f"contiguous KV cache holds at most {self.max_capacity} tokens and {other.len} were asked for: "
+                "raise FERRUM_KV_CAPACITY")
+        self.len = 0
+        if other.len > self.capacity:
+            self._grow_to(min(self.max_capacity, -(-other.len // self.step) * self.step))
+        for name in self._names():
+            getattr(self, name)[:, :, : other.len] = getattr(other, name)[:, :, : other.len]
+        self.len = other.len
+
+    def truncate(self, new_len: int) -> None:
+        """Forget tokens from ``new_len`` on (their slots are overwritten by later appends).
+
+        Raises:
+            KvCacheError: ``new_len`` is negative or larger than ``len``.
+        """
+        if not 0 <= new_len <= self.len:
+            raise KvCacheError(f"cannot truncate a KV cache of {self.len} tokens to {new_len}")
+        self.len = new_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all buffers (capacity, not just ``len``), scales and biases included."""
+        return sum(a.nbytes for a in self.arrays())
