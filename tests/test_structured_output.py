@@ -317,7 +317,7 @@ def test_constrained_rows_draft_and_verify_against_per_position_masks(stories, k
             _check_constraint(p.structured_outputs, out.text)
     mgr = eng.executor.manager
     if mgr is not None:
-        assert mgr.allocator.num_in_use == 0 and not mgr.seqs
+        assert mgr.num_in_use == 0 and not mgr.seqs
 
 
 def test_a_draft_past_the_grammar_leaves_the_matcher_unchanged(stories):
