@@ -76,11 +76,10 @@
 // Quantized pools (KV_BITS 8 or 4; the storage contract of mlx_ferrum's quantized KV
 // cache): a lane reads its vectors as 8 codes (8 bytes of int8, or 4 bytes of packed
 // nibbles) and dequantizes them in registers; no float copy of K or V is written.
-// When several lanes of a token share a group (GROUP_SIZE > 8 and LPT > 1) and the
-// simdgroup's tokens of a round have at most 32 groups, lane i reads the scale (and
-// bias) of group i % NG of the round's token i / NG once and the lanes of each token take
-// theirs by simd_shuffle, so each scale is read from device memory once; otherwise each
-// lane reads the scale of each of its vectors itself. Keys of int4 caches are stored
+// At step j the LPT lanes of a token hold consecutive vectors; the SHARE of them in one
+// scale group (with the contract's group size, the largest power of two <= 64 dividing
+// HEAD_DIM, GROUP_SIZE = LPT * 8: one group per step) get its scale (and bias) from the
+// first of them by simd_shuffle, so each is read from device memory once. Keys of int4 caches are stored
 // rotated (k H, H a normalised Walsh-Hadamard matrix): the caller passes q H as q, and
 // q H . k H = q . k. Values are never rotated.
 // No +-infinity anywhere (safe under fast math): the running max starts at -FLT_MAX,
@@ -177,8 +176,8 @@ METAL_FUNC void pa_dequant(const device uint8_t* p, bool valid, float s, float b
   constexpr int CHUNK = 32;
   constexpr int KEEP = pa_groups_kept(TPS, NUM_SIMD, HEAD_DIM);
   constexpr int GROUPS = NUM_SIMD * KEEP;
-  constexpr int ITEMS = TPS * NG;
-  constexpr bool SHARED_SCALES = KV_BITS != 0 && GROUP_SIZE > VEC && LPT > 1 && ITEMS <= 32;
+  // Lanes of a token whose vectors of one step j lie in the same scale group.
+  constexpr int SHARE = GROUP_SIZE / VEC < LPT ? GROUP_SIZE / VEC : LPT;
 
   threadgroup float q_shared[GQA * HEAD_DIM];
   threadgroup int block_ids[CHUNK];
@@ -272,34 +271,27 @@ METAL_FUNC void pa_dequant(const device uint8_t* p, bool valid, float s, float b
       float v_scale[VPL];
       float k_bias[VPL];
       float v_bias[VPL];
-      if (SHARED_SCALES) {
-        const int item_local = k * ROUND + sg * TPS + (lane < ITEMS ? lane / NG : 0);
-        const bool item_valid = lane < ITEMS && chunk_tok + item_local < tok_end
-            && chunk_tok + item_local >= tok_begin;
-        const int64_t at = int64_t(block_ids[item_local / BLOCK_SIZE]) * scale_block_stride + scale_offset
-            + int64_t(item_local % BLOCK_SIZE) * NG + lane % NG;
-        const float item_k_scale = item_valid ? float(k_scales[at]) : 0.0f;
-        const float item_v_scale = item_valid ? float(v_scales[at]) : 0.0f;
-        const float item_k_bias = item_valid && KV_BITS == 4 ? float(k_biases[at]) : 0.0f;
-        const float item_v_bias = item_valid && KV_BITS == 4 ? float(v_biases[at]) : 0.0f;
-        for (int j = 0; j < VPL; ++j) {
-          const ushort src = ushort(tok_group * NG + vec_group[j]);
-          // One group per row: every vector takes the first one's values.
-          const bool again = NG == 1 && j > 0;
-          k_scale[j] = again ? k_scale[0] : simd_shuffle(item_k_scale, src);
-          v_scale[j] = again ? v_scale[0] : simd_shuffle(item_v_scale, src);
-          k_bias[j] = again ? k_bias[0] : KV_BITS == 4 ? simd_shuffle(item_k_bias, src) : 0.0f;
-          v_bias[j] = again ? v_bias[0] : KV_BITS == 4 ? simd_shuffle(item_v_bias, src) : 0.0f;
-        }
-      } else if (KV_BITS != 0) {
+      if (KV_BITS != 0) {
         const int64_t scale_row = int64_t(block_ids[local / BLOCK_SIZE]) * scale_block_stride + scale_offset
             + int64_t(local % BLOCK_SIZE) * NG;
+        // The first of the SHARE lanes of a group reads its scale (and bias); the others
+        // take them by shuffle, so each is read from device memory once per step.
+        const bool reads = valid && r % SHARE == 0;
+        const ushort reader = ushort(lane - lane % SHARE);
         for (int j = 0; j < VPL; ++j) {
           const int64_t at = scale_row + vec_group[j];
-          k_scale[j] = valid ? float(k_scales[at]) : 0.0f;
-          v_scale[j] = valid ? float(v_scales[at]) : 0.0f;
-          k_bias[j] = valid && KV_BITS == 4 ? float(k_biases[at]) : 0.0f;
-          v_bias[j] = valid && KV_BITS == 4 ? float(v_biases[at]) : 0.0f;
+          k_scale[j] = reads ? float(k_scales[at]) : 0.0f;
+          v_scale[j] = reads ? float(v_scales[at]) : 0.0f;
+          k_bias[j] = reads && KV_BITS == 4 ? float(k_biases[at]) : 0.0f;
+          v_bias[j] = reads && KV_BITS == 4 ? float(v_biases[at]) : 0.0f;
+          if (SHARE > 1) {
+            k_scale[j] = simd_shuffle(k_scale[j], reader);
+            v_scale[j] = simd_shuffle(v_scale[j], reader);
+            if (KV_BITS == 4) {
+              k_bias[j] = simd_shuffle(k_bias[j], reader);
+              v_bias[j] = simd_shuffle(v_bias[j], reader);
+            }
+          }
         }
       }
       float kf[EPL];

@@ -10,7 +10,7 @@ from the storage contract independently of mlx_ferrum), and the pure-MLX referen
 hold random codes and NaN scales, so reading past a context (or before a window) fails.
 
 Planted bugs the comparison must catch: a vector dequantized with the scale of the
-neighbouring group (decode, shared and per-lane scale paths; prefill), the shared scale
+neighbouring group (decode, at groups shared by 8, 4 and 2 lanes; prefill), the scale
 of the wrong token group, and an int4 query passed unrotated. The cost model's bytes
 read per KV token fall with the dtype: at most 0.55x (int8) and 0.32x (int4) of fp16.
 The wider sweep runs under ``-m slow``.
@@ -157,8 +157,8 @@ def test_test_quantizer_follows_the_contract():
 # ------------------------------------------------------------ decode and prefill vs oracles
 
 # (kv_cache_dtype, num_heads, num_kv_heads, head_dim, block_size, context lengths, q dtype)
-# head_dim 128 (2 groups of 64) and 96 (3 of 32) share each scale by shuffles; 48 (3 of
-# 16) reads per lane; 8 is stories260K's (one group of 8 per row, one lane per token).
+# head_dim 128 (2 groups of 64: 8 lanes share each scale), 96 (3 of 32: 4 lanes), 48 (3 of
+# 16: 2 lanes); 8 is stories260K's (one group of 8 per row, one lane per token).
 DECODE_CASES = [
     ("int8", 8, 2, 128, 16, [33, 5], F16),
     ("int4", 8, 2, 128, 8, [40, 16, 1], F32),
@@ -232,17 +232,16 @@ _NEIGHBOUR_GROUP = "vec_group[j] = (((r + j * LPT) * VEC) / GROUP_SIZE + 1) % NG
 
 
 @pytest.mark.parametrize("kv,d,old,new", [
-    # each vector dequantized with the scale (and bias) of the next group: the shared
-    # (shuffled) path at head_dim 128 and 96, the per-lane path at head_dim 48
+    # each vector dequantized with the scale (and bias) of the next group, at groups
+    # shared by 8, 4 and 2 lanes
     ("int8", 128, _VEC_GROUP, _NEIGHBOUR_GROUP),
     ("int4", 96, _VEC_GROUP, _NEIGHBOUR_GROUP),
     ("int8", 48, _VEC_GROUP, _NEIGHBOUR_GROUP),
-    # the shared item loaded for the neighbouring group of its token
-    ("int4", 128, "+ int64_t(item_local % BLOCK_SIZE) * NG + lane % NG;",
-     "+ int64_t(item_local % BLOCK_SIZE) * NG + (lane + 1) % NG;"),
-    # the shuffle taking the scale of the next token's group
-    ("int8", 96, "const ushort src = ushort(tok_group * NG + vec_group[j]);",
-     "const ushort src = ushort(((tok_group + 1) % TPS) * NG + vec_group[j]);"),
+    # the shuffle taking the scale (and bias) of the next token's group
+    ("int8", 96, "const ushort reader = ushort(lane - lane % SHARE);",
+     "const ushort reader = ushort((lane + LPT) % 32 - lane % SHARE);"),
+    ("int4", 128, "const ushort reader = ushort(lane - lane % SHARE);",
+     "const ushort reader = ushort((lane + LPT) % 32 - lane % SHARE);"),
 ])
 @pytest.mark.harness
 @needs_clang
@@ -378,9 +377,10 @@ def test_generated_quantized_source_matches_mlx():
 
 @pytest.mark.harness
 @needs_clang
-@pytest.mark.parametrize("variant", ["ubsan", "cxx14"])
+@pytest.mark.parametrize("variant", ["ubsan", "cxx14", "counting"])
 def test_quantized_kernels_build_in_every_variant(variant):
-    # signed overflow, bounds and alignment checks (ubsan); C++14 with warnings (cxx14)
+    # signed overflow, bounds and alignment checks (ubsan); C++14 with warnings (cxx14);
+    # every output element written exactly once (counting)
     with mh.options(variant=variant, schedules=("serial",)):
         for kv in ("int8", "int4"):
             _check_decode(quantized_decode_case(6, [40, 9], 8, 2, 128, 8, F32, kv), F32)

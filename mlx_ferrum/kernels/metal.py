@@ -24,6 +24,13 @@ threadgroups to fill the GPU (:func:`decode_partitions`); :func:`decode_metadata
 builds its launch arrays once per step. :func:`paged_prefill_attention_mma` is the
 ``simdgroup_matrix`` prefill kernel (opt-in, :data:`PREFILL_MATRIX_KERNEL`).
 
+Quantized KV: :func:`paged_attention_decode` and :func:`paged_prefill_attention` also
+read int8 / int4 code pools with their float16 group scales (``kv_cache_dtype``,
+``k_scales``, ``v_scales``, ``k_biases``, ``v_biases``; :class:`QuantizedKv`), the same
+kernel sources with the ``KV_BITS`` and ``GROUP_SIZE`` template parameters; int4 keys are
+stored rotated and the caller passes the rotated query. The matrix prefill kernel takes
+float pools only.
+
 Algorithms: vLLM paged attention v1/v2 (Kwon et al., SOSP 2023) with online
 softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022;
 FlashAttention-2, Dao 2023); see ``docs/kernels.md``.
