@@ -20,8 +20,17 @@
 //   threadgroup = (NUM_SIMD * 32, 1, 1)
 // Inputs:
 //   q            [num_seqs, num_kv_heads * GQA, HEAD_DIM]         T
-//   k_pool       [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] T
+//   k_pool       KV_BITS == 0: [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] T;
+//                KV_BITS == 8: the same shape, int8 codes;
+//                KV_BITS == 4: [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM / 2] uint8,
+//                two codes per byte (element 2i in the low nibble, 2i + 1 in the high)
 //   v_pool       same as k_pool
+//   k_scales     KV_BITS != 0: [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM / GROUP_SIZE]
+//                half, one scale per group of GROUP_SIZE consecutive elements of a row;
+//                KV_BITS == 0: [8] placeholder, unread
+//   v_scales     same as k_scales
+//   k_biases     KV_BITS == 4: same as k_scales (the groups' minima); else [8], unread
+//   v_biases     same as k_biases
 //   block_tables [num_seqs * max_blocks_per_seq] int32, padded to >= 8 elements
 //   context_lens [num_seqs] int32, padded to >= 8 elements
 //   params       [8] int32: num_heads, num_kv_heads, max_blocks_per_seq, num_partitions,
@@ -38,6 +47,9 @@
 //                (unused when PARTITION_SIZE == 0)
 //   exp_sums     same shape: sum of exp2(logit - max_logit) over the partition
 // Template: T, OutT, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE (power of two >= 8),
+//   KV_BITS (0: the pools hold T; 8: int8 codes, x = code * scale; 4: uint4 codes,
+//   x = code * scale + bias), GROUP_SIZE (elements per scale, a multiple of 8 dividing
+//   HEAD_DIM; HEAD_DIM when KV_BITS == 0),
 //   NUM_SIMD, GQA (query heads per threadgroup: num_heads / num_kv_heads, or a divisor of
 //   it when that is above 8), PARTITION_SIZE (tokens per partition, a
 //   multiple of BLOCK_SIZE; 0 = one pass), SINKS (1: add the sink logit of each query
@@ -61,6 +73,15 @@
 // the groups are merged once at the end in threadgroup memory.
 // The GQA query rows and the block ids (per chunk of 32 blocks) are read from device
 // memory once per threadgroup, into threadgroup memory.
+// Quantized pools (KV_BITS 8 or 4; the storage contract of mlx_ferrum's quantized KV
+// cache): a lane reads its vectors as 8 codes (8 bytes of int8, or 4 bytes of packed
+// nibbles) and dequantizes them in registers; no float copy of K or V is written.
+// At step j the LPT lanes of a token hold consecutive vectors; the SHARE of them in one
+// scale group (with the contract's group size, the largest power of two <= 64 dividing
+// HEAD_DIM, GROUP_SIZE = LPT * 8: one group per step) get its scale (and bias) from the
+// first of them by simd_shuffle, so each is read from device memory once. Keys of int4 caches are stored
+// rotated (k H, H a normalised Walsh-Hadamard matrix): the caller passes q H as q, and
+// q H . k H = q . k. Values are never rotated.
 // No +-infinity anywhere (safe under fast math): the running max starts at -FLT_MAX,
 // the number of rounds is computed up front, tokens outside [window start, context)
 // score nothing.
@@ -108,8 +129,43 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
     out[2 * i + 1] = float(h.y);
   }
 }
+// 8 quantized codes at p (dequantized as code * s + b) into out[0..8). The fp
+// overload is never called (KV_BITS == 0 reads the pools with pa_unpack) but compiles.
+template <typename C>
+METAL_FUNC void pa_dequant(const device C*, bool, float, float, thread float* out) {
+  for (int i = 0; i < 8; ++i) {
+    out[i] = 0.0f;
+  }
+}
+// int8: 8 bytes of signed codes, symmetric (b is 0).
+METAL_FUNC void pa_dequant(const device int8_t* p, bool valid, float s, float, thread float* out) {
+  uint2 raw = uint2(0);
+  if (valid) {
+    raw = *(const device uint2*)p;
+  }
+  for (int w = 0; w < 2; ++w) {
+    const char4 c = as_type<char4>(raw[w]);
+    for (int i = 0; i < 4; ++i) {
+      out[4 * w + i] = float(c[i]) * s;
+    }
+  }
+}
+// int4: 4 bytes of nibbles, element e in bits 4e .. 4e + 3 (byte j: elements 2j low, 2j + 1 high).
+METAL_FUNC void pa_dequant(const device uint8_t* p, bool valid, float s, float b, thread float* out) {
+  uint raw = 0;
+  if (valid) {
+    raw = *(const device uint*)p;
+  }
+  for (int e = 0; e < 8; ++e) {
+    out[e] = float((raw >> (4 * e)) & 0xFu) * s + b;
+  }
+}
 // --- body ---
-  constexpr int VEC = pa_vec_elements<T>();
+  constexpr int VEC = KV_BITS == 0 ? pa_vec_elements<T>() : 8;
+  // Pool elements per token row, and per VEC-element vector of it.
+  constexpr int ROW = KV_BITS == 4 ? HEAD_DIM / 2 : HEAD_DIM;
+  constexpr int VEC_CODES = VEC * ROW / HEAD_DIM;
+  constexpr int NG = HEAD_DIM / GROUP_SIZE;
   constexpr int NV = HEAD_DIM / VEC;
   constexpr int LPT = pa_lanes_per_token(NV);
   constexpr int VPL = NV / LPT;
@@ -120,6 +176,8 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
   constexpr int CHUNK = 32;
   constexpr int KEEP = pa_groups_kept(TPS, NUM_SIMD, HEAD_DIM);
   constexpr int GROUPS = NUM_SIMD * KEEP;
+  // Lanes of a token whose vectors of one step j lie in the same scale group.
+  constexpr int SHARE = GROUP_SIZE / VEC < LPT ? GROUP_SIZE / VEC : LPT;
 
   threadgroup float q_shared[GQA * HEAD_DIM];
   threadgroup int block_ids[CHUNK];
@@ -183,9 +241,17 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
     l[h] = 0.0f;
   }
 
-  const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
+  const int64_t head_stride = int64_t(BLOCK_SIZE) * ROW;
   const int64_t block_stride = head_stride * num_kv_heads;
   const int64_t kv_offset = int64_t(kv_head) * head_stride;
+  const int64_t scale_head_stride = int64_t(BLOCK_SIZE) * NG;
+  const int64_t scale_block_stride = scale_head_stride * num_kv_heads;
+  const int64_t scale_offset = int64_t(kv_head) * scale_head_stride;
+  // The scale group of each of this lane's vectors.
+  int vec_group[VPL];
+  for (int j = 0; j < VPL; ++j) {
+    vec_group[j] = ((r + j * LPT) * VEC) / GROUP_SIZE;
+  }
   for (int c = 0; c < num_chunks; ++c) {
     const int chunk_block = first_block + c * CHUNK;
     for (int i = tid; i < CHUNK; i += TG) {
@@ -199,14 +265,46 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
       const int local = k * ROUND + sg * TPS + tok_group;
       const bool valid = chunk_tok + local < tok_end && chunk_tok + local >= tok_begin;
       const int64_t row = int64_t(block_ids[local / BLOCK_SIZE]) * block_stride + kv_offset
-          + int64_t(local % BLOCK_SIZE) * HEAD_DIM;
+          + int64_t(local % BLOCK_SIZE) * ROW;
+      // Quantized pools: the scales (and biases) of this lane's vectors of K and V.
+      float k_scale[VPL];
+      float v_scale[VPL];
+      float k_bias[VPL];
+      float v_bias[VPL];
+      if (KV_BITS != 0) {
+        const int64_t scale_row = int64_t(block_ids[local / BLOCK_SIZE]) * scale_block_stride + scale_offset
+            + int64_t(local % BLOCK_SIZE) * NG;
+        // The first of the SHARE lanes of a group reads its scale (and bias); the others
+        // take them by shuffle, so each is read from device memory once per step.
+        const bool reads = valid && r % SHARE == 0;
+        const ushort reader = ushort(lane - lane % SHARE);
+        for (int j = 0; j < VPL; ++j) {
+          const int64_t at = scale_row + vec_group[j];
+          k_scale[j] = reads ? float(k_scales[at]) : 0.0f;
+          v_scale[j] = reads ? float(v_scales[at]) : 0.0f;
+          k_bias[j] = reads && KV_BITS == 4 ? float(k_biases[at]) : 0.0f;
+          v_bias[j] = reads && KV_BITS == 4 ? float(v_biases[at]) : 0.0f;
+          if (SHARE > 1) {
+            k_scale[j] = simd_shuffle(k_scale[j], reader);
+            v_scale[j] = simd_shuffle(v_scale[j], reader);
+            if (KV_BITS == 4) {
+              k_bias[j] = simd_shuffle(k_bias[j], reader);
+              v_bias[j] = simd_shuffle(v_bias[j], reader);
+            }
+          }
+        }
+      }
       float kf[EPL];
       for (int j = 0; j < VPL; ++j) {
-        uint4 raw = uint4(0);
-        if (valid) {
-          raw = *(const device uint4*)(k_pool + row + (r + j * LPT) * VEC);
+        if (KV_BITS == 0) {
+          uint4 raw = uint4(0);
+          if (valid) {
+            raw = *(const device uint4*)(k_pool + row + (r + j * LPT) * VEC);
+          }
+          pa_unpack(raw, kf + j * VEC, T(0));
+        } else {
+          pa_dequant(k_pool + row + (r + j * LPT) * VEC_CODES, valid, k_scale[j], k_bias[j], kf + j * VEC);
         }
-        pa_unpack(raw, kf + j * VEC, T(0));
       }
       float s[GQA];
       for (int h = 0; h < GQA; ++h) {
@@ -223,11 +321,15 @@ METAL_FUNC void pa_unpack(uint4 raw, thread float* out, bfloat) {
       }
       float vf[EPL];
       for (int j = 0; j < VPL; ++j) {
-        uint4 raw = uint4(0);
-        if (valid) {
-          raw = *(const device uint4*)(v_pool + row + (r + j * LPT) * VEC);
+        if (KV_BITS == 0) {
+          uint4 raw = uint4(0);
+          if (valid) {
+            raw = *(const device uint4*)(v_pool + row + (r + j * LPT) * VEC);
+          }
+          pa_unpack(raw, vf + j * VEC, T(0));
+        } else {
+          pa_dequant(v_pool + row + (r + j * LPT) * VEC_CODES, valid, v_scale[j], v_bias[j], vf + j * VEC);
         }
-        pa_unpack(raw, vf + j * VEC, T(0));
       }
       for (int h = 0; h < GQA; ++h) {
         // Tokens past the context leave the state as it is (their V is never read).

@@ -22,7 +22,8 @@
 //   threadgroup = (NUM_SIMD * 32, 1, 1): one group per (tile of rows, head)
 // Inputs:
 //   q            [num_tokens, num_heads, HEAD_DIM] T (packed rows of all sequences)
-//   k_pool       [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] T
+//   k_pool       [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM] T, or quantized codes
+//                (KV_BITS 8: int8, same shape; KV_BITS 4: uint8 [..., HEAD_DIM / 2])
 //   v_pool       same as k_pool
 //   block_tables [num_seqs * max_blocks_per_seq] int32, padded to >= 8 elements
 //   tiles        [num_tiles * 4] int32, padded to >= 8 elements: per tile the
@@ -33,11 +34,19 @@
 //   scale        0-d float32
 //   sinks        [max(8, num_heads)] float32 attention-sink logits (read only when
 //                SINKS == 1)
+//   k_scales, v_scales, k_biases, v_biases: as in paged_attention_decode (float16 group
+//                scales and int4 biases beside quantized pools; [8] placeholders, unread,
+//                for float pools)
 // Output:
 //   out          [num_tokens, num_heads, HEAD_DIM] T
 // Template: T, HEAD_DIM (multiple of 8, <= 256), BLOCK_SIZE, NUM_SIMD, KV_TILE
 //   (tokens staged per step: a power of two dividing BLOCK_SIZE, with
-//   2 * KV_TILE * HEAD_DIM * 4 bytes of threadgroup memory), SINKS (0 or 1).
+//   2 * KV_TILE * HEAD_DIM * 4 bytes of threadgroup memory), SINKS (0 or 1),
+//   KV_BITS and GROUP_SIZE (as in paged_attention_decode).
+// Quantized pools: the staging step dequantizes. A thread takes one scale group of one
+// token (GROUP_SIZE codes, read as 8-code vectors, and its scale and bias, each read once)
+// and writes the group's floats to the tile; int4 keys are stored rotated and q arrives
+// rotated (see paged_attention_decode).
 // --- header ---
 // Lanes that share one token's dot product: the largest power of two <= 32 that
 // divides head_dim (see paged_attention_decode.metal).
@@ -48,7 +57,32 @@ constexpr int pa_lanes_per_token(int head_dim) {
   }
   return lanes;
 }
+// 8 quantized codes at p into out[0..8) as code * s + b (see paged_attention_decode;
+// the fp overload is never called but compiles).
+template <typename C>
+METAL_FUNC void pa_stage_dequant(const device C*, float, float, threadgroup float* out) {
+  for (int i = 0; i < 8; ++i) {
+    out[i] = 0.0f;
+  }
+}
+METAL_FUNC void pa_stage_dequant(const device int8_t* p, float s, float, threadgroup float* out) {
+  const uint2 raw = *(const device uint2*)p;
+  for (int w = 0; w < 2; ++w) {
+    const char4 c = as_type<char4>(raw[w]);
+    for (int i = 0; i < 4; ++i) {
+      out[4 * w + i] = float(c[i]) * s;
+    }
+  }
+}
+METAL_FUNC void pa_stage_dequant(const device uint8_t* p, float s, float b, threadgroup float* out) {
+  const uint raw = *(const device uint*)p;
+  for (int e = 0; e < 8; ++e) {
+    out[e] = float((raw >> (4 * e)) & 0xFu) * s + b;
+  }
+}
 // --- body ---
+  constexpr int ROW = KV_BITS == 4 ? HEAD_DIM / 2 : HEAD_DIM;
+  constexpr int NG = HEAD_DIM / GROUP_SIZE;
   constexpr int LPT = pa_lanes_per_token(HEAD_DIM);
   constexpr int TPS = 32 / LPT;
   constexpr int EPL = HEAD_DIM / LPT;
@@ -94,16 +128,47 @@ constexpr int pa_lanes_per_token(int head_dim) {
   float m = -FLT_MAX;
   float l = 0.0f;
 
-  const int64_t head_stride = int64_t(BLOCK_SIZE) * HEAD_DIM;
+  const int64_t head_stride = int64_t(BLOCK_SIZE) * ROW;
   const int64_t block_stride = head_stride * num_kv_heads;
+  const int64_t scale_head_stride = int64_t(BLOCK_SIZE) * NG;
+  const int64_t scale_block_stride = scale_head_stride * num_kv_heads;
   for (int k0 = first_key / KV_TILE * KV_TILE; k0 <= last_pos; k0 += KV_TILE) {
     const int physical_block = block_tables[int64_t(seq) * max_blocks + k0 / BLOCK_SIZE];
-    const int64_t base = physical_block * block_stride + kv_head * head_stride + (k0 % BLOCK_SIZE) * HEAD_DIM;
-    for (int e = tid; e < KV_TILE * HEAD_DIM; e += TG) {
-      // Slots past the last needed key may hold garbage (even NaN): stage zeros.
-      const bool needed = k0 + e / HEAD_DIM <= last_pos && k0 + e / HEAD_DIM >= first_key;
-      k_tile[e] = needed ? float(k_pool[base + e]) : 0.0f;
-      v_tile[e] = needed ? float(v_pool[base + e]) : 0.0f;
+    const int64_t base = physical_block * block_stride + kv_head * head_stride + (k0 % BLOCK_SIZE) * ROW;
+    if (KV_BITS == 0) {
+      for (int e = tid; e < KV_TILE * HEAD_DIM; e += TG) {
+        // Slots past the last needed key may hold garbage (even NaN): stage zeros.
+        const bool needed = k0 + e / HEAD_DIM <= last_pos && k0 + e / HEAD_DIM >= first_key;
+        k_tile[e] = needed ? float(k_pool[base + e]) : 0.0f;
+        v_tile[e] = needed ? float(v_pool[base + e]) : 0.0f;
+      }
+    } else {
+      const int64_t scale_base = physical_block * scale_block_stride + kv_head * scale_head_stride
+          + (k0 % BLOCK_SIZE) * NG;
+      for (int item = tid; item < KV_TILE * NG; item += TG) {
+        const int t = item / NG;
+        const int group = item % NG;
+        const bool needed = k0 + t <= last_pos && k0 + t >= first_key;
+        const int64_t at = scale_base + t * NG + group;
+        const float k_scale = needed ? float(k_scales[at]) : 0.0f;
+        const float v_scale = needed ? float(v_scales[at]) : 0.0f;
+        const float k_bias = needed && KV_BITS == 4 ? float(k_biases[at]) : 0.0f;
+        const float v_bias = needed && KV_BITS == 4 ? float(v_biases[at]) : 0.0f;
+        const int64_t codes = base + int64_t(t) * ROW + group * GROUP_SIZE * ROW / HEAD_DIM;
+        threadgroup float* k_out = k_tile + t * HEAD_DIM + group * GROUP_SIZE;
+        threadgroup float* v_out = v_tile + t * HEAD_DIM + group * GROUP_SIZE;
+        for (int v8 = 0; v8 < GROUP_SIZE / 8; ++v8) {
+          if (needed) {
+            pa_stage_dequant(k_pool + codes + v8 * 8 * ROW / HEAD_DIM, k_scale, k_bias, k_out + v8 * 8);
+            pa_stage_dequant(v_pool + codes + v8 * 8 * ROW / HEAD_DIM, v_scale, v_bias, v_out + v8 * 8);
+          } else {
+            for (int i = 0; i < 8; ++i) {
+              k_out[v8 * 8 + i] = 0.0f;
+              v_out[v8 * 8 + i] = 0.0f;
+            }
+          }
+        }
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -24,6 +24,13 @@ threadgroups to fill the GPU (:func:`decode_partitions`); :func:`decode_metadata
 builds its launch arrays once per step. :func:`paged_prefill_attention_mma` is the
 ``simdgroup_matrix`` prefill kernel (opt-in, :data:`PREFILL_MATRIX_KERNEL`).
 
+Quantized KV: :func:`paged_attention_decode` and :func:`paged_prefill_attention` also
+read int8 / int4 code pools with their float16 group scales (``kv_cache_dtype``,
+``k_scales``, ``v_scales``, ``k_biases``, ``v_biases``; :class:`QuantizedKv`), the same
+kernel sources with the ``KV_BITS`` and ``GROUP_SIZE`` template parameters; int4 keys are
+stored rotated and the caller passes the rotated query. The matrix prefill kernel takes
+float pools only.
+
 Algorithms: vLLM paged attention v1/v2 (Kwon et al., SOSP 2023) with online
 softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022;
 FlashAttention-2, Dao 2023); see ``docs/kernels.md``.
@@ -277,19 +284,103 @@ def _params(*values: int) -> mx.array:
     return mx.array(vals, dtype=mx.int32)
 
 
-def _common_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array) -> Optional[str]:
+#: Bits per stored K/V element of each ``kv_cache_dtype`` the kernels take (0: the
+#: pools hold q's float dtype).
+KV_CACHE_DTYPE_BITS = {"auto": 0, "int8": 8, "int4": 4}
+#: Dtype of the code pools of each quantized ``kv_cache_dtype``.
+KV_CODE_DTYPES = {"int8": mx.int8, "int4": mx.uint8}
+
+
+@dataclass(frozen=True)
+class QuantizedKv:
+    """The scales and biases that go with quantized K/V code pools, as the kernels take them.
+
+    Storage contract (mlx_ferrum's quantized KV cache): for ``kv_cache_dtype`` "int8",
+    ``k_pool``/``v_pool`` hold int8 codes ``[num_blocks, num_kv_heads, block_size,
+    head_dim]`` and ``x = code * scale``; for "int4", uint8 ``[..., head_dim // 2]``
+    with element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in the high one,
+    and ``x = code * scale + bias``. ``k_scales``/``v_scales`` (and for int4
+    ``k_biases``/``v_biases``) are float16 ``[num_blocks, num_kv_heads, block_size,
+    head_dim // group_size]``: one per group of ``group_size`` consecutive elements.
+    int4 keys are stored rotated by a normalised Walsh-Hadamard matrix ``H``; the
+    kernels do not rotate: the caller passes ``q @ H`` as q (``q H . k H = q . k``).
+    """
+
+    kv_cache_dtype: str
+    k_scales: mx.array
+    v_scales: mx.array
+    k_biases: Optional[mx.array] = None
+    v_biases: Optional[mx.array] = None
+
+    @property
+    def bits(self) -> int:
+        return KV_CACHE_DTYPE_BITS[self.kv_cache_dtype]
+
+
+def _quantized(
+    kv_cache_dtype: str, k_scales: Optional[mx.array], v_scales: Optional[mx.array],
+    k_biases: Optional[mx.array], v_biases: Optional[mx.array],
+) -> Optional[QuantizedKv]:
+    """The :class:`QuantizedKv` of a call's keyword arguments (None for float pools)."""
+    if kv_cache_dtype == "auto" and k_scales is None and v_scales is None and k_biases is None and v_biases is None:
+        return None
+    return QuantizedKv(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
+
+
+def _quantized_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, kv: QuantizedKv) -> Optional[str]:
+    head_dim = q.shape[2]
+    if kv.kv_cache_dtype == "auto":
+        return "scales or biases given with kv_cache_dtype 'auto' (float pools have none)"
+    if kv.kv_cache_dtype not in KV_CODE_DTYPES:
+        return f"kv_cache_dtype {kv.kv_cache_dtype!r} (the quantized kernels take 'int8' and 'int4')"
+    code_dtype = KV_CODE_DTYPES[kv.kv_cache_dtype]
+    if k_pool.dtype != code_dtype or v_pool.dtype != code_dtype:
+        return (f"kv_cache_dtype {kv.kv_cache_dtype} stores {code_dtype} codes, but the pools are "
+                f"{k_pool.dtype}, {v_pool.dtype}")
+    row = head_dim // 2 if kv.bits == 4 else head_dim
+    if k_pool.shape[3] != row:
+        return f"{kv.kv_cache_dtype} pools need a last dimension of {row} for head_dim {head_dim}, not {k_pool.shape[3]}"
+    needs_biases = kv.bits == 4
+    for name in ("k_scales", "v_scales", "k_biases", "v_biases"):
+        a = getattr(kv, name)
+        if a is None:
+            if needs_biases or "scales" in name:
+                return f"{name} is missing ({kv.kv_cache_dtype} pools need it)"
+            continue
+        if not needs_biases and "biases" in name:
+            return f"{name} given, but {kv.kv_cache_dtype} is symmetric (no biases)"
+        if a.dtype != mx.float16 or a.ndim != 4 or a.shape[:3] != k_pool.shape[:3]:
+            return (f"{name} must be float16 [num_blocks, num_kv_heads, block_size, head_dim // group_size] "
+                    f"beside pools {k_pool.shape}; got {a.dtype} {a.shape}")
+        if a.shape != kv.k_scales.shape:
+            return f"{name} {a.shape} and k_scales {kv.k_scales.shape} differ in shape"
+    groups = kv.k_scales.shape[3]
+    if groups < 1 or head_dim % groups or (head_dim // groups) % 8:
+        return f"{groups} scale groups for head_dim {head_dim} (the kernels take groups of a multiple of 8 elements)"
+    return None
+
+
+def _common_reason(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+    quantized: Optional[QuantizedKv] = None,
+) -> Optional[str]:
     if q.ndim != 3 or k_pool.ndim != 4 or v_pool.ndim != 4 or block_tables.ndim != 2:
         return "q must be 3-d, the pools 4-d and block_tables 2-d"
     if k_pool.shape != v_pool.shape:
         return f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ in shape"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} (the kernels take float32, float16 and bfloat16)"
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        return f"q ({q.dtype}) and the pools ({k_pool.dtype}, {v_pool.dtype}) differ in dtype"
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, num_kv_heads, block_size, pool_dim = k_pool.shape
-    if pool_dim != head_dim:
-        return f"head_dim of q ({head_dim}) and of the pools ({pool_dim}) differ"
+    if quantized is not None:
+        reason = _quantized_reason(q, k_pool, v_pool, quantized)
+        if reason:
+            return reason
+    else:
+        if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+            return f"q ({q.dtype}) and the pools ({k_pool.dtype}, {v_pool.dtype}) differ in dtype"
+        if pool_dim != head_dim:
+            return f"head_dim of q ({head_dim}) and of the pools ({pool_dim}) differ"
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim {head_dim} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"
     if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
@@ -302,13 +393,17 @@ def _common_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables
 
 
 def decode_unsupported_reason(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array,
+    *, kv_cache_dtype: str = "auto", k_scales: Optional[mx.array] = None, v_scales: Optional[mx.array] = None,
+    k_biases: Optional[mx.array] = None, v_biases: Optional[mx.array] = None,
 ) -> Optional[str]:
     """Why :func:`paged_attention_decode` cannot take these arrays, or None when it can.
 
-    Reads only shapes and dtypes (no device synchronisation).
+    ``kv_cache_dtype`` and the scales/biases describe quantized code pools (see
+    :class:`QuantizedKv`). Reads only shapes and dtypes (no device synchronisation).
     """
-    reason = _common_reason(q, k_pool, v_pool, block_tables)
+    quantized = _quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
+    reason = _common_reason(q, k_pool, v_pool, block_tables, quantized)
     if reason:
         return reason
     if block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
@@ -323,9 +418,14 @@ def prefill_unsupported_reason(
     block_tables: mx.array,
     host_context_lens: Sequence[int],
     host_query_start_loc: Sequence[int],
+    *, kv_cache_dtype: str = "auto", k_scales: Optional[mx.array] = None, v_scales: Optional[mx.array] = None,
+    k_biases: Optional[mx.array] = None, v_biases: Optional[mx.array] = None,
 ) -> Optional[str]:
-    """Why :func:`paged_prefill_attention` cannot take these arrays, or None when it can."""
-    reason = _common_reason(q, k_pool, v_pool, block_tables)
+    """Why :func:`paged_prefill_attention` cannot take these arrays, or None when it can
+    (``kv_cache_dtype`` and the scales/biases: see :class:`QuantizedKv`;
+    :func:`paged_prefill_attention_mma` takes float pools only)."""
+    quantized = _quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
+    reason = _common_reason(q, k_pool, v_pool, block_tables, quantized)
     if reason:
         return reason
     qsl = list(host_query_start_loc)
@@ -441,6 +541,11 @@ def paged_attention_decode(
     metadata: Optional[DecodeMetadata] = None,
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
+    kv_cache_dtype: str = "auto",
+    k_scales: Optional[mx.array] = None,
+    v_scales: Optional[mx.array] = None,
+    k_biases: Optional[mx.array] = None,
+    v_biases: Optional[mx.array] = None,
 ) -> mx.array:
     """Attention of one query token per sequence over its paged K/V, on the Metal kernels.
 
@@ -465,6 +570,11 @@ def paged_attention_decode(
             the block holding the first of them (blocks before it are never read).
         sinks: ``[num_heads]`` attention-sink logits (gpt-oss; any float dtype), or
             None: one extra logit per head in the softmax denominator, with no value.
+        kv_cache_dtype: "auto" (the pools hold q's dtype), "int8" or "int4": the pools
+            hold codes and ``k_scales``/``v_scales`` (and for int4 ``k_biases``/``v_biases``)
+            their float16 group scales, as :class:`QuantizedKv` describes; the kernel
+            dequantizes in registers. For int4 the keys are stored rotated and q must
+            arrive rotated by the same Walsh-Hadamard matrix (the caller rotates).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype. One threadgroup per
@@ -476,11 +586,15 @@ def paged_attention_decode(
         KernelError: the shapes or dtypes are outside what the kernel takes (see
             :func:`decode_unsupported_reason`).
     """
-    reason = decode_unsupported_reason(q, k_pool, v_pool, block_tables, context_lens)
+    quantized = _quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
+    reason = _common_reason(q, k_pool, v_pool, block_tables, quantized)
+    if reason is None and (block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],)):
+        reason = "block_tables and context_lens must have one row per sequence of q"
     if reason:
         raise KernelError(f"paged_attention_decode kernel: {reason}")
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_pool.shape
+    kv_inputs, kv_template = _kv_format(quantized, head_dim)
     if metadata is None:
         metadata = decode_metadata(block_tables, context_lens, num_kv_heads, block_size)
     num_partitions, psize = metadata.num_partitions, metadata.partition_size
@@ -494,18 +608,20 @@ def paged_attention_decode(
     params = _params(num_heads, num_kv_heads, metadata.max_blocks_per_seq, num_partitions, window_tokens)
     kernel = _kernel(
         "paged_attention_decode",
-        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks"],
+        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks", *KV_SCALE_INPUTS],
         ["out", "max_logits", "exp_sums"],
     )
     out_dtype = mx.float32 if partitioned else q.dtype
     stats_shape = (num_seqs, num_heads, num_partitions) if partitioned else (1,)
     outs = kernel(
-        inputs=[q, k_pool, v_pool, metadata.block_tables, metadata.context_lens, params, scale_arr, sinks_arr],
+        inputs=[q, k_pool, v_pool, metadata.block_tables, metadata.context_lens, params, scale_arr, sinks_arr,
+                *kv_inputs],
         template=[
             ("T", q.dtype),
             ("OutT", out_dtype),
             ("HEAD_DIM", head_dim),
             ("BLOCK_SIZE", block_size),
+            *kv_template,
             ("NUM_SIMD", DECODE_NUM_SIMD),
             ("GQA", heads_per_tg),
             ("PARTITION_SIZE", psize if partitioned else 0),
@@ -539,6 +655,28 @@ def paged_attention_decode(
     )[0]
 
 
+#: The kernels' scale/bias inputs (placeholders for float pools), after their other inputs.
+KV_SCALE_INPUTS = ("k_scales", "v_scales", "k_biases", "v_biases")
+
+
+@lru_cache(maxsize=1)
+def _no_scales() -> mx.array:
+    # the unread placeholder of float pools (8 elements: a device pointer, as the real ones)
+    return mx.zeros((MIN_DEVICE_ELEMENTS,), mx.float16)
+
+
+def _kv_format(quantized: Optional[QuantizedKv], head_dim: int) -> tuple[list, list]:
+    """The kernels' scale/bias inputs and their ``KV_BITS``/``GROUP_SIZE`` template values."""
+    if quantized is None:
+        return [_no_scales()] * 4, [("KV_BITS", 0), ("GROUP_SIZE", head_dim)]
+    none = _no_scales()
+    inputs = [quantized.k_scales, quantized.v_scales,
+              quantized.k_biases if quantized.k_biases is not None else none,
+              quantized.v_biases if quantized.v_biases is not None else none]
+    group_size = head_dim // quantized.k_scales.shape[3]
+    return inputs, [("KV_BITS", quantized.bits), ("GROUP_SIZE", group_size)]
+
+
 @lru_cache(maxsize=16)
 def _no_sinks(num_heads: int) -> mx.array:
     # built once per head count: the decode hot path would otherwise allocate it per layer
@@ -562,14 +700,14 @@ def _sinks_input(sinks: Optional[mx.array], num_heads: int, log2_units: bool = T
 
 def _checked_prefill_tiles(
     name: str, q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
-    host_context_lens, host_query_start_loc, rows: int = PREFILL_NUM_SIMD,
+    host_context_lens, host_query_start_loc, rows: int = PREFILL_NUM_SIMD, **quantized: Any,
 ) -> list:
     """The prefill kernels' shared launch check and tiling, decided on the host: the
     lengths as Python ints (read from the arrays when not given), then
     :func:`prefill_tiles`. Raises KernelError naming ``name`` for unsupported shapes."""
     ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
     qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
-    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl)
+    reason = prefill_unsupported_reason(q, k_pool, v_pool, block_tables, ctx, qsl, **quantized)
     if reason:
         raise KernelError(f"{name} kernel: {reason}")
     return prefill_tiles(ctx, qsl, rows=rows)
@@ -605,6 +743,11 @@ def paged_prefill_attention(
     host_query_start_loc: Optional[Sequence[int]] = None,
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
+    kv_cache_dtype: str = "auto",
+    k_scales: Optional[mx.array] = None,
+    v_scales: Optional[mx.array] = None,
+    k_biases: Optional[mx.array] = None,
+    v_biases: Optional[mx.array] = None,
 ) -> mx.array:
     """Causal attention of several new tokens per sequence over its paged K/V, on the Metal kernel.
 
@@ -623,6 +766,9 @@ def paged_prefill_attention(
             attends keys ``p - window + 1 .. p``; blocks wholly before a tile's first
             window are never read.
         sinks: ``[num_heads]`` attention-sink logits (gpt-oss), or None.
+        kv_cache_dtype, k_scales, v_scales, k_biases, v_biases: quantized code pools,
+            as for :func:`paged_attention_decode` (the staging step dequantizes; int4
+            keys are stored rotated and q must arrive rotated, the caller rotates).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
@@ -633,7 +779,8 @@ def paged_prefill_attention(
     """
     tiles = _checked_prefill_tiles(
         "paged_prefill_attention", q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
-        host_context_lens, host_query_start_loc,
+        host_context_lens, host_query_start_loc, kv_cache_dtype=kv_cache_dtype, k_scales=k_scales,
+        v_scales=v_scales, k_biases=k_biases, v_biases=v_biases,
     )
     if not tiles:
         return mx.zeros_like(q)
@@ -642,9 +789,11 @@ def paged_prefill_attention(
     kv_tile = min(block_size, _pow2_floor(PREFILL_TILE_ELEMENTS // head_dim))
     tg = PREFILL_NUM_SIMD * 32
     window_tokens = max(0, int(window)) if window is not None else 0
+    kv_inputs, kv_template = _kv_format(_quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases),
+                                        head_dim)
     kernel = _kernel(
         "paged_prefill_attention",
-        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale", "sinks"],
+        ["q", "k_pool", "v_pool", "block_tables", "tiles", "params", "scale", "sinks", *KV_SCALE_INPUTS],
         ["out"],
     )
     return kernel(
@@ -657,11 +806,13 @@ def paged_prefill_attention(
             _params(num_heads, num_kv_heads, block_tables.shape[1], window_tokens),
             mx.array(scale, dtype=mx.float32),
             _sinks_input(sinks, num_heads, log2_units=False),
+            *kv_inputs,
         ],
         template=[
             ("T", q.dtype),
             ("HEAD_DIM", head_dim),
             ("BLOCK_SIZE", block_size),
+            *kv_template,
             ("NUM_SIMD", PREFILL_NUM_SIMD),
             ("KV_TILE", kv_tile),
             ("SINKS", int(sinks is not None)),

@@ -10,7 +10,10 @@ the context is split, reduce) to the per-token figures the budgets are stated in
   about 1 (one ``simd_sum`` per key per query head);
 - ``read_ratio``: device bytes read per KV token per KV head over the K+V bytes of
   one token of one KV head (``2 * head_dim * itemsize``): 1.0 means K and V are read
-  once for all the query heads of their KV head, and nothing else is read.
+  once for all the query heads of their KV head, and nothing else is read;
+- ``bytes_per_token_per_kv_head``: the bytes read per KV token per KV head themselves
+  (for a quantized cache, ``kv_cache_dtype`` "int8" or "int4", codes, scales and biases
+  included; compare it with the fp16 figure of the same shape).
 
 Each thread's loads count (there are no caches in the model), which makes it a
 machine-independent upper bound on DRAM traffic rather than a prediction of it.
@@ -18,6 +21,7 @@ machine-independent upper bound on DRAM traffic rather than a prediction of it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -37,6 +41,7 @@ class DecodeCost:
     threadgroup_barriers: int
     launches: int
     bytes_read: int
+    bytes_per_token_per_kv_head: float = 0.0
 
 
 def measure_decode(
@@ -49,6 +54,7 @@ def measure_decode(
     *,
     partition_size: Optional[int] = None,
     launch: Optional[Callable] = None,
+    kv_cache_dtype: str = "auto",
 ) -> DecodeCost:
     """Run one decode call in the counting build and return its :class:`DecodeCost`.
 
@@ -60,9 +66,19 @@ def measure_decode(
             size above the context gives one pass.
         launch: called as ``launch(q, k_pool, v_pool, block_tables, context_lens, scale)``
             instead of ``metal.paged_attention_decode`` (e.g. an older kernel).
+        kv_cache_dtype: "auto" (pools of ``dtype``), "int8" or "int4": the same problem
+            with its pools quantized (:mod:`support.quantized_cases`).
     """
     case = decode_case(1, list(context_lens), num_heads, num_kv_heads, head_dim, block_size, dtype)
     run = launch or metal.paged_attention_decode
+    if kv_cache_dtype != "auto":
+        from support.quantized_cases import quantize_case
+
+        quantized = quantize_case(case, kv_cache_dtype)
+        case = quantized.base
+        case = type(case)(quantized.q, quantized.k_codes, quantized.v_codes, case.block_tables,
+                          case.context_lens, None, case.scale, case.valid)
+        run = functools.partial(launch or metal.paged_attention_decode, **quantized.kernel_kwargs())
     old = metal.DECODE_PARTITION_SIZE
     try:
         metal.DECODE_PARTITION_SIZE = partition_size if partition_size else None
@@ -81,4 +97,5 @@ def measure_decode(
         threadgroup_barriers=sum(c.threadgroup_barriers for c in costs),
         launches=len(costs),
         bytes_read=bytes_read,
+        bytes_per_token_per_kv_head=bytes_read / (tokens * num_kv_heads),
     )
