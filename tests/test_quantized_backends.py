@@ -154,29 +154,28 @@ def test_attention_calls_equal_the_oracle_on_the_same_inputs(gemma3, kind, monke
     assert max(e for _, e in errors) < 1e-5, errors
 
 
-def test_with_the_metal_path_on_a_quantized_cache_never_reaches_the_float_kernels(llama):
-    """Where the Metal kernels are enabled (a test launcher stands in for Metal), the
-    quantized backend still runs the quantized reference: the float kernels would read
-    codes as values. Its fresh prompts are batched as on the CPU."""
+@pytest.mark.harness
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llama, kind):
+    """Where the Metal kernels are enabled (the CPU harness stands in for Metal), decode and
+    short prefill rows run the quantized kernels (codes dequantized in registers, int4
+    queries rotated before the launch), and the logits equal the oracle over the stored K/V."""
     from mlx_ferrum.kernels import metal
+    from support import metal_harness as mh
 
-    launches = []
-
-    def launcher(**kernel):
-        def call(**inputs):
-            launches.append(kernel.get("name"))
-            raise AssertionError("a float Metal kernel was launched on a quantized cache")
-        return call
-
+    if not mh.clang_available():
+        pytest.skip("clang++-19 not installed: the Metal harness compiles kernels with it")
     prompts = prompts_for(llama, [6, 6, 11], seed=2)
-    with metal.use_launcher(launcher):
-        runner = LlmRunner(llama, config("paged", "int8", compiled=True, metal_kernels=True))
+    before = mh.LAUNCHES.copy()
+    with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("random",)):
+        runner = LlmRunner(llama, config("paged", kind, compiled=False, metal_kernels=True))
         out = runner.run([SeqWork(str(i), p) for i, p in enumerate(prompts)])
         step = runner.run([SeqWork(str(i), [1]) for i in range(3)])
-    assert not launches
+    assert mh.LAUNCHES["paged_attention_decode"] > before["paged_attention_decode"]
+    assert mh.LAUNCHES["paged_prefill_attention"] > before["paged_prefill_attention"]
     for p, o, s in zip(prompts, out, step):
-        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, "int8"), atol=2e-5, rtol=1e-4)
-        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], "int8"), atol=2e-5,
+        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind), atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], kind), atol=2e-5,
                                    rtol=1e-4)
 
 

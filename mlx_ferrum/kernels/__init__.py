@@ -22,10 +22,11 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from ..config import RuntimeConfig
-from . import metal, reference
+from . import metal, quantized_reference, reference
 from .reference import write_kv_slots
 
-__all__ = ["paged_attention_decode", "paged_prefill_attention", "write_kv_slots", "metal_path_enabled"]
+__all__ = ["paged_attention_decode", "paged_prefill_attention", "quantized_paged_attention_decode",
+           "quantized_paged_prefill_attention", "write_kv_slots", "metal_path_enabled"]
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -171,4 +172,116 @@ def paged_prefill_attention(
         q, k_pool, v_pool, block_tables, context_lens, query_start_loc, scale,
         host_context_lens=host_context_lens, host_query_start_loc=host_query_start_loc,
         window=window, sinks=sinks,
+    )
+
+
+def _rotated_query(q: mx.array, keys_rotated: bool) -> mx.array:
+    # the kernels take queries in the keys' basis: the pool stores int4 keys rotated
+    return quantized_reference.rotate(q, q.shape[-1]) if keys_rotated else q
+
+
+def quantized_paged_attention_decode(
+    q: mx.array,
+    k_codes: mx.array,
+    v_codes: mx.array,
+    k_scales: mx.array,
+    v_scales: mx.array,
+    k_biases: Optional[mx.array],
+    v_biases: Optional[mx.array],
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    *,
+    kv_cache_dtype: str,
+    keys_rotated: bool = False,
+    host_context_lens: Optional[Sequence[int]] = None,
+    metal_kernels: Optional[bool] = None,
+    metadata: Optional[metal.DecodeMetadata] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+    reference_index: Optional[reference.DecodeIndex] = None,
+) -> mx.array:
+    """Decode attention over a quantized paged pool: the Metal decode kernel reading the
+    codes (dequantized in registers) when enabled and the shape is supported, else
+    :func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_attention_decode`.
+
+    Shapes: q ``[num_seqs, num_heads, head_dim]`` un-rotated (post-RoPE) queries; codes
+    ``[num_blocks, num_kv_heads, block_size, head_dim]`` int8 (``"int8"``) or
+    ``[.., head_dim // 2]`` uint8 (``"int4"``); scales (and int4 biases) float16
+    ``[num_blocks, num_kv_heads, block_size, head_dim // group_size]``; the rest and the
+    result as for :func:`paged_attention_decode`. ``keys_rotated``: the pool stores keys
+    rotated by the Walsh-Hadamard matrix, so the queries are rotated to match (both paths).
+
+    Raises:
+        KernelError: malformed quantized arrays on the kernel path.
+    """
+    if metal_path_enabled(metal_kernels):
+        quantized = dict(kv_cache_dtype=kv_cache_dtype, k_scales=k_scales, v_scales=v_scales,
+                         k_biases=k_biases, v_biases=v_biases)
+        reason = metal.decode_unsupported_reason(q, k_codes, v_codes, block_tables, context_lens, **quantized)
+        if reason is None:
+            return metal.paged_attention_decode(
+                _rotated_query(q, keys_rotated), k_codes, v_codes, block_tables, context_lens, scale,
+                metadata=metadata, window=window, sinks=sinks, **quantized,
+            )
+        _fallback("quantized_paged_attention_decode", reason)
+    return quantized_reference.quantized_paged_attention_decode(
+        q, k_codes, v_codes, k_scales, v_scales, k_biases, v_biases, block_tables, context_lens, scale,
+        keys_rotated=keys_rotated, host_context_lens=host_context_lens, window=window, sinks=sinks,
+        index=reference_index,
+    )
+
+
+def quantized_paged_prefill_attention(
+    q: mx.array,
+    k_codes: mx.array,
+    v_codes: mx.array,
+    k_scales: mx.array,
+    v_scales: mx.array,
+    k_biases: Optional[mx.array],
+    v_biases: Optional[mx.array],
+    block_tables: mx.array,
+    context_lens: mx.array,
+    query_start_loc: mx.array,
+    scale: float,
+    *,
+    kv_cache_dtype: str,
+    keys_rotated: bool = False,
+    host_context_lens: Optional[Sequence[int]] = None,
+    host_query_start_loc: Optional[Sequence[int]] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+    metal_kernels: Optional[bool] = None,
+) -> mx.array:
+    """Causal varlen prefill attention over a quantized paged pool: the Metal prefill
+    kernel (tiles dequantized while staged) for chunks of at most
+    :data:`~mlx_ferrum.kernels.metal.PREFILL_KERNEL_MAX_QUERY_LEN` rows when enabled and
+    supported, else :func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_prefill_attention`
+    (the matrix kernel reads float pools only). Shapes as for
+    :func:`quantized_paged_attention_decode` and :func:`paged_prefill_attention`.
+
+    Raises:
+        KernelError: malformed quantized arrays on the kernel path.
+    """
+    if metal_path_enabled(metal_kernels):
+        quantized = dict(kv_cache_dtype=kv_cache_dtype, k_scales=k_scales, v_scales=v_scales,
+                         k_biases=k_biases, v_biases=v_biases)
+        ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
+        qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
+        reason = metal.prefill_unsupported_reason(q, k_codes, v_codes, block_tables, ctx, qsl, **quantized)
+        longest = max((b - a for a, b in zip(qsl, qsl[1:])), default=0)
+        if reason is None and longest <= metal.PREFILL_KERNEL_MAX_QUERY_LEN:
+            return metal.paged_prefill_attention(
+                _rotated_query(q, keys_rotated), k_codes, v_codes, block_tables, context_lens, query_start_loc,
+                scale, host_context_lens=ctx, host_query_start_loc=qsl, window=window, sinks=sinks, **quantized,
+            )
+        if reason is None:
+            _routed_to_reference(longest)
+        else:
+            _fallback("quantized_paged_prefill_attention", reason)
+        host_context_lens, host_query_start_loc = ctx, qsl
+    return quantized_reference.quantized_paged_prefill_attention(
+        q, k_codes, v_codes, k_scales, v_scales, k_biases, v_biases, block_tables, context_lens, query_start_loc,
+        scale, keys_rotated=keys_rotated, host_context_lens=host_context_lens,
+        host_query_start_loc=host_query_start_loc, window=window, sinks=sinks,
     )

@@ -18,23 +18,17 @@ round trip, which equals what the pool holds. So a prompt's output is the same w
 its prefix came from the prefix cache, an earlier chunk or this pass, and a batch
 gives what its requests give one at a time.
 
-The Metal kernels over quantized blocks are not wired here: :class:`QuantizedPagedAttentionBackend`
-runs the quantized reference on every device; its :meth:`~QuantizedPagedAttentionBackend.decode_attention`
-and :meth:`~QuantizedPagedAttentionBackend.prefill_attention` are where they plug in.
+:class:`QuantizedPagedAttentionBackend` runs the Metal decode and prefill kernels over the
+quantized blocks where the Metal path is on (codes dequantized in registers, queries rotated
+before the launch), else the quantized reference (:mod:`mlx_ferrum.kernels`' dispatch).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kernels.quantized_reference import (
-    check_kv_cache_dtype,
-    dequantize_kv,
-    quantize_kv,
-    quantized_paged_attention_decode,
-    quantized_paged_prefill_attention,
-    rotate,
-)
+from .. import kernels
+from ..kernels.quantized_reference import check_kv_cache_dtype, dequantize_kv, quantize_kv, rotate
 from ..errors import ConfigurationError
 from .backends import ContiguousAttentionBackend, PagedAttentionBackend, PagedGroupTables
 
@@ -68,9 +62,7 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         ConfigurationError: ``kv_cache_dtype`` is not "int8" or "int4".
     """
 
-    #: no Metal kernel reads quantized blocks yet: the reference runs on every device, and
-    #: fresh prompts are batched as on the CPU
-    uses_metal_kernels = False
+    uses_metal_kernels = True
 
     def __init__(self, kv_cache_dtype: str, rotate_keys: bool):
         _check_quantized(kv_cache_dtype)
@@ -81,26 +73,28 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
 
     def decode_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, scale: float,
                          window=None, sinks=None) -> mx.array:
-        """Decode rows ``q`` ``[nd, H, D]`` over the dequantized gathered blocks -> ``[nd, H, D]``
-        (:func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_attention_decode`)."""
+        """Decode rows ``q`` ``[nd, H, D]`` -> ``[nd, H, D]`` over the quantized blocks
+        (:func:`~mlx_ferrum.kernels.quantized_paged_attention_decode`: the Metal kernel
+        dequantizing in registers, or the reference over the gathered blocks)."""
         nd = q.shape[0]
-        return quantized_paged_attention_decode(
+        return kernels.quantized_paged_attention_decode(
             q, *meta.pool.layer_arrays(layer), tables.block_tables[:nd], meta.context_lens[:nd], scale,
-            keys_rotated=self.rotate_keys, host_context_lens=meta.host_context_lens[:nd] or None,
-            window=window, sinks=sinks, index=tables.decode_index,
+            kv_cache_dtype=self.kv_cache_dtype, keys_rotated=self.rotate_keys,
+            host_context_lens=meta.host_context_lens[:nd] or None, metal_kernels=meta.metal_kernels,
+            metadata=tables.decode_launch, window=window, sinks=sinks, reference_index=tables.decode_index,
         )
 
     def prefill_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, first: int, last: int,
                           scale: float, window=None, sinks=None) -> mx.array:
-        """Prefill rows ``first .. last - 1`` over their dequantized blocks
-        (:func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_prefill_attention`)."""
+        """Prefill rows ``first .. last - 1`` over their quantized blocks
+        (:func:`~mlx_ferrum.kernels.quantized_paged_prefill_attention`)."""
         starts = meta.host_query_start_loc
         rel = [x - starts[first] for x in starts[first : last + 1]]
-        return quantized_paged_prefill_attention(
+        return kernels.quantized_paged_prefill_attention(
             q, *meta.pool.layer_arrays(layer), tables.block_tables[first:last], meta.context_lens[first:last],
-            mx.array(rel, dtype=mx.int32), scale, keys_rotated=self.rotate_keys,
+            mx.array(rel, dtype=mx.int32), scale, kv_cache_dtype=self.kv_cache_dtype, keys_rotated=self.rotate_keys,
             host_context_lens=meta.host_context_lens[first:last], host_query_start_loc=rel,
-            window=window, sinks=sinks,
+            window=window, sinks=sinks, metal_kernels=meta.metal_kernels,
         )
 
     def fresh_attention(self, q: mx.array, k: mx.array, v: mx.array, num_seqs: int, scale: float,
