@@ -61,6 +61,17 @@ def _parse_speculative(var: str, raw: str) -> Optional[str]:
     return "ngram" if v.lower() == "ngram" else v
 
 
+#: ``mx.distributed.init`` backends (``any``: the first one that is up)
+DISTRIBUTED_BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
+
+
+def _parse_backend(var: str, raw: str) -> str:
+    v = raw.strip().lower()
+    if v not in DISTRIBUTED_BACKENDS:
+        raise ConfigurationError(f"{var}={raw!r} is not valid: use one of {', '.join(DISTRIBUTED_BACKENDS)}")
+    return v
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -86,6 +97,10 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "max_loras": ("FERRUM_MAX_LORAS", _parse_int, 8),
     "max_lora_rank": ("FERRUM_MAX_LORA_RANK", _parse_int, 64),
     "max_cpu_loras": ("FERRUM_MAX_CPU_LORAS", _parse_int, None),
+    "tensor_parallel_size": ("FERRUM_TENSOR_PARALLEL_SIZE", _parse_int, 1),
+    "pipeline_parallel_size": ("FERRUM_PIPELINE_PARALLEL_SIZE", _parse_int, 1),
+    "distributed_backend": ("FERRUM_DISTRIBUTED_BACKEND", _parse_backend, "any"),
+    "distributed_timeout": ("FERRUM_DISTRIBUTED_TIMEOUT", _parse_int, 60),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -115,6 +130,10 @@ FIELD_HELP: dict[str, str] = {
     "max_loras": "adapters resident at once (slots in every batch)",
     "max_lora_rank": "largest adapter rank accepted (smaller ranks are zero-padded to it)",
     "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted",
+    "tensor_parallel_size": "ranks each layer is split across (tensor parallelism; run under mlx.launch)",
+    "pipeline_parallel_size": "ranks the layers are split across (pipeline parallelism; run under mlx.launch)",
+    "distributed_backend": "mx.distributed backend: any, ring, jaccl, mpi or nccl",
+    "distributed_timeout": "seconds an engine step may wait on the other ranks before this rank exits",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -242,6 +261,19 @@ class RuntimeConfig:
       is this wide (smaller adapters are zero-padded, which adds exact zeros).
     - ``max_cpu_loras`` (``FERRUM_MAX_CPU_LORAS``, None = ``max_loras``): adapters kept loaded
       in memory; the least recently used beyond it are dropped and re-read from disk on use.
+    - ``tensor_parallel_size`` (``FERRUM_TENSOR_PARALLEL_SIZE``, 1): ranks each layer's heads
+      and MLP columns are split across (vLLM's name). Above 1 the process must be one rank
+      of an ``mlx.launch`` group (see :mod:`mlx_ferrum.distributed`).
+    - ``pipeline_parallel_size`` (``FERRUM_PIPELINE_PARALLEL_SIZE``, 1): ranks the decoder
+      layers are split across (vLLM's name). The group's size must equal
+      ``tensor_parallel_size * pipeline_parallel_size``; :attr:`parallel` names the mode.
+    - ``distributed_backend`` (``FERRUM_DISTRIBUTED_BACKEND``, ``any``): the
+      ``mx.distributed`` backend (``ring``, ``jaccl``, ``mpi``, ``nccl``; ``any`` takes the
+      first that is up). Initialised strictly: a backend that is not up is an error,
+      never a silent group of one.
+    - ``distributed_timeout`` (``FERRUM_DISTRIBUTED_TIMEOUT``, 60): seconds one engine step
+      may wait on the other ranks; past it the rank exits with
+      :class:`~mlx_ferrum.errors.DistributedTimeoutError` (a dead or hung peer).
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -270,6 +302,10 @@ class RuntimeConfig:
     max_loras: Optional[int] = None
     max_lora_rank: Optional[int] = None
     max_cpu_loras: Optional[int] = None
+    tensor_parallel_size: Optional[int] = None
+    pipeline_parallel_size: Optional[int] = None
+    distributed_backend: Optional[str] = None
+    distributed_timeout: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -349,11 +385,33 @@ class RuntimeConfig:
                 f"{n('max_cpu_loras')}={v!r} is not valid: use an integer of at least max_loras={self.max_loras} "
                 "(every resident adapter is also loaded), or leave it unset"
             )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ConfigurationError(
+                f"{n('distributed_backend')}={self.distributed_backend!r} is not valid: use one of "
+                f"{', '.join(DISTRIBUTED_BACKENDS)}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(
                 f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "
                 f"{n('prompt_lookup_max')}={self.prompt_lookup_max}: make min <= max"
             )
+
+    @property
+    def parallel(self) -> str:
+        """The parallelism asked for: ``"none"``, ``"tensor"``, ``"pipeline"`` or
+        ``"tensor+pipeline"`` (from the two sizes)."""
+        modes = [m for m, size in (("tensor", self.tensor_parallel_size), ("pipeline", self.pipeline_parallel_size))
+                 if size > 1]
+        return "+".join(modes) or "none"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the parallel sizes need: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def paged(self) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -287,7 +287,8 @@ def _resolve_dtype(dtype: Any) -> Optional[mx.Dtype]:
 
 
 def load_model(
-    path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None
+    path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None,
+    shard: Optional[Callable[[nn.Module], Any]] = None,
 ) -> tuple[nn.Module, dict, Path]:
     """Load a checkpoint folder or hub id into an evaluated model of its family
     (see :mod:`mlx_ferrum.models.registry`).
@@ -299,6 +300,10 @@ def load_model(
             tensor, including quantization scales and biases. Packed uint32
             quantized weights are never cast.
         revision: hub revision, for hub ids only.
+        shard: called with the model once its weights are set and before they are
+            evaluated (a parallel run's sharding plan, :mod:`mlx_ferrum.distributed`):
+            only what the model holds after it is materialized, so a rank keeps only
+            its slices. It may raise ``ShardingError``.
 
     Returns:
         ``(model, config, folder)``: the model in eval mode with its parameters
@@ -342,6 +347,9 @@ def load_model(
     if target is not None:
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
+    if shard is not None:
+        shard(model)
+    del weights  # the full tensors; the model holds only what it keeps
     mx.eval(model.parameters())
     model.eval()
     return model, config, folder
