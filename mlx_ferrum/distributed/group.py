@@ -149,16 +149,22 @@ class Watchdog:
         self._on_timeout = on_timeout
         self._deadline: Optional[float] = None
         self._what = ""
+        self._armed_for = self.timeout_s
+        self._exit_status = WATCHDOG_EXIT_STATUS
         self._cond = threading.Condition()
         self._closed = False
         self.fired = False
         self._thread = threading.Thread(target=self._run, name="mlx-ferrum-watchdog", daemon=True)
         self._thread.start()
 
-    def arm(self, what: str) -> None:
-        """Start guarding ``what`` (e.g. ``"engine step 12"``)."""
+    def arm(self, what: str, timeout_s: Optional[float] = None, exit_status: Optional[int] = None) -> None:
+        """Start guarding ``what`` (e.g. ``"engine step 12"``) for ``timeout_s`` seconds
+        (default: the watchdog's); ``exit_status`` replaces :data:`WATCHDOG_EXIT_STATUS`
+        for this section (a shutdown that finds the peers already gone is no error)."""
         with self._cond:
-            self._deadline = time.monotonic() + self.timeout_s
+            self._deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
+            self._armed_for = self.timeout_s if timeout_s is None else float(timeout_s)
+            self._exit_status = WATCHDOG_EXIT_STATUS if exit_status is None else exit_status
             self._what = what
             self._cond.notify()
 
@@ -172,7 +178,7 @@ class Watchdog:
         with self._cond:
             if self._deadline is None:
                 return 0.0
-            return max(0.0, time.monotonic() - (self._deadline - self.timeout_s))
+            return max(0.0, time.monotonic() - (self._deadline - self._armed_for))
 
     def close(self) -> None:
         """Stop the thread."""
@@ -192,7 +198,7 @@ class Watchdog:
                     continue
                 self.fired = True
                 error = DistributedTimeoutError(
-                    f"rank {self.rank}: {self._what} waited more than {self.timeout_s:g} s for the other ranks "
+                    f"rank {self.rank}: {self._what} waited more than {self._armed_for:g} s for the other ranks "
                     "(a rank died or hangs); exiting. Restart every rank with mlx.launch, or raise "
                     "FERRUM_DISTRIBUTED_TIMEOUT (--distributed-timeout) if steps are legitimately that slow"
                 )
@@ -207,4 +213,4 @@ class Watchdog:
             sys.stderr.write(f"error: {type(error).__name__}: {error}\n")
             sys.stderr.flush()
         finally:
-            os._exit(WATCHDOG_EXIT_STATUS)
+            os._exit(self._exit_status)

@@ -57,6 +57,9 @@ HEADER_BYTES = 4096
 #: seconds between rank 0's heartbeats while it runs no step
 HEARTBEAT_S = 1.0
 
+#: seconds rank 0's ``stop`` broadcast may wait (the others may be gone after Ctrl-C)
+CLOSE_TIMEOUT_S = 5.0
+
 _request_numbers = iter(range(1, 1 << 62))
 
 
@@ -236,10 +239,11 @@ class LockstepEngine(Engine):
             commands, self._commands, self._queued_ids = self._commands, [], set()
         return {"kind": kind, "commands": commands}
 
-    def _exchange(self, kind: str) -> dict:
+    def _exchange(self, kind: str, timeout_s: Optional[float] = None, exit_status: Optional[int] = None) -> dict:
         message = self._take_message(kind) if self.parallel.is_driver else None
         if self.watchdog is not None:
-            self.watchdog.arm(f"engine step {self.num_steps} ({kind if self.parallel.is_driver else 'waiting'})")
+            self.watchdog.arm(f"engine step {self.num_steps} ({kind if self.parallel.is_driver else 'waiting'})",
+                              timeout_s, exit_status)
         try:
             message = self.broadcaster.exchange(message)
         finally:
@@ -325,13 +329,25 @@ class LockstepEngine(Engine):
         if self.parallel.is_driver:
             with self._step_lock:
                 if not self.stopped:
-                    self._exchange("stop")
+                    # bounded: on Ctrl-C the other ranks may have left already
+                    self._exchange("stop", timeout_s=min(CLOSE_TIMEOUT_S, self.parallel.timeout_s), exit_status=0)
                     self.stopped = True
         self._close_watchdog()
 
     def _close_watchdog(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
+
+    def health_problem(self) -> Optional[str]:
+        """A message while a step has waited on the other ranks for more than a quarter
+        of the watchdog's timeout (the server then answers 503), else None."""
+        if self.watchdog is None:
+            return None
+        waited = self.watchdog.waiting_for_s()
+        if waited > self.watchdog.timeout_s / 4:
+            return (f"a rank of the parallel group has not answered for {waited:.0f} s (rank {self.parallel.rank} "
+                    f"exits after {self.watchdog.timeout_s:g} s): retry later")
+        return None
 
     def stats(self) -> dict:
         """``Engine.stats()`` plus the parallel run's facts (rank, sizes, broadcasts)."""
