@@ -411,7 +411,7 @@ def parallel_summary(stats: dict) -> str:
     """One stderr line about a parallel run: the mode, sizes and lockstep traffic."""
     return (f"parallel: {stats['parallel']} over {stats['world_size']} ranks | "
             f"{stats['lockstep_broadcasts']} step broadcasts ({stats['lockstep_collectives']} collectives) "
-            f"for {stats['num_steps']} engine steps")
+            f"for {stats['lockstep_steps']} engine steps")
 
 
 def speculative_summary(stats: dict) -> str:

@@ -158,6 +158,7 @@ class LockstepEngine(Engine):
         self.broadcaster = Broadcaster(parallel)
         self.stopped = False
         self.heartbeats = 0
+        self.steps_run = 0  # calls of Engine.step (num_steps counts only steps that ran a pass)
         self._commands: list[tuple] = []
         self._queued_ids: set[str] = set()
         self._commands_lock = threading.Lock()
@@ -289,6 +290,7 @@ class LockstepEngine(Engine):
                 return []
             with self._lock:
                 self._apply(message["commands"])
+            self.steps_run += 1
             if self.watchdog is not None:
                 self.watchdog.arm(f"engine step {self.num_steps} (forward pass)")
             try:
@@ -361,5 +363,6 @@ class LockstepEngine(Engine):
             "lockstep_broadcasts": self.broadcaster.messages,
             "lockstep_collectives": self.broadcaster.collectives,
             "heartbeats": self.heartbeats,
+            "lockstep_steps": self.steps_run,
         })
         return out

@@ -236,20 +236,28 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def count_all_sums(fn, *args, **kwargs) -> tuple[object, int]:
-    """``(fn(*args, **kwargs), n)``: the result and how many ``mx.distributed.all_sum``
-    calls building it made (the collectives in one forward pass's graph). An
-    instrumented wrapper for tests and reports; not thread-safe."""
-    original = mx.distributed.all_sum
-    calls = [0]
+def count_collectives(fn, *args, **kwargs) -> tuple[object, dict]:
+    """``(fn(*args, **kwargs), counts)``: the result, and how many ``mx.distributed``
+    ``all_sum`` / ``all_gather`` / ``send`` / ``recv_like`` calls building it made (the
+    collectives in one forward pass's graph, when ``fn`` runs one eagerly). An
+    instrumented wrapper for tests and reports; not thread-safe.
+    """
+    names = ("all_sum", "all_gather", "send", "recv_like")
+    originals = {n: getattr(mx.distributed, n) for n in names}
+    counts = dict.fromkeys(names, 0)
 
-    def counted(*a, **k):
-        calls[0] += 1
-        return original(*a, **k)
+    def counted(name):
+        def call(*a, **k):
+            counts[name] += 1
+            return originals[name](*a, **k)
 
-    mx.distributed.all_sum = counted
+        return call
+
+    for n in names:
+        setattr(mx.distributed, n, counted(n))
     try:
         out = fn(*args, **kwargs)
     finally:
-        mx.distributed.all_sum = original
-    return out, calls[0]
+        for n in names:
+            setattr(mx.distributed, n, originals[n])
+    return out, counts

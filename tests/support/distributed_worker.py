@@ -1,0 +1,86 @@
+"""One rank of a 2-process test run (started by ``mlx.launch`` from tests/support/distributed.py).
+
+argv: ``SPEC_JSON OUT_DIR``. The spec names a checkpoint, the parallel mode and a list
+of cases (a KV layout, token-id prompts, sampling parameters). Every rank loads its
+shard, counts the collectives of one eager forward pass, runs every case through a
+:class:`~mlx_ferrum.distributed.lockstep.LockstepEngine` (rank 0 adds the requests;
+the others step as rank 0 says and record the tokens they sampled), and writes
+``OUT_DIR/rank{r}.json`` with ``ok`` and its figures, or ``ok: false`` and the
+traceback: ``mlx.launch`` exits 0 even when a rank fails, so the test reads each
+rank's own file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def main(spec_path: str, out_dir: str) -> int:
+    rank = int(os.environ.get("MLX_RANK", "-1"))
+    result: dict = {"rank": rank, "ok": False}
+    try:
+        _run(json.load(open(spec_path)), result)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported through the file
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # MLX teardown after worker threads may abort on the CPU backend
+
+
+def _run(spec: dict, result: dict) -> None:
+    import mlx.core as mx
+
+    from mlx_ferrum.config import RuntimeConfig
+    from mlx_ferrum.distributed import init_group, load_sharded
+    from mlx_ferrum.distributed.lockstep import LockstepEngine
+    from mlx_ferrum.distributed.sharding import count_collectives, weight_bytes
+    from mlx_ferrum.engine.sampling import SamplingParams
+
+    sizes = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    sizes[f"{spec['mode']}_parallel_size"] = spec["size"]
+    group = init_group(RuntimeConfig(distributed_backend="ring", distributed_timeout=spec.get("timeout", 60), **sizes))
+    result["world_size"] = group.size
+    model, _folder = load_sharded(spec["model"], group)
+    result["weight_bytes"] = weight_bytes(model)
+    result["num_layers"] = len(model.layers)
+    result["local_num_kv_heads"] = model.args.num_key_value_heads
+    logits, counts = count_collectives(lambda: model(mx.array([spec["cases"][0]["prompts"][0]])))
+    mx.eval(logits)
+    result["forward_collectives"] = counts
+    result["logits_shape"] = list(logits.shape)
+    result["cases"] = []
+    for case in spec["cases"]:
+        config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
+                               max_num_blocks=case.get("max_num_blocks"), **sizes)
+        engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
+        params = [SamplingParams(**p) for p in case["params"]]
+        tokens: dict[str, list[int]] = {}
+        if group.is_driver:
+            outs = engine.generate([list(p) for p in case["prompts"]], params)
+            for out in outs:
+                tokens[out.request_id] = list(out.token_ids)
+            order = [out.request_id for out in outs]
+            engine.close()
+        else:
+            while not engine.stopped:
+                for out in engine.step():
+                    if out.finished:
+                        tokens[out.request_id] = list(out.token_ids)
+            order = None
+        stats = engine.stats()
+        result["cases"].append({
+            "tokens": tokens, "order": order, "num_steps": stats["num_steps"], "lockstep_steps": stats["lockstep_steps"],
+            "broadcasts": stats["lockstep_broadcasts"], "collectives": stats["lockstep_collectives"],
+            "heartbeats": stats["heartbeats"], "num_preemptions": stats["num_preemptions"],
+        })
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

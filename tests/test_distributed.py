@@ -1,0 +1,124 @@
+"""Tensor parallelism over 2 processes (``mlx.launch``, ring backend, loopback) against one
+process: the same greedy and seeded tokens, two ``all_sum`` per layer per forward pass,
+one broadcast per engine step, and at most 0.55x of the weight bytes per rank.
+
+The one-process reference is a plain ``Engine`` over the unsharded model in this
+process; the 2-process figures come from each rank's own result file
+(tests/support/distributed_worker.py), since ``mlx.launch`` exits 0 when a rank fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.distributed import one_process_tokens, run_ranks
+
+PROMPTS_FEW = 4
+
+
+def _prompts(vocab: int, n: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[1] + [int(t) for t in rng.integers(low, vocab, int(rng.integers(3, 24)))] for _ in range(n)]
+
+
+def _cases(vocab: int, n: int, max_tokens: int = 12) -> list[dict]:
+    prompts = _prompts(vocab, n)
+    greedy = [dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
+    seeded = [dict(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(n)]
+    return [
+        dict(layout="contiguous", prompts=prompts, params=greedy),
+        dict(layout="paged", prompts=prompts, params=greedy),
+        # a pool of 6 blocks of 16 tokens for 4+ sequences of up to ~36 tokens: preemption
+        dict(layout="paged", prompts=prompts, params=seeded, max_num_blocks=6),
+    ]
+
+
+def _check_identity(results: list[dict], model, cases: list[dict]) -> None:
+    for index, case in enumerate(cases):
+        expected = one_process_tokens(model, case)
+        driver = results[0]["cases"][index]
+        got = [driver["tokens"][rid] for rid in driver["order"]]
+        assert got == expected, f"case {index} ({case['layout']}): TP=2 tokens differ from one process"
+        for other in results[1:]:
+            assert other["cases"][index]["tokens"] == driver["tokens"], f"case {index}: ranks disagree"
+            assert other["cases"][index]["num_steps"] == driver["num_steps"]
+            assert other["cases"][index]["lockstep_steps"] == driver["lockstep_steps"]
+
+
+def _check_traffic(results: list[dict], num_layers: int, vocabulary_parallel: bool = True) -> None:
+    for res in results:
+        counts = res["forward_collectives"]
+        # two per layer (o_proj, down_proj / the MoE block), one for the embedding lookup
+        assert counts["all_sum"] == 2 * num_layers + (1 if vocabulary_parallel else 0), counts
+        assert counts["all_gather"] == (1 if vocabulary_parallel else 0), counts
+        for case in res["cases"]:
+            # one broadcast per engine step, plus rank 0's idle heartbeats and the final stop
+            assert case["broadcasts"] == case["lockstep_steps"] + case["heartbeats"] + 1, case
+            assert case["collectives"] == case["broadcasts"], case  # no step needed a second all_sum
+
+
+def _one_process_bytes(model) -> int:
+    from mlx_ferrum.distributed.sharding import weight_bytes
+
+    return weight_bytes(model)
+
+
+def test_tensor_parallel_stories260k_matches_one_process(stories_path, tmp_path):
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = _cases(model.args.vocab_size, PROMPTS_FEW)
+    results = run_ranks({"model": str(stories_path), "mode": "tensor", "size": 2, "cases": cases}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_traffic(results, model.args.num_hidden_layers)
+    full = _one_process_bytes(model)
+    for res in results:
+        assert res["local_num_kv_heads"] == model.args.num_key_value_heads // 2
+        assert res["weight_bytes"] <= 0.55 * full, (res["weight_bytes"], full)
+    assert results[0]["cases"][2]["num_preemptions"] > 0  # the small pool did preempt
+
+
+def test_tensor_parallel_tiny_dense_sharded_checkpoint(tmp_path):
+    """A Qwen3-style checkpoint (q/k norms, head_dim != hidden/heads, untied head) written as
+    two safetensors shards with an index."""
+    from checkpoints import cached_checkpoint
+    from mlx_ferrum.models.loader import load_model
+
+    folder = cached_checkpoint("qwen3", sharded=True)
+    model, _, _ = load_model(folder)
+    cases = _cases(model.args.vocab_size, 3, max_tokens=8)[:2]
+    results = run_ranks({"model": str(folder), "mode": "tensor", "size": 2, "cases": cases}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_traffic(results, model.args.num_hidden_layers)
+    full = _one_process_bytes(model)
+    assert all(res["weight_bytes"] <= 0.55 * full for res in results)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_quantized_checkpoint(tmp_path):
+    """mlx-lm's 4-bit affine conversion (one module at 8 bits, one left float): the
+    quantized projections are split with mlx's QuantizedAllToSharded/ShardedToAll layers;
+    the quantized embedding stays replicated."""
+    from checkpoints import cached_checkpoint
+    from mlx_ferrum.models.loader import load_model
+
+    folder = cached_checkpoint("llama2", quantized=True)
+    model, _, _ = load_model(folder)
+    cases = _cases(model.args.vocab_size, 3, max_tokens=8)[:2]
+    results = run_ranks({"model": str(folder), "mode": "tensor", "size": 2, "cases": cases}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_traffic(results, model.args.num_hidden_layers, vocabulary_parallel=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = _cases(model.args.vocab_size, 50, max_tokens=24)
+    cases[2]["max_num_blocks"] = 40
+    results = run_ranks({"model": str(stories_path), "mode": "tensor", "size": 2, "cases": cases}, tmp_path,
+                        timeout=900)
+    _check_identity(results, model, cases)
