@@ -1,0 +1,163 @@
+"""Start-up checks of parallel runs, in one process: configuration, the strict group
+check, sharding refusals, the broadcast framing, the watchdog and the CLI flags."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from mlx_ferrum.config import RuntimeConfig
+from mlx_ferrum.distributed.group import ParallelGroup, Watchdog, init_group
+from mlx_ferrum.errors import (
+    ConfigurationError,
+    DistributedConfigurationError,
+    DistributedTimeoutError,
+    ShardingError,
+)
+
+
+class _Group:
+    """A stand-in for ``mx.distributed.Group`` of a given size."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def test_parallel_sizes_from_environment_and_arguments(monkeypatch):
+    monkeypatch.setenv("FERRUM_TENSOR_PARALLEL_SIZE", "2")
+    config = RuntimeConfig()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.parallel) == (2, 1, "tensor")
+    assert RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=4).parallel == "pipeline"
+    assert RuntimeConfig(tensor_parallel_size=1).parallel == "none"
+    monkeypatch.setenv("FERRUM_PIPELINE_PARALLEL_SIZE", "zero")
+    with pytest.raises(ConfigurationError, match="FERRUM_PIPELINE_PARALLEL_SIZE"):
+        RuntimeConfig()
+    with pytest.raises(ConfigurationError, match="tensor_parallel_size"):
+        RuntimeConfig(tensor_parallel_size=0, pipeline_parallel_size=1)
+    with pytest.raises(ConfigurationError, match="distributed_backend"):
+        RuntimeConfig(distributed_backend="tcp", pipeline_parallel_size=1)
+
+
+def test_no_launcher_is_a_named_error_never_a_group_of_one():
+    # this test process was not started by mlx.launch: strict init finds no backend
+    with pytest.raises(DistributedConfigurationError, match="mlx.launch"):
+        init_group(RuntimeConfig(tensor_parallel_size=2, pipeline_parallel_size=1))
+
+
+def test_group_size_must_equal_the_product_of_the_sizes():
+    config = RuntimeConfig(tensor_parallel_size=4, pipeline_parallel_size=1)
+    with pytest.raises(DistributedConfigurationError, match="needs a group of 4 ranks, but mlx.launch started 2"):
+        init_group(config, init=lambda **kw: _Group(2))
+    seen = {}
+
+    def strict_init(**kwargs):
+        seen.update(kwargs)
+        return _Group(4, 3)
+
+    group = init_group(config, init=strict_init)
+    assert seen["strict"] is True and (group.rank, group.size, group.mode) == (3, 4, "tensor")
+    assert init_group(RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1)) is None
+
+
+def test_heads_not_divisible_by_the_group_are_refused():
+    from tiny_models import tiny_model
+
+    from mlx_ferrum.distributed.sharding import shard_model
+
+    model = tiny_model("llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ShardingError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+        shard_model(model, _Group(3))
+    with pytest.raises(ShardingError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):
+        shard_model(model, _Group(4))
+
+
+def test_lockstep_refuses_lora_and_speculation():
+    from mlx_ferrum.distributed.lockstep import check_lockstep_config
+
+    with pytest.raises(DistributedConfigurationError, match="LoRA"):
+        check_lockstep_config(RuntimeConfig(enable_lora=True))
+    with pytest.raises(DistributedConfigurationError, match="speculative"):
+        check_lockstep_config(RuntimeConfig(speculative="ngram"))
+    check_lockstep_config(RuntimeConfig(enable_lora=False, speculative=None))
+
+
+@pytest.mark.parametrize("size, collectives", [(10, 1), (5000, 2)])
+def test_broadcast_framing_one_collective_unless_the_message_is_long(size, collectives):
+    """Rank 0's buffers, summed with the zeros of the other ranks (an all_sum), decode to
+    its message on a receiving rank; a message past the header takes a second all_sum."""
+    import numpy as np
+
+    from mlx_ferrum.distributed.lockstep import Broadcaster
+
+    sent = []
+
+    class Sender(Broadcaster):
+        def _all_sum(self, buffer):
+            self.collectives += 1
+            sent.append(buffer.copy())
+            return bytes(buffer)
+
+    class Receiver(Broadcaster):
+        def _all_sum(self, buffer):
+            self.collectives += 1
+            assert not buffer.any()  # a receiving rank contributes zeros
+            return bytes(sent[self.collectives - 1] + buffer)
+
+    message = {"kind": "step", "commands": [("add", "req-1", list(range(size)), None)]}
+    sender = Sender(ParallelGroup(None, 0, 2, 2, 1))
+    receiver = Receiver(ParallelGroup(None, 1, 2, 2, 1))
+    assert sender.exchange(message) == message
+    assert receiver.exchange() == message
+    assert sender.collectives == receiver.collectives == collectives
+    assert sender.messages == receiver.messages == 1
+    assert all(b.dtype == np.uint8 for b in sent)
+
+
+def test_broadcast_over_a_real_group_of_one():
+    from mlx_ferrum.distributed.lockstep import Broadcaster
+
+    group = mx.distributed.init()  # not strict: this process alone
+    broadcaster = Broadcaster(ParallelGroup(group, 0, 1, 1, 1))
+    assert broadcaster.exchange({"kind": "stop"}) == {"kind": "stop"}
+
+
+def test_watchdog_fires_on_a_stalled_step_and_not_on_a_finished_one():
+    fired = []
+    done = threading.Event()
+    dog = Watchdog(rank=1, timeout_s=0.2, on_timeout=lambda e: (fired.append(e), done.set()))
+    dog.arm("engine step 1")
+    time.sleep(0.05)
+    dog.disarm()
+    time.sleep(0.3)
+    assert not fired
+    dog.arm("engine step 2")
+    assert done.wait(2.0)
+    assert isinstance(fired[0], DistributedTimeoutError) and "rank 1: engine step 2" in str(fired[0])
+
+
+def test_cli_parallel_flags_and_their_defaults_in_help(capsys):
+    from mlx_ferrum.cli import build_parser
+
+    for command in ("generate", "chat", "bench", "serve"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--tensor-parallel-size" in text and "--pipeline-parallel-size" in text, command
+        assert "$FERRUM_TENSOR_PARALLEL_SIZE, else 1" in text, command
+
+
+def test_cli_generate_without_launcher_fails_with_the_launch_command(stories_path, capsys):
+    from mlx_ferrum.cli import main
+
+    code = main(["generate", "--model", str(stories_path), "--prompt", "Hi", "--tensor-parallel-size", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "DistributedConfigurationError" not in err and "mlx.launch --backend ring -n 2" in err
