@@ -122,3 +122,25 @@ def test_tensor_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
     results = run_ranks({"model": str(stories_path), "mode": "tensor", "size": 2, "cases": cases}, tmp_path,
                         timeout=900)
     _check_identity(results, model, cases)
+
+
+@pytest.mark.parametrize("family", [
+    "gpt_oss",  # attention sinks, sliding and full layers, biased experts sharded across ranks
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),  # experts sharded, one dense layer
+    pytest.param("gemma3_text", marks=pytest.mark.slow),  # sliding windows, scaled tied embedding
+])
+def test_tensor_parallel_other_families_match_one_process(family, tmp_path):
+    """Tiny random checkpoints written by transformers' save_pretrained; windows of 6
+    tokens so the prompts and outputs cross them."""
+    hf_reference = pytest.importorskip("hf_reference")
+    from mlx_ferrum.models.loader import load_model
+
+    folder = tmp_path / family
+    hf_reference.make_checkpoint(family, folder, window=6)
+    model, _, _ = load_model(folder)
+    cases = _cases(model.args.vocab_size, 3, max_tokens=10)[:2]
+    results = run_ranks({"model": str(folder), "mode": "tensor", "size": 2, "cases": cases}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_traffic(results, model.args.num_hidden_layers)
+    full = _one_process_bytes(model)
+    assert all(res["weight_bytes"] <= 0.55 * full for res in results), ([r["weight_bytes"] for r in results], full)

@@ -63,8 +63,9 @@ def check_shardable(args, size: int) -> None:
     """
     _check_divisible("num_attention_heads", args.num_attention_heads, size)
     _check_divisible("num_key_value_heads", args.num_key_value_heads, size)
-    width = getattr(args, "moe_intermediate_size", None) or args.intermediate_size
-    _check_divisible("intermediate_size", width, size)
+    _check_divisible("intermediate_size", args.intermediate_size, size)
+    if getattr(args, "moe_intermediate_size", None):
+        _check_divisible("moe_intermediate_size", args.moe_intermediate_size, size)
 
 
 class SumAcrossRanks(nn.Module):
