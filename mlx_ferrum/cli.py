@@ -163,6 +163,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help=f"{FIELD_HELP['tensor_parallel_size']} (default: $FERRUM_TENSOR_PARALLEL_SIZE, else 1)")
     p.add_argument("--pipeline-parallel-size", type=positive_int, default=None, metavar="N",
                    help=f"{FIELD_HELP['pipeline_parallel_size']} (default: $FERRUM_PIPELINE_PARALLEL_SIZE, else 1)")
+    p.add_argument("--pipeline-split", default=None, metavar="N,N,...",
+                   help=f"{FIELD_HELP['pipeline_split']} (default: $FERRUM_PIPELINE_SPLIT, else an even split)")
     p.add_argument("--distributed-backend", default=None, choices=DISTRIBUTED_BACKENDS,
                    help=f"{FIELD_HELP['distributed_backend']} (default: $FERRUM_DISTRIBUTED_BACKEND, else any)")
 
@@ -237,7 +239,7 @@ def _config(args) -> RuntimeConfig:
     if getattr(args, "speculative", None):
         overrides["speculative"] = args.speculative
     for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_min_acceptance",
-                 "tensor_parallel_size", "pipeline_parallel_size", "distributed_backend"):
+                 "tensor_parallel_size", "pipeline_parallel_size", "distributed_backend", "pipeline_split"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
     return _runtime_config(overrides)
@@ -570,6 +572,8 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
             default = "off"
         elif f.name == "max_cpu_loras":
             default = "--max-loras"
+        elif f.name == "pipeline_split":
+            default = "an even split"
         elif isinstance(default, bool):
             default = int(default)
         kind = _runtime_flag_type(parse, f.name)

@@ -72,6 +72,16 @@ def _parse_backend(var: str, raw: str) -> str:
     return v
 
 
+def _parse_split(var: str, raw: str) -> Optional[str]:
+    v = raw.strip().replace(" ", "")
+    if not v:
+        return None
+    parts = v.split(",")
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigurationError(f"{var}={raw!r} is not valid: give layers per pipeline rank, e.g. 3,2")
+    return v
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -101,6 +111,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "pipeline_parallel_size": ("FERRUM_PIPELINE_PARALLEL_SIZE", _parse_int, 1),
     "distributed_backend": ("FERRUM_DISTRIBUTED_BACKEND", _parse_backend, "any"),
     "distributed_timeout": ("FERRUM_DISTRIBUTED_TIMEOUT", _parse_int, 60),
+    "pipeline_split": ("FERRUM_PIPELINE_SPLIT", _parse_split, None),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -134,6 +145,7 @@ FIELD_HELP: dict[str, str] = {
     "pipeline_parallel_size": "ranks the layers are split across (pipeline parallelism; run under mlx.launch)",
     "distributed_backend": "mx.distributed backend: any, ring, jaccl, mpi or nccl",
     "distributed_timeout": "seconds an engine step may wait on the other ranks before this rank exits",
+    "pipeline_split": "layers per pipeline rank, e.g. 3,2 (the sum is the model's layers)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -274,6 +286,8 @@ class RuntimeConfig:
     - ``distributed_timeout`` (``FERRUM_DISTRIBUTED_TIMEOUT``, 60): seconds one engine step
       may wait on the other ranks; past it the rank exits with
       :class:`~mlx_ferrum.errors.DistributedTimeoutError` (a dead or hung peer).
+    - ``pipeline_split`` (``FERRUM_PIPELINE_SPLIT``, None = even): layers per pipeline rank,
+      ``"3,2"``; checked against the model's layer count at load.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -306,6 +320,7 @@ class RuntimeConfig:
     pipeline_parallel_size: Optional[int] = None
     distributed_backend: Optional[str] = None
     distributed_timeout: Optional[int] = None
+    pipeline_split: Optional[str] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -389,6 +404,8 @@ class RuntimeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.pipeline_split is not None:
+            self.pipeline_split = _parse_split(n("pipeline_split"), str(self.pipeline_split))
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ConfigurationError(
                 f"{n('distributed_backend')}={self.distributed_backend!r} is not valid: use one of "

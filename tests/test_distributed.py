@@ -47,16 +47,21 @@ def _check_identity(results: list[dict], model, cases: list[dict]) -> None:
             assert other["cases"][index]["lockstep_steps"] == driver["lockstep_steps"]
 
 
+def _check_steps(results: list[dict]) -> None:
+    for res in results:
+        for case in res["cases"]:
+            # one broadcast per engine step, plus rank 0's idle heartbeats and the final stop
+            assert case["broadcasts"] == case["lockstep_steps"] + case["heartbeats"] + 1, case
+            assert case["collectives"] == case["broadcasts"], case  # no step needed a second all_sum
+
+
 def _check_traffic(results: list[dict], num_layers: int, vocabulary_parallel: bool = True) -> None:
+    _check_steps(results)
     for res in results:
         counts = res["forward_collectives"]
         # two per layer (o_proj, down_proj / the MoE block), one for the embedding lookup
         assert counts["all_sum"] == 2 * num_layers + (1 if vocabulary_parallel else 0), counts
         assert counts["all_gather"] == (1 if vocabulary_parallel else 0), counts
-        for case in res["cases"]:
-            # one broadcast per engine step, plus rank 0's idle heartbeats and the final stop
-            assert case["broadcasts"] == case["lockstep_steps"] + case["heartbeats"] + 1, case
-            assert case["collectives"] == case["broadcasts"], case  # no step needed a second all_sum
 
 
 def _one_process_bytes(model) -> int:
@@ -124,10 +129,11 @@ def test_tensor_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
     _check_identity(results, model, cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [
     "gpt_oss",  # attention sinks, sliding and full layers, biased experts sharded across ranks
-    pytest.param("qwen3_moe", marks=pytest.mark.slow),  # experts sharded, one dense layer
-    pytest.param("gemma3_text", marks=pytest.mark.slow),  # sliding windows, scaled tied embedding
+    "qwen3_moe",  # experts sharded, one dense layer
+    "gemma3_text",  # sliding windows, scaled tied embedding
 ])
 def test_tensor_parallel_other_families_match_one_process(family, tmp_path):
     """Tiny random checkpoints written by transformers' save_pretrained; windows of 6
@@ -144,3 +150,73 @@ def test_tensor_parallel_other_families_match_one_process(family, tmp_path):
     _check_traffic(results, model.args.num_hidden_layers)
     full = _one_process_bytes(model)
     assert all(res["weight_bytes"] <= 0.55 * full for res in results), ([r["weight_bytes"] for r in results], full)
+
+
+def _check_pipeline_traffic(results: list[dict]) -> None:
+    _check_steps(results)
+    size = len(results)
+    for rank, res in enumerate(results):
+        counts = res["forward_collectives"]
+        # activations rank r -> r+1, then the last rank's logits summed with zeros
+        assert counts["send"] == (1 if rank < size - 1 else 0), counts
+        assert counts["recv_like"] == (1 if rank > 0 else 0), counts
+        assert counts["all_sum"] == 1 and counts["all_gather"] == 0, counts
+
+
+def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_path):
+    """5 layers on 2 ranks, split 2,3 (the tied embedding is on both ends)."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = _cases(model.args.vocab_size, PROMPTS_FEW)
+    results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases,
+                         "pipeline_split": "2,3"}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_pipeline_traffic(results)
+    assert [res["num_layers"] for res in results] == [2, 3]
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_sharded_checkpoint_reads_only_its_shards(tmp_path):
+    """Two layers, two safetensors shards (embedding + layer 0; layer 1 + norm + head):
+    each rank opens only its own shard and holds about half of the weights."""
+    from checkpoints import cached_checkpoint
+    from mlx_ferrum.models.loader import load_model
+
+    folder = cached_checkpoint("qwen3", sharded=True)
+    model, _, _ = load_model(folder)
+    cases = _cases(model.args.vocab_size, 3, max_tokens=8)
+    results = run_ranks({"model": str(folder), "mode": "pipeline", "size": 2, "cases": cases}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_pipeline_traffic(results)
+    assert results[0]["opened_files"] == ["model-00001-of-00002.safetensors"]
+    assert results[1]["opened_files"] == ["model-00002-of-00002.safetensors"]
+    full = _one_process_bytes(model)
+    assert all(res["weight_bytes"] <= 0.55 * full for res in results), ([r["weight_bytes"] for r in results], full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "qwen3_moe"])
+def test_pipeline_parallel_other_families_match_one_process(family, tmp_path):
+    hf_reference = pytest.importorskip("hf_reference")
+    from mlx_ferrum.models.loader import load_model
+
+    folder = tmp_path / family
+    hf_reference.make_checkpoint(family, folder, window=6)
+    model, _, _ = load_model(folder)
+    cases = _cases(model.args.vocab_size, 3, max_tokens=10)[:2]
+    results = run_ranks({"model": str(folder), "mode": "pipeline", "size": 2, "cases": cases}, tmp_path)
+    _check_identity(results, model, cases)
+    _check_pipeline_traffic(results)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = _cases(model.args.vocab_size, 50, max_tokens=24)
+    cases[2]["max_num_blocks"] = 40
+    results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases}, tmp_path,
+                        timeout=900)
+    _check_identity(results, model, cases)

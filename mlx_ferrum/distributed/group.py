@@ -47,6 +47,7 @@ class ParallelGroup:
         rank, size: this process's rank and the number of ranks.
         tensor_parallel_size, pipeline_parallel_size: the sizes; ``size`` is their product.
         timeout_s: seconds a step may wait on the other ranks (see :class:`Watchdog`).
+        pipeline_split: layers per pipeline rank (``"3,2"``), or None for an even split.
     """
 
     group: Any
@@ -55,6 +56,7 @@ class ParallelGroup:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     timeout_s: float = 60.0
+    pipeline_split: Optional[str] = None
 
     @property
     def is_driver(self) -> bool:
@@ -124,7 +126,7 @@ def init_group(config: RuntimeConfig, init: Optional[Callable[..., Any]] = None)
             "(or the hosts file's slots), or change the sizes so that their product is the group size"
         )
     return ParallelGroup(group, group.rank(), group.size(), config.tensor_parallel_size,
-                         config.pipeline_parallel_size, float(config.distributed_timeout))
+                         config.pipeline_parallel_size, float(config.distributed_timeout), config.pipeline_split)
 
 
 class Watchdog:

@@ -153,6 +153,10 @@ class LockstepEngine(Engine):
     def __init__(self, model, tokenizer, config: RuntimeConfig, parallel: ParallelGroup,
                  heartbeat_s: float = HEARTBEAT_S, watchdog: bool = True):
         check_lockstep_config(config)
+        if getattr(model, "pipeline_stage", None) is not None and not config.enforce_eager:
+            # a pipeline stage evaluates each pass's logits while building it
+            # (pipeline._finish_pass), which a compiled trace cannot do
+            config = dataclasses.replace(config, enforce_eager=True)
         super().__init__(model, tokenizer, config)
         self.parallel = parallel
         self.broadcaster = Broadcaster(parallel)

@@ -43,9 +43,20 @@ def _run(spec: dict, result: dict) -> None:
     from mlx_ferrum.distributed.sharding import count_collectives, weight_bytes
     from mlx_ferrum.engine.sampling import SamplingParams
 
+    import mlx_ferrum.models.loader as loader
+
+    opened = result["opened_files"] = []
+    read = loader._load_safetensors
+
+    def recording(file):
+        opened.append(os.path.basename(str(file)))
+        return read(file)
+
+    loader._load_safetensors = recording
     sizes = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
     sizes[f"{spec['mode']}_parallel_size"] = spec["size"]
-    group = init_group(RuntimeConfig(distributed_backend="ring", distributed_timeout=spec.get("timeout", 60), **sizes))
+    group = init_group(RuntimeConfig(distributed_backend="ring", distributed_timeout=spec.get("timeout", 60),
+                                     pipeline_split=spec.get("pipeline_split"), **sizes))
     result["world_size"] = group.size
     model, _folder = load_sharded(spec["model"], group)
     result["weight_bytes"] = weight_bytes(model)
