@@ -316,7 +316,7 @@ class _Parallel:
 
             check_lockstep_config(config)
         self.group = init_group(config)
-        self.model, self.tokenizer = _load(args, self.group)
+        self.model, self.tokenizer = _load(args) if self.group is None else _load(args, self.group)
         self.engine = (lockstep_engine(self.model, self.tokenizer, config, self.group)
                        if self.group is not None else None)
 
@@ -693,7 +693,7 @@ def cmd_serve(args) -> int:
         sock = bind_socket(args.host, args.port)
         host, port = args.host, sock.getsockname()[1]
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-        model, tokenizer = _load(args, group)
+        model, tokenizer = _load(args) if group is None else _load(args, group)
         names = args.served_model_name or [args.model]
         engine = lockstep_engine(model, tokenizer, config, group) if group is not None else None
         where = f", {group.mode} parallel over {group.size} ranks" if group is not None else ""

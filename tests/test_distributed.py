@@ -80,6 +80,9 @@ def test_tensor_parallel_stories260k_matches_one_process(stories_path, tmp_path)
     _check_traffic(results, model.args.num_hidden_layers)
     full = _one_process_bytes(model)
     for res in results:
+        assert res["capabilities"] == {"supports_tensor_parallelism": True, "supports_pipeline_parallelism": False,
+                                       "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+                                       "supports_speculative_decoding": False}
         assert res["local_num_kv_heads"] == model.args.num_key_value_heads // 2
         assert res["weight_bytes"] <= 0.55 * full, (res["weight_bytes"], full)
     assert results[0]["cases"][2]["num_preemptions"] > 0  # the small pool did preempt
@@ -174,6 +177,10 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
     _check_identity(results, model, cases)
     _check_pipeline_traffic(results)
     assert [res["num_layers"] for res in results] == [2, 3]
+    for res in results:
+        assert res["capabilities"] == {"supports_tensor_parallelism": False, "supports_pipeline_parallelism": True,
+                                       "tensor_parallel_size": 1, "pipeline_parallel_size": 2,
+                                       "supports_speculative_decoding": False}
 
 
 @pytest.mark.slow

@@ -161,3 +161,13 @@ def test_cli_generate_without_launcher_fails_with_the_launch_command(stories_pat
     code = main(["generate", "--model", str(stories_path), "--prompt", "Hi", "--tensor-parallel-size", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "DistributedConfigurationError" not in err and "mlx.launch --backend ring -n 2" in err
+
+
+def test_capabilities_of_one_process_report_no_parallelism():
+    from tiny_models import tiny_model
+
+    from mlx_ferrum.executor import LlmExecutor
+
+    caps = LlmExecutor(tiny_model("llama"), RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1)).capabilities()
+    assert (caps.supports_tensor_parallelism, caps.supports_pipeline_parallelism) == (False, False)
+    assert (caps.tensor_parallel_size, caps.pipeline_parallel_size) == (1, 1)

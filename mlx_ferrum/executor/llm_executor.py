@@ -412,15 +412,22 @@ class LlmExecutor:
         if self.layout == "paged":
             mechs.append(AttentionType.PAGED)
         per_tok_layer = 2 * a.num_key_value_heads * a.head_dim * self.dtype.size
+        model = self.runner.model
+        tensor = int(getattr(model, "tensor_parallel_size", 1))
+        stage = getattr(model, "pipeline_stage", None)
+        pipeline = int(stage.size) if stage is not None else 1
         return ExecutorCapabilities(
             max_batch_size=self.config.max_num_seqs if self.layout == "paged" else 256,
             max_sequence_length=self.max_seq_len,
             attention_mechanisms=mechs,
             supports_dynamic_batching=True,
             supports_continuous_batching=self.layout == "paged",
-            supports_speculative_decoding=True,
-            supports_tensor_parallelism=False,
-            supports_pipeline_parallelism=False,
+            # a split model runs in lockstep, which refuses speculation (distributed.lockstep)
+            supports_speculative_decoding=tensor == 1 and pipeline == 1,
+            supports_tensor_parallelism=tensor > 1,
+            supports_pipeline_parallelism=pipeline > 1,
+            tensor_parallel_size=tensor,
+            pipeline_parallel_size=pipeline,
             supported_dtypes=["float32", "float16", "bfloat16"],
             supported_devices=["gpu" if mx.metal.is_available() else "cpu"],
             memory_requirements=MemoryRequirements(

@@ -66,6 +66,12 @@ def _run(spec: dict, result: dict) -> None:
     mx.eval(logits)
     result["forward_collectives"] = counts
     result["logits_shape"] = list(logits.shape)
+    from mlx_ferrum.executor import LlmExecutor
+
+    caps = LlmExecutor(model, RuntimeConfig(**sizes)).capabilities()
+    result["capabilities"] = {k: getattr(caps, k) for k in (
+        "supports_tensor_parallelism", "supports_pipeline_parallelism", "tensor_parallel_size",
+        "pipeline_parallel_size", "supports_speculative_decoding")}
     result["cases"] = []
     for case in spec["cases"]:
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
