@@ -180,3 +180,9 @@ class DistributedTimeoutError(DistributedError, RuntimeError):
     """A collective (an engine step's broadcast or a forward pass's ``all_sum``) did not
     finish within ``RuntimeConfig.distributed_timeout`` seconds: another rank died or
     hangs. The rank that sees it exits (every rank does, so nothing hangs forever)."""
+
+
+class DistributedPeerLostError(DistributedError, RuntimeError):
+    """The connection to another rank of the group broke (the backend reported it, e.g.
+    the ring's "connection to a peer was lost"): that rank died. The group cannot go on
+    without it, so the rank that sees this exits; restart every rank with ``mlx.launch``."""

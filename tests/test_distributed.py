@@ -227,3 +227,81 @@ def test_pipeline_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
     results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases}, tmp_path,
                         timeout=900)
     _check_identity(results, model, cases)
+
+
+@pytest.mark.slow
+def test_a_rank_that_vanishes_makes_the_others_exit_with_a_named_error(stories_path, tmp_path):
+    """Rank 1 leaves mid-generation (exit 0, so mlx.launch does not stop rank 0 itself):
+    rank 0 exits within the 5 s watchdog bound plus start-up, naming the error, and
+    writes no result (it never finished)."""
+    import time
+
+    from support.distributed import launch_ranks
+
+    spec = {"model": str(stories_path), "mode": "tensor", "size": 2, "timeout": 5, "die_after_steps": 3,
+            "cases": [dict(layout="paged", prompts=[[1, 5, 6, 7]],
+                           params=[dict(temperature=0.0, max_tokens=300, ignore_eos=True)])]}
+    start = time.monotonic()
+    proc, out = launch_ranks(spec, tmp_path, timeout=120)
+    elapsed = time.monotonic() - start
+    assert not (out / "rank0.json").exists() and not (out / "rank1.json").exists()
+    assert ("DistributedPeerLostError: rank 0" in proc.stderr or "DistributedTimeoutError: rank 0" in proc.stderr), \
+        proc.stderr[-2000:]
+    assert elapsed < 60
+
+
+@pytest.mark.slow
+def test_serve_on_two_ranks_answers_like_one_process_and_stops_on_ctrl_c(stories_path, tmp_path):
+    """``mlx-ferrum serve --tensor-parallel-size 2`` under mlx.launch: only rank 0 listens,
+    a greedy completion equals the one-process engine's tokens, and SIGINT to the launch's
+    process group (what Ctrl-C in a terminal sends) ends every rank."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from mlx_ferrum.api import load
+    from mlx_ferrum.engine import Engine
+    from mlx_ferrum.engine.sampling import SamplingParams
+    from support.distributed import ROOT, mlx_launch
+
+    launcher = mlx_launch()
+    if launcher is None:
+        pytest.skip("mlx.launch is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [launcher, "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--", sys.executable, "-m",
+           "mlx_ferrum", "serve", "--model", str(stories_path), "--port", str(port), "--tensor-parallel-size", "2",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
+            time.sleep(0.5)
+        body = {"model": str(stories_path), "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+        text = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        model, tokenizer = load(str(stories_path))
+        expected = Engine(model, tokenizer).generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0))
+        assert text == expected[0].text
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        time.sleep(1)
+        left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+        assert not left, f"ranks still running after Ctrl-C: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

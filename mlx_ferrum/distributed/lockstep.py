@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -46,8 +48,15 @@ from ..config import RuntimeConfig
 from ..engine.engine import Engine, context_full_message
 from ..engine.prompt import Prompt, encode_prompt
 from ..engine.sampling import SamplingParams
-from ..errors import DistributedConfigurationError, DistributedError, EngineShutdownError, PromptTooLongError, RequestError
-from .group import ParallelGroup, Watchdog
+from ..errors import (
+    DistributedConfigurationError,
+    DistributedError,
+    DistributedPeerLostError,
+    EngineShutdownError,
+    PromptTooLongError,
+    RequestError,
+)
+from .group import WATCHDOG_EXIT_STATUS, ParallelGroup, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +149,9 @@ class LockstepEngine(Engine):
         parallel: the group (:func:`~mlx_ferrum.distributed.init_group`).
         heartbeat_s: rank 0's heartbeat period while idle (seconds).
         watchdog: guard every step with a :class:`Watchdog` of ``parallel.timeout_s``.
+        exit_on_peer_loss: when a broadcast fails (a rank died), print the
+            :class:`~mlx_ferrum.errors.DistributedPeerLostError` and exit the process
+            (status 3), as the watchdog does; False raises it instead.
 
     Attributes:
         broadcaster: counts the broadcasts (``messages``) and their collectives.
@@ -151,7 +163,7 @@ class LockstepEngine(Engine):
     """
 
     def __init__(self, model, tokenizer, config: RuntimeConfig, parallel: ParallelGroup,
-                 heartbeat_s: float = HEARTBEAT_S, watchdog: bool = True):
+                 heartbeat_s: float = HEARTBEAT_S, watchdog: bool = True, exit_on_peer_loss: bool = True):
         check_lockstep_config(config)
         if getattr(model, "pipeline_stage", None) is not None and not config.enforce_eager:
             # a pipeline stage evaluates each pass's logits while building it
@@ -159,6 +171,7 @@ class LockstepEngine(Engine):
             config = dataclasses.replace(config, enforce_eager=True)
         super().__init__(model, tokenizer, config)
         self.parallel = parallel
+        self.exit_on_peer_loss = exit_on_peer_loss
         self.broadcaster = Broadcaster(parallel)
         self.stopped = False
         self.heartbeats = 0
@@ -251,11 +264,27 @@ class LockstepEngine(Engine):
                               timeout_s, exit_status)
         try:
             message = self.broadcaster.exchange(message)
+        except Exception as exc:  # noqa: BLE001 - the backend's error type varies (RuntimeError for ring)
+            self._peer_lost(exc)
         finally:
             if self.watchdog is not None:
                 self.watchdog.disarm()
         self._last_exchange = time.monotonic()
         return message
+
+    def _peer_lost(self, exc: BaseException) -> None:
+        """A broadcast failed: the group is broken for good. Exit with the named error
+        (``exit_on_peer_loss``), or raise it."""
+        error = DistributedPeerLostError(
+            f"rank {self.parallel.rank}: engine step {self.num_steps}'s broadcast failed ({exc}): another rank died "
+            "or its connection broke; restart every rank with mlx.launch"
+        )
+        self.stopped = True
+        if not self.exit_on_peer_loss:
+            raise error from exc
+        sys.stderr.write(f"error: {type(error).__name__}: {error}\n")
+        sys.stderr.flush()
+        os._exit(WATCHDOG_EXIT_STATUS)
 
     def _apply(self, commands: list) -> None:
         for command in commands:

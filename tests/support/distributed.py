@@ -23,9 +23,9 @@ def mlx_launch() -> Optional[str]:
     return str(local) if local.exists() else shutil.which("mlx.launch")
 
 
-def run_ranks(spec: dict, tmp_path: Path, size: int = 2, timeout: float = 240.0) -> list[dict]:
-    """Launch ``size`` ranks of tests/support/distributed_worker.py on ``spec``; return
-    every rank's result (the test fails naming the rank when one failed or wrote nothing)."""
+def launch_ranks(spec: dict, tmp_path: Path, size: int = 2, timeout: float = 240.0):
+    """Launch ``size`` ranks of tests/support/distributed_worker.py on ``spec``:
+    ``(completed process, folder of the ranks' result files)``."""
     launcher = mlx_launch()
     if launcher is None:
         pytest.skip("mlx.launch is not installed (it ships with the mlx package)")
@@ -38,6 +38,13 @@ def run_ranks(spec: dict, tmp_path: Path, size: int = 2, timeout: float = 240.0)
     cmd = [launcher, "--backend", "ring", "-n", str(size), "--hosts", "127.0.0.1", "--",
            sys.executable, str(WORKER), str(spec_file), str(out)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, out
+
+
+def run_ranks(spec: dict, tmp_path: Path, size: int = 2, timeout: float = 240.0) -> list[dict]:
+    """Launch ``size`` ranks of tests/support/distributed_worker.py on ``spec``; return
+    every rank's result (the test fails naming the rank when one failed or wrote nothing)."""
+    proc, out = launch_ranks(spec, tmp_path, size, timeout)
     results = []
     for rank in range(size):
         file = out / f"rank{rank}.json"

@@ -86,7 +86,10 @@ def _run(spec: dict, result: dict) -> None:
             order = [out.request_id for out in outs]
             engine.close()
         else:
+            die_after = spec.get("die_after_steps")
             while not engine.stopped:
+                if die_after is not None and engine.steps_run >= die_after:
+                    os._exit(0)  # a rank that vanishes mid-run (exit 0, so mlx.launch leaves rank 0 alone)
                 for out in engine.step():
                     if out.finished:
                         tokens[out.request_id] = list(out.token_ids)
