@@ -137,6 +137,7 @@ def test_tensor_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
     "gpt_oss",  # attention sinks, sliding and full layers, biased experts sharded across ranks
     "qwen3_moe",  # experts sharded, one dense layer
     "gemma3_text",  # sliding windows, scaled tied embedding
+    "phi3",  # fused qkv and gate_up in the checkpoint, split at load
 ])
 def test_tensor_parallel_other_families_match_one_process(family, tmp_path):
     """Tiny random checkpoints written by transformers' save_pretrained; windows of 6
@@ -203,7 +204,7 @@ def test_pipeline_parallel_sharded_checkpoint_reads_only_its_shards(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "qwen3_moe", "phi3"])
 def test_pipeline_parallel_other_families_match_one_process(family, tmp_path):
     hf_reference = pytest.importorskip("hf_reference")
     from mlx_ferrum.models.loader import load_model
