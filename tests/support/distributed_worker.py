@@ -62,7 +62,7 @@ def _run(spec: dict, result: dict) -> None:
     result["weight_bytes"] = weight_bytes(model)
     result["num_layers"] = len(model.layers)
     result["local_num_kv_heads"] = model.args.num_key_value_heads
-    logits, counts = count_collectives(lambda: model(mx.array([spec["cases"][0]["prompts"][0]])))
+    logits, counts = count_collectives(lambda: model(mx.array([[1, 2, 3, 4]])))
     mx.eval(logits)
     result["forward_collectives"] = counts
     result["logits_shape"] = list(logits.shape)
@@ -72,8 +72,10 @@ def _run(spec: dict, result: dict) -> None:
     result["capabilities"] = {k: getattr(caps, k) for k in (
         "supports_tensor_parallelism", "supports_pipeline_parallelism", "tensor_parallel_size",
         "pipeline_parallel_size", "supports_speculative_decoding")}
+    if "endurance" in spec:
+        result["endurance"] = _endurance(model, group, sizes, spec["endurance"])
     result["cases"] = []
-    for case in spec["cases"]:
+    for case in spec.get("cases", []):
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
                                max_num_blocks=case.get("max_num_blocks"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
@@ -100,6 +102,53 @@ def _run(spec: dict, result: dict) -> None:
             "broadcasts": stats["lockstep_broadcasts"], "collectives": stats["lockstep_collectives"],
             "heartbeats": stats["heartbeats"], "num_preemptions": stats["num_preemptions"],
         })
+
+
+def _endurance(model, group, sizes: dict, spec: dict) -> dict:
+    """Random arrivals, aborts and preemption (a small pool) for ``spec["steps"]`` engine
+    steps; a CRC of every step's outputs (request, new tokens, finish) is recorded every
+    ``spec["every"]`` steps, for the test to compare across ranks."""
+    import zlib
+
+    import numpy as np
+
+    from mlx_ferrum.config import RuntimeConfig
+    from mlx_ferrum.distributed.lockstep import LockstepEngine
+    from mlx_ferrum.engine.sampling import SamplingParams
+
+    config = RuntimeConfig(kv_layout="paged", max_num_seqs=8, max_num_blocks=spec.get("max_num_blocks", 24),
+                           **sizes)
+    engine = LockstepEngine(model, None, config, group)
+    rng = np.random.default_rng(spec.get("seed", 0))
+    vocab = model.args.vocab_size
+    crc, checksums, live = 0, [], []
+    for step in range(spec["steps"]):
+        if group.is_driver:
+            if rng.random() < spec.get("arrival", 0.3):
+                prompt = [1] + [int(t) for t in rng.integers(3, vocab, int(rng.integers(2, 40)))]
+                temperature = float(rng.choice([0.0, 0.8]))
+                live.append(engine.add_request(prompt, SamplingParams(temperature=temperature,
+                                                                      max_tokens=int(rng.integers(1, 48)))))
+            if live and rng.random() < spec.get("abort", 0.05):
+                victim = live.pop(int(rng.integers(len(live))))
+                try:
+                    engine.abort(victim)
+                except Exception:  # noqa: BLE001 - it finished already
+                    pass
+        outs = engine.step()
+        for out in outs:
+            crc = zlib.crc32(repr((out.request_id, out.new_token_ids, out.finish_reason)).encode(), crc)
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+        if (step + 1) % spec.get("every", 100) == 0:
+            checksums.append(crc)
+    if group.is_driver:
+        engine.close()
+    else:
+        engine.follow()
+    stats = engine.stats()
+    return {"checksums": checksums, "num_steps": stats["num_steps"], "preemptions": stats["num_preemptions"],
+            "lockstep_steps": stats["lockstep_steps"], "generated_tokens": stats["generated_tokens"]}
 
 
 if __name__ == "__main__":
