@@ -171,3 +171,49 @@ def test_capabilities_of_one_process_report_no_parallelism():
     caps = LlmExecutor(tiny_model("llama"), RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1)).capabilities()
     assert (caps.supports_tensor_parallelism, caps.supports_pipeline_parallelism) == (False, False)
     assert (caps.tensor_parallel_size, caps.pipeline_parallel_size) == (1, 1)
+
+
+def _lockstep(rank: int, **kwargs):
+    from tiny_models import tiny_model
+
+    from mlx_ferrum.distributed.lockstep import LockstepEngine
+
+    group = ParallelGroup(None, rank, 2, 2, 1)
+    config = RuntimeConfig(kv_layout="paged", tensor_parallel_size=1, pipeline_parallel_size=1)
+    return LockstepEngine(tiny_model("llama"), None, config, group, heartbeat_s=0, watchdog=False, **kwargs)
+
+
+def test_only_rank_zero_takes_requests_and_refusals_come_before_any_broadcast():
+    from mlx_ferrum.engine.sampling import SamplingParams
+    from mlx_ferrum.errors import DistributedError, RequestError
+
+    with pytest.raises(DistributedError, match="rank 1 takes no requests"):
+        _lockstep(1).add_request([1, 2, 3])
+    engine = _lockstep(0)
+    with pytest.raises(DistributedConfigurationError, match="structured output"):
+        engine.add_request([1, 2, 3], SamplingParams(structured_outputs={"regex": "a+"}))
+    with pytest.raises(DistributedConfigurationError, match="LoRA"):
+        engine.add_request([1, 2, 3], lora="adapter")
+    rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0.8))
+    queued = engine._commands[-1]
+    assert queued[:3] == ("add", rid, [1, 2, 3]) and queued[3].seed is not None  # the seed every rank uses
+    with pytest.raises(RequestError, match="in use"):
+        engine.add_request([4, 5], request_id=rid)
+    with pytest.raises(RequestError, match="unknown request"):
+        engine.abort("nobody")
+    engine.abort(rid)  # queued for the next step, with the addition
+    assert [c[0] for c in engine._commands] == ["add", "abort"]
+
+
+def test_a_broken_broadcast_is_a_named_error():
+    from mlx_ferrum.errors import DistributedPeerLostError
+
+    engine = _lockstep(0, exit_on_peer_loss=False)
+
+    def lost(buffer):
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    engine.broadcaster._all_sum = lost
+    with pytest.raises(DistributedPeerLostError, match="rank 0: engine step 0's broadcast failed"):
+        engine.step()
+    assert engine.stopped
