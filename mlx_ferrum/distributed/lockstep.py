@@ -110,7 +110,7 @@ class Broadcaster:
         self.collectives += 1
         out = mx.distributed.all_sum(mx.array(buffer), group=self.parallel.group, stream=mx.cpu)
         mx.eval(out)
-        return bytes(np.array(out, copy=False))
+        return bytes(np.asarray(out))
 
     def exchange(self, message: Any = None) -> Any:
         """Rank 0: send ``message`` and return it. Other ranks: return rank 0's message.

@@ -44,12 +44,20 @@ from mlx.utils import tree_flatten
 from ..errors import ShardingError
 
 
+_UNITS = {
+    "num_attention_heads": "query heads",
+    "num_key_value_heads": "KV heads (they are not replicated)",
+    "intermediate_size": "MLP columns, split evenly",
+    "moe_intermediate_size": "expert columns, split evenly",
+}
+
+
 def _check_divisible(what: str, count: int, size: int) -> None:
     if count % size:
         divisors = [d for d in range(1, count + 1) if count % d == 0]
         raise ShardingError(
-            f"{what}={count} is not divisible by tensor_parallel_size={size}: each rank must hold whole "
-            f"{what.split('=')[0].replace('num_', '')}; use a tensor_parallel_size among {divisors}"
+            f"{what}={count} is not divisible by tensor_parallel_size={size}: each rank must hold the same number "
+            f"of {_UNITS[what]}; use a tensor_parallel_size among {divisors}"
         )
 
 
