@@ -324,3 +324,29 @@ def test_endurance_random_arrivals_aborts_and_preemption_under_tensor_parallelis
     assert first["checksums"] == second["checksums"]
     assert first["lockstep_steps"] == second["lockstep_steps"] >= steps
     assert first["preemptions"] > 0 and first["generated_tokens"] > steps
+
+
+@pytest.mark.slow
+def test_readme_multiple_macs_python_snippet_runs_under_mlx_launch(stories_path, tmp_path):
+    """README's "Multiple Macs" Python snippet, with its model path set to stories260K,
+    under mlx.launch: rank 0 prints the one-process greedy completion."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from mlx_ferrum.api import load
+    from mlx_ferrum.engine import Engine
+    from mlx_ferrum.engine.sampling import SamplingParams
+    from support.distributed import ROOT, mlx_launch
+
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Multiple Macs", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0].replace("path/to/model", str(stories_path))
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    proc = subprocess.run([mlx_launch(), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--", sys.executable,
+                           str(script)], cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=240)
+    model, tokenizer = load(str(stories_path))
+    expected = Engine(model, tokenizer).generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
+    assert expected[0].text in proc.stdout, proc.stdout + proc.stderr[-2000:]
