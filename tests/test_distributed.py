@@ -75,14 +75,18 @@ def test_tensor_parallel_stories260k_matches_one_process(stories_path, tmp_path)
 
     model, _ = load(str(stories_path))
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
+    # prompt-lookup speculation: deterministic on every rank, so it runs in lockstep too
+    cases.append(dict(layout="paged", prompts=cases[0]["prompts"][:2], speculative="ngram",
+                      params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
     results = run_ranks({"model": str(stories_path), "mode": "tensor", "size": 2, "cases": cases}, tmp_path)
     _check_identity(results, model, cases)
+    assert results[0]["cases"][3]["spec_accepted_tokens"] > 0
     _check_traffic(results, model.args.num_hidden_layers)
     full = _one_process_bytes(model)
     for res in results:
         assert res["capabilities"] == {"supports_tensor_parallelism": True, "supports_pipeline_parallelism": False,
                                        "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
-                                       "supports_speculative_decoding": False}
+                                       "supports_speculative_decoding": True}
         assert res["local_num_kv_heads"] == model.args.num_key_value_heads // 2
         assert res["weight_bytes"] <= 0.55 * full, (res["weight_bytes"], full)
     assert results[0]["cases"][2]["num_preemptions"] > 0  # the small pool did preempt
@@ -173,15 +177,18 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
 
     model, _ = load(str(stories_path))
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
+    cases.append(dict(layout="contiguous", prompts=cases[0]["prompts"][:2], speculative="ngram",
+                      params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
     results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases,
                          "pipeline_split": "2,3"}, tmp_path)
     _check_identity(results, model, cases)
+    assert results[0]["cases"][3]["spec_accepted_tokens"] > 0
     _check_pipeline_traffic(results)
     assert [res["num_layers"] for res in results] == [2, 3]
     for res in results:
         assert res["capabilities"] == {"supports_tensor_parallelism": False, "supports_pipeline_parallelism": True,
                                        "tensor_parallel_size": 1, "pipeline_parallel_size": 2,
-                                       "supports_speculative_decoding": False}
+                                       "supports_speculative_decoding": True}
 
 
 @pytest.mark.slow

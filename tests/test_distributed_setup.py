@@ -85,9 +85,10 @@ def test_lockstep_refuses_lora_and_speculation():
 
     with pytest.raises(DistributedConfigurationError, match="LoRA"):
         check_lockstep_config(RuntimeConfig(enable_lora=True))
-    with pytest.raises(DistributedConfigurationError, match="speculative"):
-        check_lockstep_config(RuntimeConfig(speculative="ngram"))
+    with pytest.raises(DistributedConfigurationError, match="draft-model speculative decoding"):
+        check_lockstep_config(RuntimeConfig(speculative="path/to/draft"))
     check_lockstep_config(RuntimeConfig(enable_lora=False, speculative=None))
+    check_lockstep_config(RuntimeConfig(enable_lora=False, speculative="ngram"))
 
 
 @pytest.mark.parametrize("size, collectives", [(10, 1), (5000, 2)])

@@ -26,8 +26,10 @@ or hangs. :meth:`LockstepEngine.close` on rank 0 sends ``stop``, which ends
 :meth:`LockstepEngine.follow` on the others.
 
 Refused at start-up with :class:`~mlx_ferrum.errors.DistributedConfigurationError`:
-LoRA and speculative decoding (neither is split across ranks yet); refused per request:
-structured output and LoRA adapters.
+LoRA and draft-model speculation (neither adapters nor a draft model are split across
+ranks); refused per request: structured output and LoRA adapters. Prompt-lookup
+(``ngram``) speculation runs: its proposals are a function of each request's tokens, the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def check_lockstep_config(config: RuntimeConfig) -> None:
     """Refuse the settings a lockstep run cannot honour.
 
     Raises:
-        DistributedConfigurationError: ``enable_lora`` or ``speculative`` is set (the
-            message names the setting and says to turn it off).
+        DistributedConfigurationError: ``enable_lora`` is set, or ``speculative`` names a
+            draft model (the message names the setting and the fix).
     """
     if config.enable_lora:
         raise DistributedConfigurationError(
@@ -85,10 +87,11 @@ def check_lockstep_config(config: RuntimeConfig) -> None:
             "split across ranks): unset FERRUM_ENABLE_LORA / --enable-lora / --adapter-path / --lora-modules, "
             "or run one process"
         )
-    if config.speculative is not None:
+    if config.speculative is not None and config.speculative != "ngram":
         raise DistributedConfigurationError(
-            f"speculative decoding ({config.speculative!r}) is not supported with tensor or pipeline parallelism: "
-            "unset FERRUM_SPECULATIVE / --speculative, or run one process"
+            f"draft-model speculative decoding ({config.speculative!r}) is not supported with tensor or pipeline "
+            "parallelism (the draft model is not split across ranks): use --speculative ngram, unset "
+            "FERRUM_SPECULATIVE / --speculative, or run one process"
         )
 
 

@@ -422,8 +422,7 @@ class LlmExecutor:
             attention_mechanisms=mechs,
             supports_dynamic_batching=True,
             supports_continuous_batching=self.layout == "paged",
-            # a split model runs in lockstep, which refuses speculation (distributed.lockstep)
-            supports_speculative_decoding=tensor == 1 and pipeline == 1,
+            supports_speculative_decoding=True,
             supports_tensor_parallelism=tensor > 1,
             supports_pipeline_parallelism=pipeline > 1,
             tensor_parallel_size=tensor,

@@ -132,8 +132,8 @@ class ExecutorCapabilities:
     ``supports_tensor_parallelism`` / ``supports_pipeline_parallelism`` are true when
     this executor's model runs split that way (loaded with
     ``mlx_ferrum.load(..., parallel=...)`` in an ``mlx.launch`` group); the sizes in use
-    are ``tensor_parallel_size`` / ``pipeline_parallel_size``. The speculative and
-    parameter-memory fields then describe this rank (its shard's bytes)."""
+    are ``tensor_parallel_size`` / ``pipeline_parallel_size``; ``parameter_memory`` is
+    then this rank's shard's bytes."""
 
     max_batch_size: int
     max_sequence_length: int

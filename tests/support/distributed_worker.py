@@ -77,7 +77,7 @@ def _run(spec: dict, result: dict) -> None:
     result["cases"] = []
     for case in spec.get("cases", []):
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
-                               max_num_blocks=case.get("max_num_blocks"), **sizes)
+                               max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
         params = [SamplingParams(**p) for p in case["params"]]
         tokens: dict[str, list[int]] = {}
@@ -101,6 +101,7 @@ def _run(spec: dict, result: dict) -> None:
             "tokens": tokens, "order": order, "num_steps": stats["num_steps"], "lockstep_steps": stats["lockstep_steps"],
             "broadcasts": stats["lockstep_broadcasts"], "collectives": stats["lockstep_collectives"],
             "heartbeats": stats["heartbeats"], "num_preemptions": stats["num_preemptions"],
+            "spec_proposed_tokens": stats["spec_proposed_tokens"], "spec_accepted_tokens": stats["spec_accepted_tokens"],
         })
 
 
