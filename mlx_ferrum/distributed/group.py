@@ -99,7 +99,7 @@ def init_group(config: RuntimeConfig, init: Optional[Callable[..., Any]] = None)
     sizes = (f"tensor_parallel_size={config.tensor_parallel_size} x "
              f"pipeline_parallel_size={config.pipeline_parallel_size}")
     if want == 1:
-        if launched_by_mlx_launch() and os.environ.get("MLX_WORLD_SIZE", "2") != "1":
+        if launched_by_mlx_launch():
             raise DistributedConfigurationError(
                 "this process is one rank of an mlx.launch group but no parallelism is set, so every rank would "
                 "run the whole model alone: pass --tensor-parallel-size N or --pipeline-parallel-size N "
