@@ -218,3 +218,27 @@ def test_a_broken_broadcast_is_a_named_error():
     with pytest.raises(DistributedPeerLostError, match="rank 0: engine step 0's broadcast failed"):
         engine.step()
     assert engine.stopped
+
+
+def test_a_launched_rank_without_parallel_sizes_is_refused(monkeypatch):
+    monkeypatch.setenv("MLX_RANK", "1")
+    with pytest.raises(DistributedConfigurationError, match="every rank would run the whole model alone"):
+        init_group(RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+
+def test_pipeline_split_is_checked_against_the_layers():
+    from mlx_ferrum.distributed.pipeline import parse_split
+
+    assert parse_split(None, 5, 2) == [3, 2] and parse_split("1,4", 5, 2) == [1, 4]
+    with pytest.raises(ShardingError, match="sum to 5"):
+        parse_split("4,4", 5, 2)
+    with pytest.raises(ShardingError, match="use at most 2 ranks"):
+        parse_split(None, 2, 3)
+    with pytest.raises(ConfigurationError, match="FERRUM_PIPELINE_SPLIT"):
+        import os
+
+        os.environ["FERRUM_PIPELINE_SPLIT"] = "3,x"
+        try:
+            RuntimeConfig()
+        finally:
+            del os.environ["FERRUM_PIPELINE_SPLIT"]
