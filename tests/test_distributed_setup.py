@@ -226,7 +226,7 @@ def test_a_launched_rank_without_parallel_sizes_is_refused(monkeypatch):
         init_group(RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1))
 
 
-def test_pipeline_split_is_checked_against_the_layers():
+def test_pipeline_split_is_checked_against_the_layers(monkeypatch):
     from mlx_ferrum.distributed.pipeline import parse_split
 
     assert parse_split(None, 5, 2) == [3, 2] and parse_split("1,4", 5, 2) == [1, 4]
@@ -234,11 +234,6 @@ def test_pipeline_split_is_checked_against_the_layers():
         parse_split("4,4", 5, 2)
     with pytest.raises(ShardingError, match="use at most 2 ranks"):
         parse_split(None, 2, 3)
+    monkeypatch.setenv("FERRUM_PIPELINE_SPLIT", "3,x")
     with pytest.raises(ConfigurationError, match="FERRUM_PIPELINE_SPLIT"):
-        import os
-
-        os.environ["FERRUM_PIPELINE_SPLIT"] = "3,x"
-        try:
-            RuntimeConfig()
-        finally:
-            del os.environ["FERRUM_PIPELINE_SPLIT"]
+        RuntimeConfig()
