@@ -25,7 +25,7 @@ from .models.loader import check_tokenizer_vocabulary, load_model
 from .tokenizer import Tokenizer
 
 
-def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
+def load(path_or_repo_id: str, dtype: Any = None, parallel: Any = None) -> tuple[Any, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
 
     Args:
@@ -33,6 +33,10 @@ def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
             id (downloaded with ``huggingface_hub.snapshot_download``, needed files only).
         dtype: ``mx.float32`` / ``"bfloat16"`` ... to cast float weights; default keeps
             the checkpoint's dtype.
+        parallel: a :class:`~mlx_ferrum.distributed.ParallelGroup` (from
+            :func:`~mlx_ferrum.distributed.init_group`): the model is split across it
+            (tensor or pipeline parallel) and this rank keeps only its part; None loads
+            the whole model.
 
     Returns:
         ``(model, tokenizer)``; ``model.path`` is the resolved folder.
@@ -44,7 +48,12 @@ def load(path_or_repo_id: str, dtype: Any = None) -> tuple[Any, Tokenizer]:
             vocabulary is smaller than the model's ``vocab_size`` by more than padding; see
             :func:`~mlx_ferrum.models.loader.check_tokenizer_vocabulary`).
     """
-    model, _config, path = load_model(path_or_repo_id, dtype=dtype)
+    if parallel is not None:
+        from .distributed import load_sharded
+
+        model, path = load_sharded(path_or_repo_id, parallel, dtype=dtype)
+    else:
+        model, _config, path = load_model(path_or_repo_id, dtype=dtype)
     tokenizer = Tokenizer.from_pretrained(path)
     check_tokenizer_vocabulary(model.args.vocab_size, tokenizer)
     model.path = path

@@ -192,6 +192,7 @@ def bench_engine(
     seed: int = 0,
     warmup: bool = True,
     return_tokens: bool = False,
+    parallel=None,
 ) -> dict:
     """Serve ``concurrency`` simultaneous greedy requests through a fresh :class:`Engine`.
 
@@ -205,6 +206,9 @@ def bench_engine(
         seed: prompt seed (:func:`make_prompts`).
         warmup: run one short request burst of the same shape first (not timed).
         return_tokens: also return the generated ids under ``"tokens"``.
+        parallel: rank 0's :class:`~mlx_ferrum.distributed.ParallelGroup` when the model
+            is split across an ``mlx.launch`` group: the engine is then a lockstep engine
+            (the other ranks run :func:`follow_bench_engine` with the same arguments).
 
     Returns:
         The figures of :func:`summarize` (seconds, tokens per second), plus ``"side":
@@ -220,15 +224,34 @@ def bench_engine(
         raise ConfigurationError(f"max_tokens={max_tokens} must be >= 1")
     prompts = make_prompts(model.args.vocab_size, concurrency, prompt_tokens, seed)
     cfg = config if config is not None else bench_config(concurrency, prompt_tokens, max_tokens)
-    engine = Engine(model, tokenizer, cfg)
-    if warmup:
-        wp, wt = warm_up_shape(prompt_tokens, max_tokens)
-        _run_engine(engine, make_prompts(model.args.vocab_size, concurrency, wp, seed + 1), wt)
-    res, toks = _run_engine(engine, prompts, max_tokens)
+    if parallel is not None:
+        from .distributed import lockstep_engine
+
+        engine = lockstep_engine(model, tokenizer, cfg, parallel)
+    else:
+        engine = Engine(model, tokenizer, cfg)
+    try:
+        if warmup:
+            wp, wt = warm_up_shape(prompt_tokens, max_tokens)
+            _run_engine(engine, make_prompts(model.args.vocab_size, concurrency, wp, seed + 1), wt)
+        res, toks = _run_engine(engine, prompts, max_tokens)
+    finally:
+        if parallel is not None:
+            engine.close()
     res["side"] = "mlx_ferrum"
     if return_tokens:
         res["tokens"] = toks
     return res
+
+
+def follow_bench_engine(model, tokenizer, concurrency: int, prompt_tokens: int, max_tokens: int, parallel,
+                        config: Optional[RuntimeConfig] = None) -> None:
+    """A rank other than 0 of a parallel :func:`bench_engine`: the same engine, running
+    the steps rank 0 broadcasts until rank 0 closes it."""
+    from .distributed import lockstep_engine
+
+    cfg = config if config is not None else bench_config(concurrency, prompt_tokens, max_tokens)
+    lockstep_engine(model, tokenizer, cfg, parallel).follow()
 
 
 # --------------------------------------------------------------------------- report
@@ -321,20 +344,35 @@ def run_bench_cli(args: Any) -> int:
     err = sys.stderr
     kv_cache_dtype = getattr(args, "kv_cache_dtype", None)
     bench_config(1, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)  # fails before the model loads
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    from .distributed import init_group
+
+    sizes = {name: getattr(args, name) for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                     "distributed_backend", "pipeline_split")
+             if getattr(args, name, None) is not None}
+    group = init_group(RuntimeConfig(**sizes))
+    model, tokenizer = load(args.model, dtype=args.dtype) if group is None else load(args.model, dtype=args.dtype,
+                                                                                       parallel=group)
+    if group is not None and not group.is_driver:
+        for c in levels:
+            follow_bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, group,
+                                config=bench_config(c, args.prompt_tokens, args.max_tokens,
+                                                    kv_cache_dtype=kv_cache_dtype))
+        return 0
     a = model.args
     print(
         f"bench: {args.model} ({a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
         f"dtype {str(model_dtype_of(model)).replace('mlx.core.', '')}) | prompt {args.prompt_tokens} tokens, "
         f"{args.max_tokens} generated per request, greedy, EOS ignored | backend "
-        f"{'gpu' if mx.metal.is_available() else 'cpu'}",
+        f"{'gpu' if mx.metal.is_available() else 'cpu'}"
+        + (f" | {group.mode} parallel over {group.size} ranks" if group is not None else ""),
         file=err,
     )
     results = []
     for c in levels:
         print(f"  concurrency {c}: mlx_ferrum ...", file=err, flush=True)
         config = bench_config(c, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)
-        results.append(bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, config=config))
+        results.append(bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, config=config,
+                                    parallel=group))
     print(format_table(TABLE_HEADERS, table_rows(results)))
     return 0
 

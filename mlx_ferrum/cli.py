@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Optional, Sequence
 
-from .config import _FALSE, _TRUE, FIELD_HELP, KV_CACHE_DTYPES, RuntimeConfig
+from .config import _FALSE, _TRUE, DISTRIBUTED_BACKENDS, FIELD_HELP, KV_CACHE_DTYPES, RuntimeConfig
 from .errors import ChatTemplateError, ConfigurationError, FerrumError, PromptTooLongError
 
 
@@ -155,6 +155,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged", action="store_true", help="use the paged KV cache (same as FERRUM_METAL_PAGED_KV=1)")
     p.add_argument("--kv-cache-dtype", default=None, type=str.lower, choices=KV_CACHE_DTYPES,
                    help=f"{FIELD_HELP['kv_cache_dtype']} (default: $FERRUM_KV_CACHE_DTYPE, else auto)")
+    _add_parallel_args(p)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size`` / ``--pipeline-parallel-size`` / ``--distributed-backend``
+    (``serve`` gets them from its one-flag-per-RuntimeConfig-field list)."""
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
+                   help=f"{FIELD_HELP['tensor_parallel_size']} (default: $FERRUM_TENSOR_PARALLEL_SIZE, else 1)")
+    p.add_argument("--pipeline-parallel-size", type=positive_int, default=None, metavar="N",
+                   help=f"{FIELD_HELP['pipeline_parallel_size']} (default: $FERRUM_PIPELINE_PARALLEL_SIZE, else 1)")
+    p.add_argument("--pipeline-split", default=None, metavar="N,N,...",
+                   help=f"{FIELD_HELP['pipeline_split']} (default: $FERRUM_PIPELINE_SPLIT, else an even split)")
+    p.add_argument("--distributed-backend", default=None, choices=DISTRIBUTED_BACKENDS,
+                   help=f"{FIELD_HELP['distributed_backend']} (default: $FERRUM_DISTRIBUTED_BACKEND, else any)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temp: float, max_tokens: Optional[int] = 256) -> None:
@@ -228,7 +242,8 @@ def _config(args) -> RuntimeConfig:
         overrides["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "speculative", None):
         overrides["speculative"] = args.speculative
-    for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_min_acceptance"):
+    for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_min_acceptance",
+                 "tensor_parallel_size", "pipeline_parallel_size", "distributed_backend", "pipeline_split"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
     return _runtime_config(overrides)
@@ -238,10 +253,12 @@ class _Streamer:
     """``stream_generate`` for one prompt at a time; through the engine when speculation
     is on (the engine is where speculative decoding runs), else the plain api loop."""
 
-    def __init__(self, model, tokenizer, config: RuntimeConfig, adapter_path: Optional[str] = None):
+    def __init__(self, model, tokenizer, config: RuntimeConfig, adapter_path: Optional[str] = None, engine=None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.lora = adapter_path or None
-        self.engine = None
+        self.engine = engine  # a parallel run's lockstep engine
+        if engine is not None:
+            return
         if config.speculative is not None:
             from .engine import Engine
 
@@ -281,10 +298,47 @@ class _Streamer:
             )
 
 
-def _load(args):
+def _load(args, parallel=None):
     from .api import load
 
-    return load(args.model, dtype=args.dtype)
+    return load(args.model, dtype=args.dtype, parallel=parallel)
+
+
+class _Parallel:
+    """A parallel run of a one-shot command (``generate``, ``chat``): the group, this
+    rank's model and the lockstep engine; ranks other than 0 follow rank 0's steps.
+
+    Use as a context manager on rank 0: leaving it (normally, on an error or Ctrl-C)
+    tells the other ranks to stop, so no rank is left waiting.
+    """
+
+    def __init__(self, args, config: RuntimeConfig):
+        from .distributed import init_group, lockstep_engine
+
+        if getattr(args, "adapter_path", None):
+            from .distributed.lockstep import check_lockstep_config
+
+            check_lockstep_config(config)
+        self.group = init_group(config)
+        self.model, self.tokenizer = _load(args) if self.group is None else _load(args, self.group)
+        self.engine = (lockstep_engine(self.model, self.tokenizer, config, self.group)
+                       if self.group is not None else None)
+
+    @property
+    def follower(self) -> bool:
+        return self.group is not None and not self.group.is_driver
+
+    def follow(self) -> int:
+        """Run rank 0's steps until it stops; exit status 0."""
+        self.engine.follow()
+        return 0
+
+    def __enter__(self) -> "_Parallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
 
 def _encode_chat(tokenizer, messages: list, use_template: bool) -> list:
@@ -314,9 +368,17 @@ def fit_history(tokenizer, messages: list, capacity: int, reserve: int, use_temp
 
 
 def cmd_generate(args) -> int:
-    """Stream one completion to stdout; stats to stderr."""
-    config = _config(args)  # a bad setting fails before the model loads
-    model, tokenizer = _load(args)
+    """Stream one completion to stdout; stats to stderr (rank 0 of a parallel run; the
+    other ranks run its steps)."""
+    config = _config(args)
+    run = _Parallel(args, config)
+    if run.follower:
+        return run.follow()
+    with run:
+        return _generate(args, run.model, run.tokenizer, config, run.engine)
+
+
+def _generate(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -325,7 +387,7 @@ def cmd_generate(args) -> int:
         prompt = msgs
     last = None
     text_end = ""
-    streamer = _Streamer(model, tokenizer, config, args.adapter_path)
+    streamer = _Streamer(model, tokenizer, config, args.adapter_path, engine=engine)
     for chunk in streamer(prompt, _sampling(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -344,9 +406,18 @@ def cmd_generate(args) -> int:
             f"peak memory: {last.peak_memory / 2**30:.3f} GiB | finish: {last.finish_reason}",
             file=sys.stderr,
         )
-        if streamer.engine is not None:
+        if streamer.engine is not None and config.speculative is not None:
             print(speculative_summary(streamer.engine.stats()), file=sys.stderr)
+        if engine is not None:
+            print(parallel_summary(engine.stats()), file=sys.stderr)
     return 0
+
+
+def parallel_summary(stats: dict) -> str:
+    """One stderr line about a parallel run: the mode, sizes and lockstep traffic."""
+    return (f"parallel: {stats['parallel']} over {stats['world_size']} ranks | "
+            f"{stats['lockstep_broadcasts']} step broadcasts ({stats['lockstep_collectives']} collectives) "
+            f"for {stats['lockstep_steps']} engine steps")
 
 
 def speculative_summary(stats: dict) -> str:
@@ -366,11 +437,18 @@ def cmd_chat(args) -> int:
     A reply may use the rest of the context unless ``--max-tokens`` is given; a reply
     that ends for lack of room (either limit) gets a marker on stderr saying so.
     """
+    config = _config(args)
+    run = _Parallel(args, config)
+    if run.follower:
+        return run.follow()
+    with run:
+        return _chat(args, run.model, run.tokenizer, config, run.engine)
+
+
+def _chat(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
     from .config import resolve_kv_capacity
 
-    config = _config(args)  # a bad setting fails before the model loads
-    model, tokenizer = _load(args)
-    streamer = _Streamer(model, tokenizer, config, args.adapter_path)
+    streamer = _Streamer(model, tokenizer, config, args.adapter_path, engine=engine)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
     # room the history trimming leaves for the reply (a reply may still run on to the context's end)
     reserve = min(args.max_tokens or DEFAULT_CHAT_RESERVE, capacity // 2)
@@ -485,7 +563,7 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     from .config import _ENV
 
     choices = {"kv_layout": ("contiguous", "paged"), "block_size": (8, 16, 32, 64, 128),
-               "kv_cache_dtype": KV_CACHE_DTYPES}
+               "kv_cache_dtype": KV_CACHE_DTYPES, "distributed_backend": DISTRIBUTED_BACKENDS}
     for f in fields(RuntimeConfig):
         var, parse, default = _ENV[f.name]
         if f.name == "kv_layout":
@@ -498,6 +576,8 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
             default = "off"
         elif f.name == "max_cpu_loras":
             default = "--max-loras"
+        elif f.name == "pipeline_split":
+            default = "an even split"
         elif isinstance(default, bool):
             default = int(default)
         kind = _runtime_flag_type(parse, f.name)
@@ -604,23 +684,35 @@ def cmd_serve(args) -> int:
                 template = fh.read()
         except OSError as e:
             raise ChatTemplateError(f"cannot read --chat-template {args.chat_template!r}: {e.strerror}: give a readable Jinja file") from None
-    sock = bind_socket(args.host, args.port)
-    host, port = args.host, sock.getsockname()[1]
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model, tokenizer = _load(args)
-    names = args.served_model_name or [args.model]
+    from .distributed import init_group, lockstep_engine
 
-    def banner() -> None:
-        print(f"mlx-ferrum serve: {names[0]} on http://{host}:{port}/v1 ({config.kv_layout} KV, "
-              f"prefix cache {'on' if config.prefix_cache else 'off'}, max_num_seqs {config.max_num_seqs})",
-              file=sys.stderr, flush=True)
+    group = init_group(config)
+    if group is not None and not group.is_driver:
+        # only rank 0 listens; this rank runs the steps rank 0 broadcasts
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        model, tokenizer = _load(args, group)
+        lockstep_engine(model, tokenizer, config, group).follow()
+        code = 0
+    else:
+        sock = bind_socket(args.host, args.port)
+        host, port = args.host, sock.getsockname()[1]
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        model, tokenizer = _load(args) if group is None else _load(args, group)
+        names = args.served_model_name or [args.model]
+        engine = lockstep_engine(model, tokenizer, config, group) if group is not None else None
+        where = f", {group.mode} parallel over {group.size} ranks" if group is not None else ""
 
-    code = run_server(
-        model, tokenizer, config, host=args.host, port=port, served_model_names=names,
-        api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
-        sockets=[sock], on_ready=banner, tool_call_parser=args.tool_call_parser,
-        lora_modules=dict(args.lora_modules or []),
-    )
+        def banner() -> None:
+            print(f"mlx-ferrum serve: {names[0]} on http://{host}:{port}/v1 ({config.kv_layout} KV, "
+                  f"prefix cache {'on' if config.prefix_cache else 'off'}, max_num_seqs {config.max_num_seqs}{where})",
+                  file=sys.stderr, flush=True)
+
+        code = run_server(
+            model, tokenizer, config, host=args.host, port=port, served_model_names=names,
+            api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
+            sockets=[sock], on_ready=banner, tool_call_parser=args.tool_call_parser,
+            lora_modules=dict(args.lora_modules or []), engine=engine,
+        )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
     # the process ("terminate called without an active exception"), which would turn a

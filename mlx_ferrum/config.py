@@ -71,6 +71,27 @@ def _parse_speculative(var: str, raw: str) -> Optional[str]:
     return "ngram" if v.lower() == "ngram" else v
 
 
+#: ``mx.distributed.init`` backends (``any``: the first one that is up)
+DISTRIBUTED_BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
+
+
+def _parse_backend(var: str, raw: str) -> str:
+    v = raw.strip().lower()
+    if v not in DISTRIBUTED_BACKENDS:
+        raise ConfigurationError(f"{var}={raw!r} is not valid: use one of {', '.join(DISTRIBUTED_BACKENDS)}")
+    return v
+
+
+def _parse_split(var: str, raw: str) -> Optional[str]:
+    v = raw.strip().replace(" ", "")
+    if not v:
+        return None
+    parts = v.split(",")
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigurationError(f"{var}={raw!r} is not valid: give layers per pipeline rank, e.g. 3,2")
+    return v
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -97,6 +118,11 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "max_lora_rank": ("FERRUM_MAX_LORA_RANK", _parse_int, 64),
     "max_cpu_loras": ("FERRUM_MAX_CPU_LORAS", _parse_int, None),
     "kv_cache_dtype": ("FERRUM_KV_CACHE_DTYPE", _parse_kv_cache_dtype, "auto"),
+    "tensor_parallel_size": ("FERRUM_TENSOR_PARALLEL_SIZE", _parse_int, 1),
+    "pipeline_parallel_size": ("FERRUM_PIPELINE_PARALLEL_SIZE", _parse_int, 1),
+    "distributed_backend": ("FERRUM_DISTRIBUTED_BACKEND", _parse_backend, "any"),
+    "distributed_timeout": ("FERRUM_DISTRIBUTED_TIMEOUT", _parse_int, 60),
+    "pipeline_split": ("FERRUM_PIPELINE_SPLIT", _parse_split, None),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -128,6 +154,11 @@ FIELD_HELP: dict[str, str] = {
     "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted",
     "kv_cache_dtype": "KV cache storage: 'auto' (the model dtype), 'int8' or 'int4' (group-wise quantized, "
     "float16 scales; int4 rotates keys by a Walsh-Hadamard transform)",
+    "tensor_parallel_size": "ranks each layer is split across (tensor parallelism; run under mlx.launch)",
+    "pipeline_parallel_size": "ranks the layers are split across (pipeline parallelism; run under mlx.launch)",
+    "distributed_backend": "mx.distributed backend: any, ring, jaccl, mpi or nccl",
+    "distributed_timeout": "seconds an engine step may wait on the other ranks before this rank exits",
+    "pipeline_split": "layers per pipeline rank, e.g. 3,2 (the sum is the model's layers)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -258,6 +289,21 @@ class RuntimeConfig:
     - ``kv_cache_dtype`` (``FERRUM_KV_CACHE_DTYPE``, ``"auto"``): how K and V are stored: ``"auto"``
       (the model dtype), ``"int8"`` or ``"int4"`` (group-wise quantized along ``head_dim``, float16
       scales; int4 keys are Walsh-Hadamard rotated). vLLM's name.
+    - ``tensor_parallel_size`` (``FERRUM_TENSOR_PARALLEL_SIZE``, 1): ranks each layer's heads
+      and MLP columns are split across (vLLM's name). Above 1 the process must be one rank
+      of an ``mlx.launch`` group (see :mod:`mlx_ferrum.distributed`).
+    - ``pipeline_parallel_size`` (``FERRUM_PIPELINE_PARALLEL_SIZE``, 1): ranks the decoder
+      layers are split across (vLLM's name). The group's size must equal
+      ``tensor_parallel_size * pipeline_parallel_size``; :attr:`parallel` names the mode.
+    - ``distributed_backend`` (``FERRUM_DISTRIBUTED_BACKEND``, ``any``): the
+      ``mx.distributed`` backend (``ring``, ``jaccl``, ``mpi``, ``nccl``; ``any`` takes the
+      first that is up). Initialised strictly: a backend that is not up is an error,
+      never a silent group of one.
+    - ``distributed_timeout`` (``FERRUM_DISTRIBUTED_TIMEOUT``, 60): seconds one engine step
+      may wait on the other ranks; past it the rank exits with
+      :class:`~mlx_ferrum.errors.DistributedTimeoutError` (a dead or hung peer).
+    - ``pipeline_split`` (``FERRUM_PIPELINE_SPLIT``, None = even): layers per pipeline rank,
+      ``"3,2"``; checked against the model's layer count at load.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -287,6 +333,11 @@ class RuntimeConfig:
     max_lora_rank: Optional[int] = None
     max_cpu_loras: Optional[int] = None
     kv_cache_dtype: Optional[str] = None
+    tensor_parallel_size: Optional[int] = None
+    pipeline_parallel_size: Optional[int] = None
+    distributed_backend: Optional[str] = None
+    distributed_timeout: Optional[int] = None
+    pipeline_split: Optional[str] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -370,11 +421,35 @@ class RuntimeConfig:
             raise ConfigurationError(
                 f"{n('kv_cache_dtype')}={self.kv_cache_dtype!r} is not valid: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")
+        if self.pipeline_split is not None:
+            self.pipeline_split = _parse_split(n("pipeline_split"), str(self.pipeline_split))
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ConfigurationError(
+                f"{n('distributed_backend')}={self.distributed_backend!r} is not valid: use one of "
+                f"{', '.join(DISTRIBUTED_BACKENDS)}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(
                 f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "
                 f"{n('prompt_lookup_max')}={self.prompt_lookup_max}: make min <= max"
             )
+
+    @property
+    def parallel(self) -> str:
+        """The parallelism asked for: ``"none"``, ``"tensor"``, ``"pipeline"`` or
+        ``"tensor+pipeline"`` (from the two sizes)."""
+        modes = [m for m, size in (("tensor", self.tensor_parallel_size), ("pipeline", self.pipeline_parallel_size))
+                 if size > 1]
+        return "+".join(modes) or "none"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the parallel sizes need: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def paged(self) -> bool:

@@ -156,3 +156,33 @@ class UnknownLoraError(LoraError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message quoted
         return str(self.args[0]) if self.args else ""
+
+
+class DistributedError(FerrumError):
+    """Base class of the errors of multi-process (tensor or pipeline parallel) runs."""
+
+
+class DistributedConfigurationError(DistributedError, ConfigurationError):
+    """A parallel setting cannot be honoured: no distributed backend is up (the process
+    was not started by ``mlx.launch``), the group's size differs from
+    ``tensor_parallel_size * pipeline_parallel_size``, or a feature that cannot run in
+    lockstep (LoRA, draft-model speculation, structured output) was asked for (the
+    message names the setting, the sizes found and the launch command)."""
+
+
+class ShardingError(DistributedError, ModelLoadError):
+    """A model cannot be split across the group: a head count, the MLP width, the number
+    of experts or of layers is not divisible by the parallel size, or the family has no
+    sharding plan (the message names the count, the size and the sizes that work)."""
+
+
+class DistributedTimeoutError(DistributedError, RuntimeError):
+    """A collective (an engine step's broadcast or a forward pass's ``all_sum``) did not
+    finish within ``RuntimeConfig.distributed_timeout`` seconds: another rank died or
+    hangs. The rank that sees it exits (every rank does, so nothing hangs forever)."""
+
+
+class DistributedPeerLostError(DistributedError, RuntimeError):
+    """The connection to another rank of the group broke (the backend reported it, e.g.
+    the ring's "connection to a peer was lost"): that rank died. The group cannot go on
+    without it, so the rank that sees this exits; restart every rank with ``mlx.launch``."""

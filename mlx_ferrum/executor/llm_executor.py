@@ -414,6 +414,10 @@ class LlmExecutor:
         # K+V bytes one token takes in one layer as stored: the model dtype, or a quantized
         # cache's codes with their scales and biases
         per_tok_layer = self.runner.store.bytes_per_token // a.num_hidden_layers
+        model = self.runner.model
+        tensor = int(getattr(model, "tensor_parallel_size", 1))
+        stage = getattr(model, "pipeline_stage", None)
+        pipeline = int(stage.size) if stage is not None else 1
         return ExecutorCapabilities(
             max_batch_size=self.config.max_num_seqs if self.layout == "paged" else 256,
             max_sequence_length=self.max_seq_len,
@@ -421,8 +425,10 @@ class LlmExecutor:
             supports_dynamic_batching=True,
             supports_continuous_batching=self.layout == "paged",
             supports_speculative_decoding=True,
-            supports_tensor_parallelism=False,
-            supports_pipeline_parallelism=False,
+            supports_tensor_parallelism=tensor > 1,
+            supports_pipeline_parallelism=pipeline > 1,
+            tensor_parallel_size=tensor,
+            pipeline_parallel_size=pipeline,
             supported_dtypes=["float32", "float16", "bfloat16"],
             supported_devices=["gpu" if mx.metal.is_available() else "cpu"],
             memory_requirements=MemoryRequirements(

@@ -127,7 +127,13 @@ class MemoryRequirements:
 
 @dataclass
 class ExecutorCapabilities:
-    """What an executor can do; every field must be true of the implementation."""
+    """What an executor can do; every field must be true of the implementation.
+
+    ``supports_tensor_parallelism`` / ``supports_pipeline_parallelism`` are true when
+    this executor's model runs split that way (loaded with
+    ``mlx_ferrum.load(..., parallel=...)`` in an ``mlx.launch`` group); the sizes in use
+    are ``tensor_parallel_size`` / ``pipeline_parallel_size``; ``parameter_memory`` is
+    then this rank's shard's bytes."""
 
     max_batch_size: int
     max_sequence_length: int
@@ -141,6 +147,9 @@ class ExecutorCapabilities:
     supported_devices: list[str]
     memory_requirements: MemoryRequirements
     kv_layout: str = "contiguous"
+    #: ranks this executor's model is split across by tensor / pipeline parallelism (1: not split)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 class ExecutorState(str, enum.Enum):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -183,11 +183,14 @@ def _load_safetensors(file: Path) -> dict[str, mx.array]:
         raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
-def load_weights(path: Union[str, os.PathLike]) -> dict[str, mx.array]:
+def load_weights(path: Union[str, os.PathLike], wanted: Optional[Callable[[str], bool]] = None) -> dict[str, mx.array]:
     """Read every tensor of a checkpoint folder, in the dtype it is stored in.
 
     Args:
         path: the checkpoint folder.
+        wanted: a predicate on tensor names (a pipeline stage's layers): only the
+            tensors it accepts are returned, and with an index file only the shards
+            holding one of them are opened.
 
     Returns:
         ``{name: array}`` with the checkpoint's names and dtypes (bf16 stays bf16;
@@ -207,6 +210,8 @@ def load_weights(path: Union[str, os.PathLike]) -> dict[str, mx.array]:
         weight_map = _read_json(index_file).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise MalformedConfigError(f"{index_file} has no 'weight_map' object")
+        if wanted is not None:
+            weight_map = {k: shard for k, shard in weight_map.items() if wanted(k)}
         shards = sorted(set(weight_map.values()))
         for shard in shards:
             if not (folder / shard).is_file():
@@ -217,6 +222,8 @@ def load_weights(path: Union[str, os.PathLike]) -> dict[str, mx.array]:
         weights: dict[str, mx.array] = {}
         for shard in shards:
             weights.update(_load_safetensors(folder / shard))
+        if wanted is not None:
+            weights = {k: v for k, v in weights.items() if wanted(k)}
         absent = sorted(k for k, shard in weight_map.items() if k not in weights)
         if absent:
             raise MissingWeightError(
@@ -225,7 +232,8 @@ def load_weights(path: Union[str, os.PathLike]) -> dict[str, mx.array]:
         return weights
     single = folder / SINGLE_WEIGHTS_FILE
     if single.is_file():
-        return _load_safetensors(single)
+        weights = _load_safetensors(single)  # lazy: unwanted tensors are never read
+        return weights if wanted is None else {k: v for k, v in weights.items() if wanted(k)}
     found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     hint = ""
     if any(n.endswith(".bin") or n.endswith(".pt") or n.endswith(".pth") for n in found):
@@ -287,7 +295,9 @@ def _resolve_dtype(dtype: Any) -> Optional[mx.Dtype]:
 
 
 def load_model(
-    path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None
+    path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None,
+    shard: Optional[Callable[[nn.Module], Any]] = None,
+    stage: Any = None,
 ) -> tuple[nn.Module, dict, Path]:
     """Load a checkpoint folder or hub id into an evaluated model of its family
     (see :mod:`mlx_ferrum.models.registry`).
@@ -299,6 +309,14 @@ def load_model(
             tensor, including quantization scales and biases. Packed uint32
             quantized weights are never cast.
         revision: hub revision, for hub ids only.
+        shard: called with the model once its weights are set and before they are
+            evaluated (a parallel run's sharding plan, :mod:`mlx_ferrum.distributed`):
+            only what the model holds after it is materialized, so a rank keeps only
+            its slices. It may raise ``ShardingError``.
+        stage: a pipeline stage (:class:`~mlx_ferrum.distributed.pipeline.PipelineStage`):
+            ``stage.wants(name)`` selects the tensors (and shards) read, and
+            ``stage.prune(model, weights)`` keeps the stage's layers in the model and
+            returns the weights renamed to them, before they are checked and set.
 
     Returns:
         ``(model, config, folder)``: the model in eval mode with its parameters
@@ -330,7 +348,7 @@ def load_model(
     module = family(model_type)
     args = module.ModelArgs.from_dict(config)
     quant = quantization_spec(config)
-    weights = load_weights(folder)
+    weights = load_weights(folder, wanted=stage.wants if stage is not None else None)
     model = module.Model(args)
     weights = model.sanitize(weights)
     # int/bool dtypes (beyond quantized codes and scales) and NaN/Inf refused
@@ -338,10 +356,15 @@ def load_model(
     if quant is not None:
         quantize_modules(model, quant, weights)
         check_quantized_dtypes(model, weights)
+    if stage is not None:
+        weights = stage.prune(model, weights)
     check_weights(model, weights)
     if target is not None:
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
+    if shard is not None:
+        shard(model)
+    del weights  # the full tensors; the model holds only what it keeps
     mx.eval(model.parameters())
     model.eval()
     return model, config, folder

@@ -281,6 +281,7 @@ def run_server(
     on_ready: Optional[Callable[[], None]] = None,
     tool_call_parser: Optional[str] = None,
     lora_modules: Optional[dict[str, str]] = None,
+    engine=None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -299,13 +300,16 @@ def run_server(
         tool_call_parser: ``hermes``, ``llama3_json`` or ``mistral`` (None: from the chat template).
         lora_modules: LoRA adapters to serve from the start, ``{name: folder or hub id}``
             (needs ``config.enable_lora``); a request whose ``model`` is a name uses it.
+        engine: an engine built by the caller (a parallel run's rank-0
+            :class:`~mlx_ferrum.distributed.lockstep.LockstepEngine`) instead of a new
+            ``Engine``; its ``close()``, if any, is called when the server stops.
 
     Raises:
         LoraError: an adapter of ``lora_modules`` is refused (before the server listens).
     """
     from ..engine import AsyncEngine, Engine
 
-    engine = Engine(model, tokenizer, config)
+    engine = engine if engine is not None else Engine(model, tokenizer, config)
     for name, path in (lora_modules or {}).items():
         engine.add_lora(name, path)
     async_engine = AsyncEngine(engine)
@@ -324,4 +328,7 @@ def run_server(
         server.run(sockets=sockets)
     finally:
         async_engine.shutdown()
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
     return 0

@@ -337,6 +337,11 @@ class OpenAIServing:
             raise ServingError(503, "the server is shutting down: retry on another instance", type="service_unavailable")
         if not self.async_engine._thread.is_alive():
             raise ServingError(503, "the engine loop has stopped: restart the server", type="service_unavailable")
+        # a parallel run's engine says when a rank has stopped answering
+        problem = getattr(self.async_engine.engine, "health_problem", None)
+        message = problem() if problem is not None else None
+        if message:
+            raise ServingError(503, message, type="service_unavailable")
 
     def _check_ids(self, ids: list[int], param: str = "prompt", what: str = "the prompt") -> list[int]:
         vocab = self.vocab_size

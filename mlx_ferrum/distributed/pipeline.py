@@ -1,0 +1,311 @@
+"""Pipeline parallelism: the decoder layers split across ranks, activations passed with send/recv.
+
+Rank ``r`` of ``P`` holds a contiguous run of layers (``evenly``: the first
+``L mod P`` ranks get one more; or ``RuntimeConfig.pipeline_split``, e.g. ``"3,2"``).
+Rank 0 also holds the embedding, the last rank the final norm and the output head (and,
+for a tied head, the embedding matrix). A forward pass on rank ``r``:
+
+- ``r > 0``: its first layer replaces its input with ``recv_like`` from rank ``r - 1``
+  (the embedding is a zero placeholder of the right shape there);
+- ``r < P - 1``: its last layer's output is ``send`` to rank ``r + 1``;
+- the logits: the last rank's head output, summed with zeros from the others
+  (``all_sum``), so every rank holds the same logits and the lockstep engine samples
+  the same tokens everywhere.
+
+So a pass costs ``P - 1`` send/recv pairs of ``[tokens, hidden]`` and one ``all_sum`` of
+the logits rows. Stages run one after the other within a step (no micro-batches in
+flight yet): pipeline parallelism here is for fitting a model, not for speed.
+
+Loading reads only the tensors of the rank's layers, and with a
+``model.safetensors.index.json`` opens only the shards that hold them. The KV cache
+of a rank holds its own layers only (``model.args.num_hidden_layers`` is the local
+count, the layers renumbered from 0).
+
+The module wrapping is done by swapping each kept module's class for a subclass that
+adds the communication (parameter names stay those of the checkpoint). The idea of
+mlx-lm's ``PipelineMixin`` (send/recv between consecutive ranks), written here for
+every registered family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ShardingError
+from .group import ParallelGroup
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def parse_split(text: Optional[str], num_layers: int, size: int) -> list[int]:
+    """Layers per rank: ``text`` (``"3,2"``) or an even split (the first ranks take the rest).
+
+    Raises:
+        ShardingError: ``text`` is not ``size`` positive integers summing to ``num_layers``,
+            or there are fewer layers than ranks.
+    """
+    if text is None:
+        if num_layers < size:
+            raise ShardingError(
+                f"num_hidden_layers={num_layers} is less than pipeline_parallel_size={size}: every rank needs a "
+                f"layer; use at most {num_layers} ranks"
+            )
+        base, extra = divmod(num_layers, size)
+        return [base + (1 if r < extra else 0) for r in range(size)]
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) != size or any(c < 1 for c in counts) or sum(counts) != num_layers:
+        raise ShardingError(
+            f"pipeline_split={text!r} is not valid for {num_layers} layers on {size} ranks: give {size} positive "
+            f"integers separated by commas that sum to {num_layers} (e.g. "
+            f"{','.join(map(str, parse_split(None, num_layers, size)))})"
+        )
+    return counts
+
+
+def _finish_pass(logits: mx.array) -> mx.array:
+    """Evaluate a pass's summed logits now, while the pass is being built.
+
+    Ranks build different graphs (one sends where the next receives), and MLX orders
+    the independent branches of a graph by its shape: with several passes in one step
+    (prompts of several lengths in the contiguous layout), one rank ran its sends and
+    ``all_sum`` s in another order than its peer ran the matching receives, and received
+    the wrong activations. Evaluating each pass's last collective before the next pass
+    is built gives every rank the same order (measured: wrong tokens without it).
+    ``mx.depends`` chains between the passes deadlocked instead. The compiled decode
+    step is off for pipeline stages (see ``LockstepEngine``).
+    """
+    mx.eval(logits)
+    return logits
+
+
+class _Receive:
+    """Mixin of a stage's first layer: its input comes from the previous rank."""
+
+    def __call__(self, x, meta):
+        x = mx.distributed.recv_like(x, self.pipeline_src, group=self.pipeline_group)
+        return super().__call__(x, meta)
+
+
+class _Send:
+    """Mixin of a stage's last layer: its output goes to the next rank."""
+
+    def __call__(self, x, meta):
+        h = super().__call__(x, meta)
+        return mx.distributed.send(h, self.pipeline_dst, group=self.pipeline_group)
+
+
+class _Placeholder:
+    """Mixin of the embedding on a rank without it: zeros of the embedding's output shape
+    (the first layer replaces them with the received activations)."""
+
+    def __call__(self, input_ids):
+        return mx.zeros((*input_ids.shape, self.pipeline_hidden), dtype=self.pipeline_dtype)
+
+
+class _SummedHead:
+    """Mixin of the output head: the last rank's logits summed with the other ranks' zeros."""
+
+    def __call__(self, h):
+        return self._pipeline_sum(super().__call__(h))
+
+    def as_linear(self, h):
+        return self._pipeline_sum(super().as_linear(h))
+
+    def _pipeline_sum(self, logits):
+        return _finish_pass(mx.distributed.all_sum(logits, group=self.pipeline_group))
+
+
+class _ZeroHead:
+    """Mixin of rank 0's tied embedding when rank 0 is not the last: it embeds, and as
+    the head gives zeros (see :class:`ZeroHead`)."""
+
+    def as_linear(self, h):
+        zeros = mx.depends(mx.zeros((*h.shape[:-1], self.pipeline_vocab), dtype=self.pipeline_dtype), h)
+        return _finish_pass(mx.distributed.all_sum(zeros, group=self.pipeline_group))
+
+
+class ZeroHead(nn.Module):
+    """The output head of a rank without it: zeros ``[..., vocab_size]`` that depend on the
+    hidden state (so the send of this rank's last layer is part of the evaluated graph),
+    summed across ranks with the last rank's logits.
+
+    Args:
+        vocab_size, hidden_size, dtype: the logits' width, the hidden width and the dtype.
+        group: the ``mx.distributed`` group.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, group):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.dtype, self.group = vocab_size, hidden_size, dtype, group
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.as_linear(h)
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        """``[..., hidden] -> [..., vocab_size]`` (one ``all_sum``)."""
+        zeros = mx.depends(mx.zeros((*h.shape[:-1], self.vocab_size), dtype=self.dtype), h)
+        return _finish_pass(mx.distributed.all_sum(zeros, group=self.group))
+
+
+class ZeroEmbedding(ZeroHead):
+    """The embedding of a middle rank (neither embeds nor holds a tied head)."""
+
+    def __call__(self, input_ids: mx.array) -> mx.array:
+        return mx.zeros((*input_ids.shape, self.hidden_size), dtype=self.dtype)
+
+
+class PassThrough(nn.Module):
+    """The final norm of a rank that is not the last: ``x`` unchanged (what it returns
+    only feeds that rank's :class:`ZeroHead`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x
+
+
+def _retype(module: nn.Module, mixin: type, **attributes) -> None:
+    base = type(module)
+    module.__class__ = type(f"{mixin.__name__.strip('_')}{base.__name__}", (mixin, base), {})
+    for name, value in attributes.items():
+        object.__setattr__(module, name, value)
+
+
+@dataclasses.dataclass
+class PipelineStage:
+    """This rank's share of the layers, and how to cut a loaded model down to it.
+
+    Attributes:
+        rank, size: the pipeline rank and size. start, end: the layers ``[start, end)``.
+        tied: the model ties its head to the embedding. group: the ``mx.distributed`` group.
+    """
+
+    rank: int
+    size: int
+    start: int
+    end: int
+    tied: bool
+    group: Any
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def wants(self, name: str) -> bool:
+        """Whether this rank reads the checkpoint tensor ``name``."""
+        match = _LAYER.search(name)
+        if match is not None:
+            return self.start <= int(match.group(1)) < self.end
+        if "embed_tokens" in name:
+            return self.first or (self.last and self.tied)
+        if "lm_head" in name or ".norm." in f".{name}":
+            return self.last  # the head and the final norm
+        return True  # anything else outside the layers
+
+    def prune(self, model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Keep layers ``[start, end)`` (renumbered from 0), put the placeholders and the
+        communication in place, and return ``weights`` renamed to the kept layers."""
+        from ..runner.llm_runner import model_dtype
+
+        dtype = model_dtype_from(weights) or model_dtype(model)
+        args = model.args
+        common = dict(pipeline_group=self.group)
+        backbone = model.model
+        layers = list(backbone.layers[self.start : self.end])
+        for index, layer in enumerate(layers):
+            for sub in layer.modules():
+                if hasattr(sub, "layer_idx"):
+                    sub.layer_idx = index
+        if not self.first:
+            _retype(layers[0], _Receive, pipeline_src=self.rank - 1, **common)
+        if not self.last:
+            _retype(layers[-1], _Send, pipeline_dst=self.rank + 1, **common)
+        backbone.layers = layers
+        if not self.last and "norm" in backbone:
+            backbone.norm = PassThrough()  # its output only feeds the zero head
+        embed = backbone.embed_tokens
+        if self.tied:
+            if self.last:
+                _retype(embed, _SummedHead, **common)
+                if not self.first:
+                    _retype(embed, _Placeholder, pipeline_hidden=args.hidden_size, pipeline_dtype=dtype)
+            elif self.first:
+                _retype(embed, _ZeroHead, pipeline_vocab=args.vocab_size, pipeline_dtype=dtype, **common)
+            else:
+                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group)
+        else:
+            if not self.first:
+                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group)
+            if self.last:
+                _retype(model.lm_head, _SummedHead, **common)
+            else:
+                model.lm_head = ZeroHead(args.vocab_size, args.hidden_size, dtype, self.group)
+        model.args = _local_args(args, self.start, self.end)
+        if getattr(backbone, "args", None) is args:
+            backbone.args = model.args
+        model.dtype = dtype
+        model.pipeline_stage = self
+        return _rename(weights, self.start)
+
+
+def model_dtype_from(weights: dict[str, mx.array]) -> Optional[mx.Dtype]:
+    """The float dtype of the stored norms (the activation dtype), if any."""
+    for name, value in weights.items():
+        if name.endswith("norm.weight") and mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return None
+
+
+def _local_args(args, start: int, end: int):
+    """``args`` with ``num_hidden_layers = end - start`` and every per-layer list sliced."""
+    changes = {"num_hidden_layers": end - start}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, list) and len(value) == args.num_hidden_layers:
+            changes[f.name] = value[start:end]
+    return dataclasses.replace(args, **changes)
+
+
+def _rename(weights: dict[str, mx.array], start: int) -> dict[str, mx.array]:
+    def local(name: str) -> str:
+        return _LAYER.sub(lambda m: m.group(0).replace(m.group(1), str(int(m.group(1)) - start)), name, count=1)
+
+    return {local(name) if _LAYER.search(name) else name: value for name, value in weights.items()}
+
+
+def load_pipeline_stage(path_or_repo_id: Union[str, os.PathLike], parallel: ParallelGroup, dtype: Any = None,
+                        split: Optional[str] = None):
+    """Load rank ``parallel.rank``'s pipeline stage of a checkpoint: ``(model, folder)``.
+
+    Raises:
+        ShardingError: see :func:`parse_split`.
+        ModelLoadError (and subclasses): as :func:`~mlx_ferrum.models.loader.load_model`.
+    """
+    from ..models.loader import load_config, load_model, resolve_model_path
+    from ..models.registry import family
+
+    folder = resolve_model_path(path_or_repo_id)
+    config = load_config(folder)
+    args = family(config.get("model_type")).ModelArgs.from_dict(config)
+    split = split if split is not None else parallel.pipeline_split
+    counts = parse_split(split, args.num_hidden_layers, parallel.size)
+    start = sum(counts[: parallel.rank])
+    stage = PipelineStage(parallel.rank, parallel.size, start, start + counts[parallel.rank],
+                          bool(getattr(args, "tie_word_embeddings", False)), parallel.group)
+    model, _config, folder = load_model(folder, dtype=dtype, stage=stage)
+    if dtype is not None:
+        from ..models.loader import _resolve_dtype
+
+        model.dtype = _resolve_dtype(dtype)
+    return model, folder
