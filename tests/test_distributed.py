@@ -78,6 +78,8 @@ def test_tensor_parallel_stories260k_matches_one_process(stories_path, tmp_path)
     # prompt-lookup speculation: deterministic on every rank, so it runs in lockstep too
     cases.append(dict(layout="paged", prompts=cases[0]["prompts"][:2], speculative="ngram",
                       params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
+    # quantized KV caches hold only the rank's KV heads too, in both layouts
+    cases += [dict(case, kv_cache_dtype=dtype) for case, dtype in ((cases[1], "int8"), (cases[0], "int4"))]
     results = run_ranks({"model": str(stories_path), "mode": "tensor", "size": 2, "cases": cases}, tmp_path)
     _check_identity(results, model, cases)
     assert results[0]["cases"][3]["spec_accepted_tokens"] > 0

@@ -77,7 +77,8 @@ def _run(spec: dict, result: dict) -> None:
     result["cases"] = []
     for case in spec.get("cases", []):
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
-                               max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"), **sizes)
+                               max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"),
+                               kv_cache_dtype=case.get("kv_cache_dtype"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
         params = [SamplingParams(**p) for p in case["params"]]
         tokens: dict[str, list[int]] = {}
