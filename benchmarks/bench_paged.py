@@ -15,7 +15,7 @@ each step. Reported:
   feedback included on every side);
 - KV held / ideal, right after the last step. Ideal = tokens stored x bytes per token
   (all layers, K and V, the model dtype). Held:
-  - mlx_ferrum paged: blocks in use x block bytes (``manager.allocator.num_in_use``;
+  - mlx_ferrum paged: blocks in use x block bytes (``manager.num_in_use``;
     the rest of the pool is free for other sequences, so it is not counted),
   - mlx_ferrum contiguous: the sum of every sequence's buffer capacities,
   - mlx-lm: the ``nbytes`` of its batch cache arrays (``BatchGenerator.prompt_cache_nbytes``).
@@ -118,7 +118,7 @@ def run_ferrum(model, layout: str, prompts: list[list[int]], args, per_tok: int)
     decode_s = time.perf_counter() - t0
     stored = sum(h.num_tokens for h in handles)
     if layout == "paged":
-        held = ex.manager.allocator.num_in_use * args.block_size * per_tok
+        held = ex.manager.num_in_use * args.block_size * per_tok
     else:
         held = ex.cache_metrics_snapshot()["allocated_bytes"]
     res = {

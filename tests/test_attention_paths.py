@@ -16,7 +16,7 @@ import pytest
 
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import LlmExecutor, SeqWork
-from mlx_ferrum.layers.attention import _prefill_runs, sdpa_base2, AttentionMetadata
+from mlx_ferrum.layers.attention import PagedAttentionBackend, PagedMetadata, prefill_runs, sdpa_base2
 
 from tiny_models import tiny_model
 
@@ -76,16 +76,17 @@ def test_sdpa_base2_equals_fused_sdpa_and_numpy(shape, mask_kind, with_sinks):
 
 def _meta(context_lens, query_lens, num_decode):
     starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
-    return AttentionMetadata(layout="paged", host_context_lens=list(context_lens), host_query_start_loc=starts,
-                             num_decode_seqs=num_decode, metal_kernels=False)
+    return PagedMetadata(backend=PagedAttentionBackend(), pool=None, positions=None, context_lens=None, num_decode_seqs=num_decode,
+                         layer_groups=[], groups=[], host_context_lens=list(context_lens),
+                         host_query_start_loc=starts, metal_kernels=False)
 
 
 def test_prefill_runs_group_only_fresh_prompts_of_equal_length():
     # decode, then fresh 4, fresh 4, fresh 6, a chunk continuing a cached prompt (ctx 9, new 3), fresh 4
     meta = _meta([10, 4, 4, 6, 9, 4], [1, 4, 4, 6, 3, 4], num_decode=1)
-    assert _prefill_runs(meta, 1, None) == [(1, 3, True), (3, 4, True), (4, 5, False), (5, 6, True)]
+    assert prefill_runs(meta, 1, None) == [(1, 3, True), (3, 4, True), (4, 5, False), (5, 6, True)]
     # a window shorter than the prompt sends it to the paged path
-    assert _prefill_runs(meta, 1, 5) == [(1, 3, True), (3, 5, False), (5, 6, True)]
+    assert prefill_runs(meta, 1, 5) == [(1, 3, True), (3, 5, False), (5, 6, True)]
 
 
 def _no_cache_last_logits(model, ids):

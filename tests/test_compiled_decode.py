@@ -274,7 +274,7 @@ def test_phi3_longrope_switch_inside_the_compiled_step(family_model):
 def test_batch_changing_between_steps_equals_eager_and_leaks_no_block(family_model, family):
     model = family_model(family)
     run = Lockstep(model, block_size=8, max_num_blocks=64)
-    free_at_start = {side: ex.manager.allocator.num_free for side, ex in run.ex.items()}
+    free_at_start = {side: ex.manager.num_free for side, ex in run.ex.items()}
     first = dict(zip(["a", "b", "c", "d"], prompts_for(model, [5, 9, 16, 30], seed=21)))
     late = dict(zip(["e", "f", "g"], prompts_for(model, [11, 6, 2], seed=22)))
     run.prefill(first)
@@ -317,8 +317,8 @@ def test_batch_changing_between_steps_equals_eager_and_leaks_no_block(family_mod
         mgr = ex.manager
         mgr.check_invariants()
         assert not mgr.seqs, side
-        assert mgr.allocator.num_free == free_at_start[side], f"compiled={side}: blocks were left behind"
-        assert mgr.allocator.num_in_use == 0, side
+        assert mgr.num_free == free_at_start[side], f"compiled={side}: blocks were left behind"
+        assert mgr.num_in_use == 0, side
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
@@ -356,7 +356,7 @@ def test_forked_sequences_copy_on_write_inside_compiled_steps(family_model, fami
     for side, ex in run.ex.items():
         for c in ("p", "c1", "c2"):
             ex.release_cache(c)
-        assert ex.manager.allocator.num_in_use == 0, side
+        assert ex.manager.num_in_use == 0, side
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
@@ -425,7 +425,7 @@ def run_engine(model, compiled, async_scheduling, reqs, **kw):
     calls = count_compiled_calls(eng.executor) if compiled else None
     outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
     mgr = eng.executor.manager
-    assert mgr.allocator.num_in_use == 0 and not mgr.seqs, "blocks were left behind"
+    assert mgr.num_in_use == 0 and not mgr.seqs, "blocks were left behind"
     return [(o.token_ids, o.finish_reason) for o in outs], eng, calls
 
 

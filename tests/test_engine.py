@@ -60,7 +60,7 @@ def test_preemption_under_kv_pressure_completes_everything_without_leaks(model):
         assert o.token_ids == solo(model, prompt, sp).token_ids, f"request {o.request_id} differs from its solo run"
     mgr = eng.executor.manager
     mgr.check_invariants()
-    assert mgr.allocator.num_free == mgr.num_blocks and not mgr.seqs
+    assert mgr.num_free == mgr.num_blocks and not mgr.seqs
     assert st["num_running"] == 0 and st["num_waiting"] == 0
 
 
@@ -90,11 +90,11 @@ def test_abort_frees_blocks_at_once_and_spares_the_others(model):
     for _ in range(4):
         eng.step()
     mgr = eng.executor.manager
-    used_before = mgr.allocator.num_in_use
+    used_before = mgr.num_in_use
     held = len(mgr.block_table(ids[2]))
     assert held > 0
     eng.abort(ids[2])
-    assert not mgr.has(ids[2]) and mgr.allocator.num_in_use == used_before - held
+    assert not mgr.has(ids[2]) and mgr.num_in_use == used_before - held
     final = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -104,7 +104,7 @@ def test_abort_frees_blocks_at_once_and_spares_the_others(model):
     for rid, (p, sp) in zip(ids, reqs):
         if rid != ids[2]:
             assert final[rid].token_ids == solo(model, p, sp).token_ids
-    assert mgr.allocator.num_free == mgr.num_blocks
+    assert mgr.num_free == mgr.num_blocks
 
 
 def test_prefix_cache_prefills_only_the_suffix_and_matches_no_cache(model):
@@ -202,7 +202,7 @@ def test_concurrent_submission_from_threads_loses_nothing(model):
     stop.set()
     d.join(timeout=120)
     assert sorted(submitted) == sorted(finished) and len(finished) == 80
-    assert eng.executor.manager.allocator.num_free == eng.executor.manager.num_blocks
+    assert eng.executor.manager.num_free == eng.executor.manager.num_blocks
 
 
 def test_asyncio_stream_runs_beside_other_requests(model):

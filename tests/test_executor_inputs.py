@@ -22,7 +22,7 @@ def executor(model, layout):
 
 
 def _blocks_in_use(ex):
-    return ex.manager.allocator.num_in_use if ex.manager is not None else 0
+    return ex.manager.num_in_use if ex.manager is not None else 0
 
 
 BAD_PREFILL = [

@@ -63,5 +63,5 @@ def test_the_adapter_surface_reproduces_the_recordings(stories_path, stories_exp
     for cid in (h.cache_id, handles[1].cache_id, single.kv_cache.cache_id):
         ex.release_cache(cid)
     if layout == "paged":
-        assert ex.manager.allocator.num_free == ex.manager.num_blocks
+        assert ex.manager.num_free == ex.manager.num_blocks
     assert ex.status().decode_operations == steps - 1 + 1 + 8

@@ -183,7 +183,7 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
     ex = eng.executor
     if layout == "paged":
         ex.manager.check_invariants()
-        assert not ex.manager.seqs and ex.manager.allocator.num_free == ex.manager.num_blocks
+        assert not ex.manager.seqs and ex.manager.num_free == ex.manager.num_blocks
     else:
         assert not ex._contiguous
     assert not eng._seqs and not eng._pending and not eng._in_flight and not eng._deferred_release
@@ -343,6 +343,6 @@ def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, mo
 
     mgr = eng.executor.manager
     mgr.check_invariants()
-    assert not mgr.seqs and mgr.allocator.num_free == mgr.num_blocks
+    assert not mgr.seqs and mgr.num_free == mgr.num_blocks
     assert not eng._seqs and not eng._boxes
     assert not eng.scheduler.running and not eng.scheduler.waiting

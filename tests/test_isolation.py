@@ -49,7 +49,7 @@ def assert_clean(eng):
     ex = eng.executor
     if ex.layout == "paged":
         ex.manager.check_invariants()
-        assert not ex.manager.seqs and ex.manager.allocator.num_free == ex.manager.num_blocks
+        assert not ex.manager.seqs and ex.manager.num_free == ex.manager.num_blocks
     else:
         assert not ex._contiguous
     assert not eng.has_unfinished_requests()
@@ -264,7 +264,7 @@ def test_ctrl_c_during_stream_generate_prefill_releases_the_cache(layout):
     ex.model = m
     if ex.layout == "paged":
         ex.manager.check_invariants()
-        assert not ex.manager.seqs and ex.manager.allocator.num_free == ex.manager.num_blocks
+        assert not ex.manager.seqs and ex.manager.num_free == ex.manager.num_blocks
     else:
         assert not ex._contiguous
 

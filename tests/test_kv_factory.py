@@ -1,4 +1,4 @@
-"""kv_cache.factory: the one place the KV store's layout, block manager and pool size are chosen."""
+"""kv_cache.factory: the one place the KV store's layout, attention backend, block manager and pool size are chosen."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvCacheManager
 from mlx_ferrum.kv_cache.factory import KvSpec, build_kv_store, pool_num_blocks
 from mlx_ferrum.kv_cache.pool import bytes_per_block, default_num_blocks
 from mlx_ferrum.kv_cache.store import ContiguousKvStore, PagedKvStore
+from mlx_ferrum.layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
 from mlx_ferrum.runner import LlmRunner
 from tiny_models import tiny_model
 
@@ -24,6 +25,7 @@ def spec(windows=(None, None), max_seq_len=100, dtype=mx.float16) -> KvSpec:
 def test_contiguous_layout_gives_per_sequence_caches_grown_or_preallocated():
     store = build_kv_store(spec(), RuntimeConfig(kv_layout="contiguous", kv_cache_step=32), weight_bytes=0)
     assert isinstance(store, ContiguousKvStore) and store.layout == "contiguous"
+    assert type(store.backend) is ContiguousAttentionBackend
     caches = store.make_caches()
     assert len(caches) == 2 and caches[0].capacity == 0 and caches[0].max_capacity == 100
     assert caches[0].step == 32 and caches[0].dtype == mx.float16
@@ -36,7 +38,8 @@ def test_contiguous_layout_gives_per_sequence_caches_grown_or_preallocated():
 def test_explicit_block_count_sizes_the_manager_and_one_scratch_block_more_in_the_pool():
     store = build_kv_store(spec(), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=37), 0)
     assert isinstance(store, PagedKvStore) and store.layout == "paged"
-    assert type(store.manager) is PagedKvCacheManager
+    assert type(store.manager) is LayerGroupKvManager and len(store.manager.groups) == 1
+    assert type(store.backend) is PagedAttentionBackend
     assert store.manager.num_blocks == 37 and store.pool.num_blocks == 38
     assert store.pool.shape == (38, 2, 16, 8) and store.pool.dtype == mx.float16
     assert store.manager.max_blocks_per_seq == 7  # ceil(100 / 16)
@@ -63,26 +66,29 @@ def test_default_pool_is_capped_by_the_memory_left_beside_the_weights(monkeypatc
     assert pool_num_blocks(big, cfg, weight_bytes=200 * per) == 400
 
 
-@pytest.mark.parametrize("windows, manager_type, shared_window", [
-    ((None, None), PagedKvCacheManager, None),
-    ((64, 64), PagedKvCacheManager, 64),
-    ((None, 64, None), LayerGroupKvManager, None),
+@pytest.mark.parametrize("windows, group_windows, layer_groups", [
+    ((None, None), [None], [0, 0]),
+    ((64, 64), [64], [0, 0]),
+    ((None, 64, None), [None, 64], [0, 1, 0]),
 ])
-def test_layer_windows_pick_the_block_manager(windows, manager_type, shared_window):
+def test_layer_windows_pick_the_layer_groups(windows, group_windows, layer_groups):
     store = build_kv_store(spec(windows), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=32,
                                                         prefix_cache=True), 0)
-    assert type(store.manager) is manager_type
-    assert store.manager.sliding_window == shared_window and store.manager.prefix_cache
-    if manager_type is LayerGroupKvManager:
-        assert store.manager.group_windows == [None, 64] and store.manager.layer_groups == [0, 1, 0]
+    assert type(store.manager) is LayerGroupKvManager and store.manager.prefix_cache
+    assert store.manager.group_windows == group_windows and store.layer_groups == layer_groups
+    # each group frees the blocks outside its own window
+    assert [g.sliding_window for g in store.manager.groups] == group_windows
 
 
 def test_a_given_manager_sizes_the_pool_and_needs_the_paged_layout():
-    manager = PagedKvCacheManager(12, 8, max_blocks_per_seq=13)
+    manager = LayerGroupKvManager(12, 8, max_blocks_per_seq=13)
     store = build_kv_store(spec(), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=99), 0, manager)
     assert store.manager is manager and store.pool.shape == (13, 2, 8, 8)
+    assert store.layer_groups == [0, 0]  # one group serves every layer
     with pytest.raises(ExecutorError, match="paged layout"):
         build_kv_store(spec(), RuntimeConfig(kv_layout="contiguous"), 0, manager)
+    with pytest.raises(ExecutorError, match="LayerGroupKvManager"):
+        build_kv_store(spec(), RuntimeConfig(kv_layout="paged"), 0, PagedKvCacheManager(12, 8, 13))
 
 
 def test_a_pool_beyond_free_memory_is_refused_before_any_allocation(monkeypatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_ferrum.executor import DecodeInput, PagedAttentionExecutor, PrefillInput
-from mlx_ferrum.kv_cache import PagedKvCacheManager
+from mlx_ferrum.kv_cache import LayerGroupKvManager
 
 VOCAB, KVH, HD = 50, 2, 4
 W = KVH * HD
@@ -44,7 +44,7 @@ def test_prefill_decode_match_hand_computed_values():
 
 
 def test_ragged_batch_truncate_and_shared_manager():
-    mgr = PagedKvCacheManager(num_blocks=32, block_size=8, max_blocks_per_seq=8)
+    mgr = LayerGroupKvManager(num_blocks=32, block_size=8, max_blocks_per_seq=8)
     ex = PagedAttentionExecutor(vocab_size=VOCAB, num_kv_heads=KVH, head_dim=HD, kv_manager=mgr)
     seqs = [[1, 2, 3], list(range(5, 25)), [7] * 9, [4]]
     outs = ex.batch_prefill([PrefillInput(input_ids=mx.array([s])) for s in seqs])
@@ -59,7 +59,7 @@ def test_ragged_batch_truncate_and_shared_manager():
     assert mgr.num_tokens(h.cache_id) == 7 and len(mgr.block_table(h.cache_id)) == 1
     for o in steps:
         ex.release_cache(o.kv_cache.cache_id)
-    assert mgr.allocator.num_free == 32
+    assert mgr.num_free == 32
 
 
 def test_fork_copy_on_write_keeps_both_sequences_right():

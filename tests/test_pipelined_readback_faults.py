@@ -93,7 +93,7 @@ def assert_clean(eng):
     if ex.layout == "paged":
         ex.manager.check_invariants()
         assert not ex.manager.seqs, "a KV cache was left behind"
-        assert ex.manager.allocator.num_free == ex.manager.num_blocks, "blocks were left behind"
+        assert ex.manager.num_free == ex.manager.num_blocks, "blocks were left behind"
     else:
         assert not ex._contiguous, "contiguous caches were left behind"
     assert not eng.has_unfinished_requests()

@@ -55,7 +55,7 @@ def run_all(model, cfg, reqs):
 def assert_no_leak(eng):
     mgr = eng.executor.manager
     if mgr is not None:
-        assert mgr.allocator.num_in_use == 0, "blocks were left behind"
+        assert mgr.num_in_use == 0, "blocks were left behind"
         assert not mgr.seqs
     else:
         assert not eng.executor._contiguous, "contiguous caches were left behind"

@@ -37,7 +37,7 @@ class WritingScheduler(Scheduler):
         if self.manager is None:
             return True
         cid = seq.request_id if self.manager.has(seq.request_id) else None
-        return self.manager.blocks_needed(cid, n) <= self.manager.allocator.num_free - self._reserved
+        return self.manager.blocks_needed(cid, n) <= self.manager.num_free - self._reserved
 
     def _reserve(self, seq, n):
         if self.manager is not None:
@@ -153,7 +153,7 @@ def _next_token(rid: str, position: int, vocab: int = 50) -> int:
 
 
 def _block_state(manager) -> tuple:
-    groups = getattr(manager, "groups", None) or [manager]
+    groups = manager.groups
     return tuple(
         (g.allocator.num_free, tuple(g.allocator.ref_counts), tuple(g.allocator._evictable),
          tuple(g.allocator._free), tuple(sorted((cid, s.num_tokens, tuple(s.block_ids)) for cid, s in g.seqs.items())),
@@ -232,8 +232,8 @@ def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 40
 
 
 def managers(kind: str, num_blocks: int, prefix_cache: bool):
-    if kind == "paged":
-        return PagedKvCacheManager(num_blocks, BS, max_blocks_per_seq=25, prefix_cache=prefix_cache)
+    if kind == "paged":  # one layer group, as for a model without windows
+        return LayerGroupKvManager(num_blocks, BS, max_blocks_per_seq=25, prefix_cache=prefix_cache)
     return LayerGroupKvManager(num_blocks, BS, 25, layer_windows=[None, 16, None], prefix_cache=prefix_cache)
 
 
@@ -265,7 +265,7 @@ def test_read_only_scheduler_plans_what_the_writing_scheduler_did(kind, prefix_c
 def test_block_plan_counts_releases_and_claims_like_the_allocator():
     """Shared prefix blocks: releasing one holder frees nothing, releasing the last frees
     them; a claim revives free cached blocks (no longer free) but not blocks in use."""
-    mgr = PagedKvCacheManager(8, BS, max_blocks_per_seq=8, prefix_cache=True)
+    mgr = LayerGroupKvManager(8, BS, max_blocks_per_seq=8, prefix_cache=True)
     prompt = list(range(20))
     mgr.create("a")
     mgr.append_slots("a", 20, prompt)  # 3 blocks, 2 full and hashed
@@ -273,7 +273,7 @@ def test_block_plan_counts_releases_and_claims_like_the_allocator():
     assert mgr.match_prefix("b", prompt) == 16
     mgr.append_slots("b", 4, prompt[16:])  # b: 2 shared + 1 own
     plan = BlockPlan(mgr)
-    assert plan.num_free == mgr.allocator.num_free == 4
+    assert plan.num_free == mgr.num_free == 4
     plan.release("a")
     assert plan.num_free == 5 and not plan.has("a")  # a's partial block only
     plan.release("b")
@@ -288,7 +288,7 @@ def test_block_plan_counts_releases_and_claims_like_the_allocator():
     plan.cancel_claim("a")
     assert plan.num_free == 8
     # nothing of it reached the manager
-    assert mgr.allocator.num_free == 4 and mgr.has("a") and mgr.has("b") and not mgr.has("c")
+    assert mgr.num_free == 4 and mgr.has("a") and mgr.has("b") and not mgr.has("c")
     with pytest.raises(KvCacheError):
         plan.claim("d", prompt, 24)  # only 16 cached
 

@@ -111,7 +111,7 @@ def test_scheduler_never_writes_the_manager(model, prefix_cache, speculative):
             assert final[rid].finish_reason == "length"
             assert final[rid].token_ids == solo(model, prompt, sp), f"{rid} differs from its solo run"
     manager.check_invariants()
-    assert manager.allocator.num_free == manager.num_blocks and not manager.seqs
+    assert manager.num_free == manager.num_blocks and not manager.seqs
 
 
 def test_prefix_cache_on_and_off_give_solo_tokens_under_preemption(model):
@@ -129,7 +129,7 @@ def test_prefix_cache_on_and_off_give_solo_tokens_under_preemption(model):
         outputs[prefix_cache] = {i: final[rid].token_ids for i, rid in enumerate(ids) if rid not in aborted}
         manager = engine.executor.manager
         manager.check_invariants()
-        assert manager.allocator.num_free == manager.num_blocks and not manager.seqs
+        assert manager.num_free == manager.num_blocks and not manager.seqs
     assert outputs[True] == outputs[False]
     for i, tokens in outputs[True].items():
         assert tokens == solo(model, *reqs[i])

@@ -34,19 +34,19 @@ def test_blocks_outside_the_window_are_freed_and_the_count_stays_bounded():
         mgr.check_invariants()
         n = mgr.num_tokens("a")
         # the next token (position n) needs n-19 .. n: at most ceil(20/8)+1 blocks, plus the one being filled
-        assert mgr.allocator.num_in_use <= -(-20 // 8) + 2
+        assert mgr.num_in_use <= -(-20 // 8) + 2
         assert mgr.first_live_token("a") <= max(0, n - 1 - 20 + 1)
     table = mgr.block_table("a")
     assert table[0] == FREED_BLOCK and table[-1] != FREED_BLOCK
     mgr.release("a")
-    assert mgr.allocator.num_in_use == 0
+    assert mgr.num_in_use == 0
 
 
 def test_without_a_window_nothing_is_freed():
     mgr = PagedKvCacheManager(64, 8, 64)
     mgr.create("a")
     _append(mgr, "a", 100)
-    assert FREED_BLOCK not in mgr.block_table("a") and mgr.allocator.num_in_use == 13
+    assert FREED_BLOCK not in mgr.block_table("a") and mgr.num_in_use == 13
 
 
 def test_fork_truncate_and_prefix_cache_with_freed_blocks():
@@ -68,7 +68,7 @@ def test_fork_truncate_and_prefix_cache_with_freed_blocks():
     for cid in ("a", "b", "c"):
         mgr.release(cid)
     mgr.check_invariants()
-    assert mgr.allocator.num_in_use == 0
+    assert mgr.num_in_use == 0
 
 
 def test_layer_groups_hold_full_blocks_for_global_layers_and_a_window_for_sliding_ones():
@@ -79,7 +79,7 @@ def test_layer_groups_hold_full_blocks_for_global_layers_and_a_window_for_slidin
     mgr.append_slots("a", 100, list(range(100)))
     for i in range(60):
         res = mgr.append_slots("a", 1, [100 + i])
-        assert len(res.group_results) == 2
+        assert len(res) == 2  # one AppendResult per group
         mgr.check_invariants()
     full, sliding = (g.allocator.num_in_use for g in mgr.groups)
     assert full == -(-160 // 8) and sliding <= -(-16 // 8) + 2
@@ -95,7 +95,7 @@ def test_layer_groups_hold_full_blocks_for_global_layers_and_a_window_for_slidin
     for cid in ("a", "b", "c"):
         mgr.release(cid)
     mgr.check_invariants()
-    assert mgr.allocator.num_in_use == 0
+    assert mgr.num_in_use == 0
 
 
 @pytest.fixture(scope="module", params=["mistral", "gemma3_text", "gpt_oss"])

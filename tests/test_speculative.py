@@ -160,11 +160,11 @@ def test_greedy_batched_output_is_identical_with_and_without_speculation(model, 
     if layout == "paged":
         mgr = eng.executor.manager
         mgr.check_invariants()
-        assert mgr.allocator.num_free == mgr.num_blocks and not mgr.seqs
+        assert mgr.num_free == mgr.num_blocks and not mgr.seqs
         if prop is not None:
             dm = prop.executor.manager
             dm.check_invariants()
-            assert dm.allocator.num_free == dm.num_blocks and not dm.seqs
+            assert dm.num_free == dm.num_blocks and not dm.seqs
 
 
 def test_opted_out_requests_are_not_verified(model):
@@ -212,7 +212,7 @@ def test_no_block_leaks_after_many_rejections_under_kv_pressure(model, random_dr
     assert st["num_preemptions"] > 0, "the pool was never under pressure"
     assert all(done[i].finish_reason == "length" for i in ids)
     for m in (eng.executor.manager, prop.executor.manager):
-        assert m.allocator.num_free == m.num_blocks and not m.seqs
+        assert m.num_free == m.num_blocks and not m.seqs
 
 
 # --------------------------------------------------------- sampling is exact
@@ -408,22 +408,22 @@ def test_presence_and_frequency_penalties_are_applied_when_verifying(model, layo
 def test_a_draft_row_is_laid_out_as_decode_rows_with_causal_context_lengths():
     """PagedKvStore.prepare(as_decode=...) turns an n-token row into n one-query rows over
     the same block table, row j attending to the cache up to its own token."""
-    from mlx_ferrum.kv_cache import PagedKvCacheManager, PagedKvPool
+    from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvPool
     from mlx_ferrum.kv_cache.store import PagedKvStore
 
-    mgr = PagedKvCacheManager(32, 4, 16)
+    mgr = LayerGroupKvManager(32, 4, 16)
     store = PagedKvStore(mgr, PagedKvPool(1, 32, 1, 4, 8, mx.float32), bytes_per_token=64)
     store.prepare([("a", list(range(6))), ("b", [1, 2, 3])])
     passes, _ = store.prepare([("a", [7, 8, 9]), ("b", [4]), ("c", [5, 6, 7, 8, 9])], as_decode=[True, False, False])
-    f = passes[0].fields
+    f = passes[0].inputs
     # decode rows first: a's three tokens (expanded) and b's one, then c's prefill segment
     assert [passes[0].items[k] for k in range(3)] == [0, 1, 2]
-    assert f["num_decode_seqs"] == 4
-    assert f["context_lens"].tolist() == [7, 8, 9, 4, 5]
-    assert f["positions"].tolist()[:4] == [6, 7, 8, 3]
-    assert f["query_start_loc"].tolist() == [0, 1, 2, 3, 4, 9]
+    assert f.num_decode_seqs == 4
+    assert f.context_lens.tolist() == [7, 8, 9, 4, 5]
+    assert f.positions.tolist()[:4] == [6, 7, 8, 3]
+    assert f.query_start_loc.tolist() == [0, 1, 2, 3, 4, 9]
     table_a = mgr.block_table("a")
-    assert [row[: len(table_a)].tolist() for row in f["block_tables"][:3]] == [table_a] * 3
+    assert [row[: len(table_a)].tolist() for row in f.block_tables[0][:3]] == [table_a] * 3
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])

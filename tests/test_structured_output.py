@@ -223,7 +223,7 @@ def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, mode, 
         assert not any(calls), calls
     mgr = only.executor.manager
     if mgr is not None:
-        assert mgr.allocator.num_in_use == 0 and not mgr.seqs
+        assert mgr.num_in_use == 0 and not mgr.seqs
     assert not only.has_unfinished_requests()
 
 

@@ -82,8 +82,7 @@ def _pool_token_limit(manager) -> Optional[int]:
     the blocks their window left behind)."""
     if manager is None:
         return None
-    windows = getattr(manager, "group_windows", None) or [getattr(manager, "sliding_window", None)]
-    if windows[0] is not None:  # full-attention layers come first when there are any
+    if manager.group_windows[0] is not None:  # full-attention layers come first when there are any
         return None
     return manager.num_blocks * manager.block_size
 

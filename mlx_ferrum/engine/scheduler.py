@@ -15,7 +15,7 @@ First come, first served, in the style of vLLM's unified scheduler (and nano-vll
   be recomputed (prompt + outputs so far) later.
 
 The scheduler only READS the host-side
-:class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (block tables), never arrays, and
+:class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` (block tables), never arrays, and
 never writes it: the releases and prefix claims it decides are recorded in a
 :class:`~mlx_ferrum.kv_cache.block_plan.BlockPlan` (so later decisions of the same step
 count with them) and applied by the engine, through the executor, right after
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..config import RuntimeConfig
-from ..kv_cache import PagedKvCacheManager
+from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.block_plan import BlockPlan
 from .sequence import Sequence, SequenceStatus
 
@@ -109,7 +109,7 @@ class Scheduler:
         max_seq_len: most tokens per sequence.
     """
 
-    def __init__(self, config: RuntimeConfig, manager: Optional[PagedKvCacheManager], max_seq_len: int):
+    def __init__(self, config: RuntimeConfig, manager: Optional[LayerGroupKvManager], max_seq_len: int):
         self.config = config
         self.manager = manager
         self.max_seq_len = max_seq_len

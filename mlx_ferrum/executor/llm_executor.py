@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from ..config import RuntimeConfig
 from ..errors import ExecutorError, InvalidInputIdsError, UnknownCacheError
-from ..kv_cache import PagedKvCacheManager
+from ..kv_cache import LayerGroupKvManager
 from ..runner import LlmRunner, SeqWork
 # re-exported: code and tests import these from here
 from ..runner.llm_runner import MAX_DECODE_TRACES, layer_windows, model_dtype, shape_bucket  # noqa: F401
@@ -113,7 +113,7 @@ class LlmExecutor:
         model: Optional[nn.Module] = None,
         config: Optional[RuntimeConfig] = None,
         model_id: str = "model",
-        manager: Optional[PagedKvCacheManager] = None,
+        manager: Optional[LayerGroupKvManager] = None,
         runner: Optional[LlmRunner] = None,
     ):
         if runner is None:
@@ -411,7 +411,9 @@ class LlmExecutor:
             mechs.append(AttentionType.MULTI_QUERY if a.num_key_value_heads == 1 else AttentionType.GROUPED_QUERY)
         if self.layout == "paged":
             mechs.append(AttentionType.PAGED)
-        per_tok_layer = 2 * a.num_key_value_heads * a.head_dim * self.dtype.size
+        # K+V bytes one token takes in one layer as stored: the model dtype, or a quantized
+        # cache's codes with their scales and biases
+        per_tok_layer = self.runner.store.bytes_per_token // a.num_hidden_layers
         return ExecutorCapabilities(
             max_batch_size=self.config.max_num_seqs if self.layout == "paged" else 256,
             max_sequence_length=self.max_seq_len,

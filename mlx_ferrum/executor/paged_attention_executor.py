@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import RuntimeConfig
-from ..kv_cache import PagedKvCacheManager
+from ..kv_cache import LayerGroupKvManager
 from ..layers.attention import AttentionMetadata, attention
 from .llm_executor import LlmExecutor
 from .types import DecodeInput, DecodeOutput, PrefillInput, PrefillOutput
@@ -75,7 +75,7 @@ class PagedAttentionExecutor(LlmExecutor):
         block_size: tokens per block.
         num_blocks: blocks in the pool (ignored when ``kv_manager`` is given).
         max_seq_len: most tokens per sequence.
-        kv_manager: a shared :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (as in
+        kv_manager: a shared :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` (as in
             ferrum's ``new(config, kv_manager)``), or None to make one.
         config: other runtime settings; the layout is always paged.
 
@@ -91,7 +91,7 @@ class PagedAttentionExecutor(LlmExecutor):
         block_size: int = 16,
         num_blocks: int = 64,
         max_seq_len: int = 1024,
-        kv_manager: Optional[PagedKvCacheManager] = None,
+        kv_manager: Optional[LayerGroupKvManager] = None,
         config: Optional[RuntimeConfig] = None,
     ):
         model = IdentityAttentionModel(vocab_size, num_kv_heads, head_dim, max_seq_len)

@@ -2,11 +2,12 @@
 
 - :class:`ContiguousKvCache`: ``[1, num_kv_heads, capacity, head_dim]`` per layer and sequence.
 - :class:`PagedKvPool`: ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer, shared.
-- :class:`BlockAllocator`, :class:`PagedKvCacheManager`: host-side bookkeeping of the pool.
-- :class:`LayerGroupKvManager`: one block table per layer group (full / sliding-window
-  layers) for models that mix them.
-- :func:`build_kv_store` (:mod:`.factory`): the one place a store's layout, block
-  manager and pool size are chosen, from a :class:`KvSpec`.
+- :class:`LayerGroupKvManager`: the paged block manager: one block table per layer group
+  (full / sliding-window layers; one group when the layers do not differ), each group's
+  tables a :class:`PagedKvCacheManager` over a :class:`BlockAllocator` (host-side
+  bookkeeping of the pool).
+- :func:`build_kv_store` (:mod:`.factory`): the one place a store's layout, attention
+  backend, block manager and pool size are chosen, from a :class:`KvSpec`.
 - :class:`BlockPlan`: the scheduler's read-only view of a manager, with one step's
   pending releases and prefix claims counted.
 """

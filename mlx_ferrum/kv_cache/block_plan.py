@@ -16,7 +16,7 @@ what the manager would answer once they are applied:
 
 The rules are the :class:`~mlx_ferrum.kv_cache.BlockAllocator`'s (vLLM's block
 manager, Kwon et al., SOSP 2023): a block is free when its reference count is zero,
-whether it still holds cached tokens or not. A
+whether it still holds cached tokens or not. The
 :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` is planned per group (a sequence
 fits when it fits in every group: ``num_free`` is the smallest group's).
 """
@@ -33,8 +33,7 @@ class BlockPlan:
     """Pending releases and prefix claims of one step, over a read-only manager.
 
     Args:
-        manager: a :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` or
-            :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`; only read, never written.
+        manager: the :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`; only read, never written.
 
     Attributes:
         released: cache ids whose release is pending, in the order planned.
@@ -43,7 +42,7 @@ class BlockPlan:
 
     def __init__(self, manager):
         self.manager = manager
-        self._groups = list(getattr(manager, "groups", None) or [manager])
+        self._groups = list(manager.groups)
         self._free = [g.allocator.num_free for g in self._groups]
         self._delta: list[dict[int, int]] = [{} for _ in self._groups]  # block -> planned change of its count
         self.released: list[Hashable] = []

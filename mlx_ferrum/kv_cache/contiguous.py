@@ -91,6 +91,20 @@ class ContiguousKvCache:
         self.len = end
         return self.k[..., :end, :], self.v[..., :end, :]
 
+    def arrays(self) -> list[mx.array]:
+        """The K and V buffers (empty before the first write)."""
+        return [] if self.k is None else [self.k, self.v]
+
+    def copy_from(self, other: "ContiguousKvCache") -> None:
+        """Hold ``other``'s stored tokens (a fork): this cache's own are replaced.
+
+        Raises:
+            KvCacheExhaustedError: ``other`` holds more than this cache's ``max_capacity``.
+        """
+        self.len = 0
+        if other.len:
+            self.append(other.k[..., : other.len, :], other.v[..., : other.len, :])
+
     def truncate(self, new_len: int) -> None:
         """Forget tokens from ``new_len`` on (their slots are overwritten by later appends).
 

@@ -10,16 +10,22 @@
   - a pool of :func:`pool_num_blocks` blocks (``max_num_blocks``, else sized from the
     memory budget and ``max_num_seqs`` sequences of ``max_seq_len`` tokens), checked
     against free memory before anything is allocated;
-  - a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` when the layers mix attention
-    windows (Gemma 3, gpt-oss: one block table per layer group), else a
-    :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager` (with the shared sliding window,
-    if any, so blocks outside it are freed);
+  - a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`, the only paged block manager:
+    one block table per layer group, so layers with different attention windows
+    (Gemma 3, gpt-oss) free blocks independently; a model whose layers share one window
+    (or have none) has one group (with that window, so blocks outside it are freed);
   - a :class:`~mlx_ferrum.kv_cache.PagedKvPool` of one block more than the manager
     hands out: the scratch block (id ``manager.num_blocks``) that the pad rows of a
     compiled decode step write to.
 
-Nothing above this module tests the layout string to decide how KV is stored: the
-runner asks the store it was given.
+The attention backend is chosen here too, once per store, by layout and
+``kv_cache_dtype``: :class:`~mlx_ferrum.layers.backends.ContiguousAttentionBackend` /
+:class:`~mlx_ferrum.layers.backends.PagedAttentionBackend` over the model dtype ("auto"),
+:class:`~mlx_ferrum.layers.quantized_backends.QuantizedContiguousAttentionBackend` /
+:class:`~mlx_ferrum.layers.quantized_backends.QuantizedPagedAttentionBackend` over the
+int8 / int4 storage of :mod:`mlx_ferrum.kv_cache.quantized` (int4 rotates keys); the
+store puts it in every pass's metadata. Nothing above this module tests the layout string to decide how KV is
+stored or attended: the runner asks the store it was given.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ import mlx.core as mx
 from ..config import RuntimeConfig
 from ..errors import ExecutorError
 from .contiguous import ContiguousKvCache
+from ..kernels.quantized_reference import check_kv_cache_dtype
+from ..layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
+from ..layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
 from .layer_groups import LayerGroupKvManager
-from .manager import PagedKvCacheManager
 from .pool import PagedKvPool, check_pool_fits, default_num_blocks
+from .quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool, check_quantized_pool_fits
+from .quantized import bytes_per_token as quantized_bytes_per_token
 from .store import ContiguousKvStore, KvStore, PagedKvStore
 
 
@@ -50,6 +60,8 @@ class KvSpec:
         max_seq_len: most tokens one sequence may hold (``resolve_kv_capacity``).
         layer_windows: each layer's sliding window in tokens (None: full attention),
             ``num_layers`` entries.
+        kv_cache_dtype: how K and V are stored: "auto" (``dtype``), "int8" or "int4"
+            (:mod:`mlx_ferrum.kv_cache.quantized`).
     """
 
     num_layers: int
@@ -58,11 +70,18 @@ class KvSpec:
     dtype: mx.Dtype
     max_seq_len: int
     layer_windows: tuple[Optional[int], ...]
+    kv_cache_dtype: str = "auto"
 
     @property
     def bytes_per_token(self) -> int:
-        """K+V bytes of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        """K+V bytes of one token over all layers, scales and biases included."""
+        return self.num_layers * quantized_bytes_per_token(self.num_kv_heads, self.head_dim, self.kv_cache_dtype,
+                                                           self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """True for an int8 / int4 cache."""
+        return self.kv_cache_dtype != "auto"
 
 
 def pool_num_blocks(spec: KvSpec, config: RuntimeConfig, weight_bytes: int) -> int:
@@ -91,81 +110,104 @@ def pool_num_blocks(spec: KvSpec, config: RuntimeConfig, weight_bytes: int) -> i
         config.kv_memory_fraction,
         max_num_seqs=config.max_num_seqs,
         max_seq_len=spec.max_seq_len,
+        block_bytes=spec.bytes_per_token * config.block_size,
     )
 
 
-def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> PagedKvCacheManager:
-    """The block manager for ``spec``: one block table per layer group when the layers'
-    windows differ, else one :class:`PagedKvCacheManager` (with the shared window).
+def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> LayerGroupKvManager:
+    """The block manager for ``spec``: one block table per group of layers sharing a
+    window (one group when every layer has the same window or none).
 
     Args:
-        spec: the model's KV shape (``layer_windows`` decides the manager).
+        spec: the model's KV shape (``layer_windows`` decides the groups).
         config: ``block_size``, ``prefix_cache``.
         num_blocks: blocks to manage.
     """
     bs = config.block_size
-    windows = list(spec.layer_windows)
     max_blocks_per_seq = -(-spec.max_seq_len // bs)
-    if len(set(windows)) > 1:
-        # full and sliding layers mixed (Gemma 3, gpt-oss): one block table per layer group
-        return LayerGroupKvManager(num_blocks, bs, max_blocks_per_seq, windows, prefix_cache=config.prefix_cache)
-    return PagedKvCacheManager(
-        num_blocks, bs, max_blocks_per_seq=max_blocks_per_seq,
-        prefix_cache=config.prefix_cache, sliding_window=windows[0] if windows else None,
-    )
+    return LayerGroupKvManager(num_blocks, bs, max_blocks_per_seq, list(spec.layer_windows) or [None],
+                               prefix_cache=config.prefix_cache)
 
 
 def build_kv_store(
     spec: KvSpec,
     config: RuntimeConfig,
     weight_bytes: int,
-    manager: Optional[PagedKvCacheManager] = None,
+    manager: Optional[LayerGroupKvManager] = None,
 ) -> KvStore:
-    """The KV store ``config.kv_layout`` names, sized for ``spec``.
+    """The KV store ``config.kv_layout`` names, sized for ``spec``, with the attention
+    backend of its layout and ``spec.kv_cache_dtype``.
 
     Args:
-        spec: the model's KV shape.
+        spec: the model's KV shape and KV storage format.
         config: ``kv_layout``, ``block_size``, ``max_num_blocks``, ``kv_memory_fraction``,
             ``max_num_seqs``, ``prefix_cache``, ``kv_capacity``, ``kv_cache_step``.
         weight_bytes: bytes of the model's parameters (the pool's memory budget is what
             is left beside them).
-        manager: an existing paged manager to store into (paged layout only); its block
-            size and block count size the pool.
+        manager: an existing :class:`LayerGroupKvManager` to store into (paged layout
+            only); its block size and block count size the pool. One group serves every
+            layer; several must match the model's layer windows.
 
     Returns:
         A :class:`PagedKvStore` (``.manager``, ``.pool`` with ``manager.num_blocks + 1``
         blocks: the last is the scratch block) or a :class:`ContiguousKvStore`.
 
     Raises:
-        ExecutorError: ``manager`` given for the contiguous layout.
+        ExecutorError: ``manager`` given for the contiguous layout, or not a
+            :class:`LayerGroupKvManager`.
         InsufficientMemoryError: the pool (``max_num_blocks`` blocks) does not fit in free
             memory; raised before the manager's host bookkeeping or the pool is allocated.
+        ConfigurationError: an unknown ``kv_cache_dtype``, or int4 with an odd head_dim.
     """
+    check_kv_cache_dtype(spec.kv_cache_dtype, spec.head_dim)
+    rotate_keys = spec.kv_cache_dtype == "int4"
     if config.kv_layout != "paged":
         if manager is not None:
-            raise ExecutorError("a PagedKvCacheManager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
-        return ContiguousKvStore(contiguous_cache_maker(spec, config), spec.bytes_per_token)
+            raise ExecutorError("a block manager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
+        backend = (QuantizedContiguousAttentionBackend(spec.kv_cache_dtype, rotate_keys) if spec.quantized
+                   else ContiguousAttentionBackend())
+        return ContiguousKvStore(contiguous_cache_maker(spec, config), spec.bytes_per_token, backend)
+    if manager is not None and not isinstance(manager, LayerGroupKvManager):
+        raise ExecutorError(f"the paged store takes a LayerGroupKvManager, not {type(manager).__name__}: "
+                            "build it as LayerGroupKvManager(num_blocks, block_size, max_blocks_per_seq)")
     if manager is None:
         num_blocks = pool_num_blocks(spec, config, weight_bytes)
         # before the manager builds its per-block lists: a huge FERRUM_KV_MAX_BLOCKS
         # must be a named error, not a MemoryError from the host bookkeeping
-        check_pool_fits(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size, spec.head_dim,
-                        spec.dtype, extra_blocks=1)
+        if spec.quantized:
+            check_quantized_pool_fits(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size,
+                                      spec.head_dim, spec.kv_cache_dtype, extra_blocks=1)
+        else:
+            check_pool_fits(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size, spec.head_dim,
+                            spec.dtype, extra_blocks=1)
         manager = build_paged_manager(spec, config, num_blocks)
     # one block past the manager's: the scratch block that the pad rows of a compiled
     # decode step write to (the manager never hands it out)
-    pool = PagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
-                       spec.head_dim, spec.dtype)
-    return PagedKvStore(manager, pool, spec.bytes_per_token)
+    if spec.quantized:
+        pool = QuantizedPagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
+                                    spec.head_dim, spec.kv_cache_dtype, rotate_keys=rotate_keys)
+        backend = QuantizedPagedAttentionBackend(spec.kv_cache_dtype, pool.rotate_keys)
+    else:
+        pool = PagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
+                           spec.head_dim, spec.dtype)
+        backend = PagedAttentionBackend()
+    return PagedKvStore(manager, pool, spec.bytes_per_token, backend, metal_kernels=bool(config.metal_kernels))
 
 
 def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
-    """A function building one new sequence's per-layer :class:`ContiguousKvCache` list:
+    """A function building one new sequence's per-layer :class:`ContiguousKvCache` list
+    (:class:`~mlx_ferrum.kv_cache.quantized.QuantizedContiguousKvCache` for int8 / int4):
     ``[1, num_kv_heads, capacity, head_dim]`` per layer, grown in ``config.kv_cache_step``
     tokens up to ``spec.max_seq_len``, or preallocated to it when ``config.kv_capacity`` is set."""
     preallocate = config.kv_capacity is not None
 
-    def new_caches() -> list[ContiguousKvCache]:
+    def new_caches() -> list:
+        if spec.quantized:
+            return [
+                QuantizedContiguousKvCache(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.max_seq_len,
+                                           spec.kv_cache_dtype, config.kv_cache_step, preallocate)
+                for _ in range(spec.num_layers)
+            ]
         return [
             ContiguousKvCache(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.max_seq_len, config.kv_cache_step,
                               preallocate)

@@ -1,6 +1,7 @@
-"""Per-layer-group block accounting for models that mix full and sliding-window layers.
+"""LayerGroupKvManager: the paged layout's block manager, one block table per layer group.
 
-Gemma 3 (5 sliding layers per global one) and gpt-oss (alternating) cannot free a
+Every paged store uses it; a model whose layers all share one window (or none) has one
+group. Gemma 3 (5 sliding layers per global one) and gpt-oss (alternating) cannot free a
 block while any full-attention layer still reads it, yet their sliding layers need
 only the last ``window`` tokens. As in vLLM's hybrid KV cache manager, layers are
 grouped by window and each group keeps its own block tables over its own block ids
@@ -13,57 +14,18 @@ The pool itself (:class:`~mlx_ferrum.kv_cache.PagedKvPool`) keeps one array per
 layer; a layer's block ids are those of its group, so the groups never share a slot.
 Every group's pool has the same number of blocks.
 
-:class:`LayerGroupKvManager` offers the methods the scheduler (reads only) and the
-executor call on a :class:`PagedKvCacheManager`; sequence-level questions (tokens stored, whether
-``n`` more tokens fit) are answered for all groups together.
+:class:`LayerGroupKvManager` is what the scheduler (through a
+:class:`~mlx_ferrum.kv_cache.BlockPlan`, reads only), the engine and the store use;
+sequence-level questions (tokens stored, whether ``n`` more tokens fit, blocks free)
+are answered for all groups together. Each group's block tables are a
+:class:`~mlx_ferrum.kv_cache.PagedKvCacheManager`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
-
-
-@dataclass
-class GroupAppendResult:
-    """Where ``n`` new tokens go in every group.
-
-    Attributes:
-        slots: group 0's slots (the full-attention group when there is one).
-        copies: group 0's copy-on-write pairs.
-        group_results: one :class:`AppendResult` per group.
-    """
-
-    slots: list[int]
-    copies: list[tuple[int, int]]
-    group_results: list[AppendResult]
-
-
-class _AllocatorView:
-    """What the scheduler reads of an allocator, over all groups: a sequence fits when
-    it fits in every group, so ``num_free`` is the smallest group's."""
-
-    def __init__(self, groups: list[PagedKvCacheManager]):
-        self._groups = groups
-
-    @property
-    def num_blocks(self) -> int:
-        return self._groups[0].allocator.num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return min(g.allocator.num_free for g in self._groups)
-
-    @property
-    def num_in_use(self) -> int:
-        """Blocks in use summed over the groups (each costs only its group's layers)."""
-        return sum(g.allocator.num_in_use for g in self._groups)
-
-    @property
-    def peak_in_use(self) -> int:
-        return sum(g.allocator.peak_in_use for g in self._groups)
 
 
 def layer_group_windows(layer_windows: Sequence[Optional[int]]) -> tuple[list[Optional[int]], list[int]]:
@@ -82,7 +44,9 @@ class LayerGroupKvManager:
         num_blocks: blocks in each group's pool.
         block_size: tokens per block.
         max_blocks_per_seq: longest block table a sequence may have.
-        layer_windows: the sliding window of each layer (None: full attention).
+        layer_windows: the sliding window of each layer (None: full attention); the
+            default, one full-attention layer, gives one group (every layer of a model
+            without windows can share it).
         prefix_cache: share full blocks across sequences by hash chain, per group.
 
     Attributes:
@@ -100,7 +64,7 @@ class LayerGroupKvManager:
         num_blocks: int,
         block_size: int,
         max_blocks_per_seq: int,
-        layer_windows: Sequence[Optional[int]],
+        layer_windows: Sequence[Optional[int]] = (None,),
         prefix_cache: bool = False,
     ):
         self.group_windows, self.layer_groups = layer_group_windows(layer_windows)
@@ -111,7 +75,6 @@ class LayerGroupKvManager:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.prefix_cache = prefix_cache
-        self.allocator = _AllocatorView(self.groups)
 
     @property
     def num_blocks(self) -> int:
@@ -119,26 +82,40 @@ class LayerGroupKvManager:
         return self.groups[0].num_blocks
 
     @property
+    def num_free(self) -> int:
+        """Blocks a new sequence can take: a sequence fits when it fits in every group,
+        so this is the smallest group's free count."""
+        return min(g.allocator.num_free for g in self.groups)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks in use summed over the groups (each costs only its group's layers)."""
+        return sum(g.allocator.num_in_use for g in self.groups)
+
+    @property
+    def peak_in_use(self) -> int:
+        """The groups' peak blocks in use, summed."""
+        return sum(g.allocator.peak_in_use for g in self.groups)
+
+    @property
     def seqs(self) -> dict[Hashable, SequenceBlocks]:
         """Group 0's sequences (token counts are the same in every group)."""
         return self.groups[0].seqs
-
-    @property
-    def sliding_window(self) -> Optional[int]:
-        """None: groups differ (use each group's own ``sliding_window``)."""
-        return None
 
     def _seq(self, cache_id: Hashable) -> SequenceBlocks:
         return self.groups[0]._seq(cache_id)
 
     def has(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds block tables."""
         return self.groups[0].has(cache_id)
 
     def create(self, cache_id: Hashable) -> None:
+        """Start an empty sequence in every group (KvCacheError: it exists)."""
         for g in self.groups:
             g.create(cache_id)
 
     def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored for ``cache_id`` (the same in every group)."""
         return self.groups[0].num_tokens(cache_id)
 
     def block_table(self, cache_id: Hashable, group: int = 0) -> list[int]:
@@ -150,10 +127,14 @@ class LayerGroupKvManager:
         return max(g.blocks_needed(cache_id, n) for g in self.groups)
 
     def can_append(self, cache_id: Optional[Hashable], n: int) -> bool:
+        """True when ``n`` more tokens fit in every group."""
         return all(g.can_append(cache_id, n) for g in self.groups)
 
-    def append_slots(self, cache_id: Hashable, n: int, token_ids: Optional[Sequence[int]] = None) -> GroupAppendResult:
+    def append_slots(self, cache_id: Hashable, n: int, token_ids: Optional[Sequence[int]] = None) -> list[AppendResult]:
         """Reserve slots for ``n`` new tokens in every group (all groups or none).
+
+        Returns:
+            One :class:`AppendResult` (slots, copy-on-write pairs) per group.
 
         Raises:
             KvCacheExhaustedError: some group cannot hold them; no group changed.
@@ -167,7 +148,7 @@ class LayerGroupKvManager:
             for g in self.groups[: len(results)]:
                 g.truncate(cache_id, before)
             raise
-        return GroupAppendResult(results[0].slots, results[0].copies, results)
+        return results
 
     def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
         """:meth:`PagedKvCacheManager.set_token_ids` in every group."""
@@ -191,10 +172,12 @@ class LayerGroupKvManager:
             g.truncate(cache_id, new_len)
 
     def release(self, cache_id: Hashable) -> None:
+        """Free every block of ``cache_id`` in every group (UnknownCacheError: unknown id)."""
         for g in self.groups:
             g.release(cache_id)
 
     def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        """Share all of ``cache_id``'s blocks with ``new_cache_id`` in every group (copy-on-write)."""
         for g in self.groups:
             g.fork(cache_id, new_cache_id)
 
@@ -229,12 +212,16 @@ class LayerGroupKvManager:
         return total
 
     def cache_metrics_snapshot(self) -> dict:
-        """Group 0's metrics, with ``used_blocks`` per group under ``group_used_blocks``."""
+        """Group 0's metrics; with several groups also ``used_blocks`` per group under
+        ``group_used_blocks`` and each group's window under ``group_windows``."""
         snap = self.groups[0].cache_metrics_snapshot()
+        if len(self.groups) == 1:
+            return snap
         snap["group_used_blocks"] = [g.allocator.num_in_use for g in self.groups]
         snap["group_windows"] = list(self.group_windows)
         return snap
 
     def check_invariants(self) -> None:
+        """Assert every group's reference counts balance (for tests)."""
         for g in self.groups:
             g.check_invariants()

@@ -1,5 +1,8 @@
 """PagedKvCacheManager: per-sequence block tables over one shared block pool.
 
+One layer group's tables: the paged store's manager is a
+:class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`, which keeps one of these per group.
+
 Host-side bookkeeping only (vLLM's block manager; Kwon et al., SOSP 2023). The
 scheduler only reads it to decide admission and preemption (through a
 :class:`~mlx_ferrum.kv_cache.block_plan.BlockPlan`); the executor changes it (appends,
@@ -130,6 +133,16 @@ class PagedKvCacheManager:
     def num_blocks(self) -> int:
         """Blocks in the pool."""
         return self.allocator.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks free to allocate (cached-but-free ones included)."""
+        return self.allocator.num_free
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.allocator.num_in_use
 
     def _seq(self, cache_id: Hashable) -> SequenceBlocks:
         try:

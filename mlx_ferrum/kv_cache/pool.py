@@ -40,17 +40,32 @@ class PagedKvPool:
         self.v = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         mx.eval(self.k, self.v)
 
-    def with_arrays(self, k: list, v: list) -> "PagedKvPool":
-        """A pool object of the same shape over other ``k`` / ``v`` arrays (one per layer).
+    def arrays(self) -> list[mx.array]:
+        """Every pool array, flat: the K pools of all layers, then the V pools."""
+        return self.k + self.v
+
+    def with_arrays(self, arrays: list) -> "PagedKvPool":
+        """A pool object of the same shape over other arrays (:meth:`arrays`' order).
 
         A compiled decode step (``mx.compile``) gets the pools as inputs and returns the
         written pools as outputs; attention writes through this view, so the real pool
-        is rebound to the outputs only once the step has been built.
+        is rebound to the outputs (:meth:`set_arrays`) only once the step has been built.
         """
         view = object.__new__(PagedKvPool)
         view.shape, view.dtype = self.shape, self.dtype
-        view.k, view.v = list(k), list(v)
+        view.set_arrays(arrays)
         return view
+
+    def set_arrays(self, arrays: list) -> None:
+        """Rebind this pool to ``arrays`` (:meth:`arrays`' order), e.g. a compiled step's outputs."""
+        arrays = list(arrays)
+        half = len(arrays) // 2
+        self.k, self.v = arrays[:half], arrays[half:]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers (one K and one V pool each)."""
+        return len(self.k)
 
     @property
     def num_blocks(self) -> int:
@@ -141,6 +156,7 @@ def default_num_blocks(
     memory_fraction: float,
     max_num_seqs: Optional[int] = None,
     max_seq_len: Optional[int] = None,
+    block_bytes: Optional[int] = None,
 ) -> int:
     """Blocks to give the pool when ``FERRUM_KV_MAX_BLOCKS`` is unset.
 
@@ -148,9 +164,12 @@ def default_num_blocks(
     (when both are given), capped by a memory budget: on a Mac
     ``memory_fraction * (max_recommended_working_set_size - weight_bytes)``; elsewhere
     ``memory_fraction * (available memory - weight_bytes)``, at most
-    ``DEFAULT_KV_POOL_BYTES`` (1 GiB). At least 16 blocks.
+    ``DEFAULT_KV_POOL_BYTES`` (1 GiB). At least 16 blocks. ``block_bytes``: what one
+    block costs over all layers when it is not the model dtype's K+V (a quantized pool's
+    codes, scales and biases); None: :func:`bytes_per_block`.
     """
-    per = bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype)
+    per = block_bytes if block_bytes is not None else bytes_per_block(num_layers, num_kv_heads, block_size,
+                                                                      head_dim, dtype)
     budget = DEFAULT_KV_POOL_BYTES
     try:
         if mx.metal.is_available():

@@ -1,13 +1,16 @@
 """One KV-store interface over both layouts: ``ContiguousKvStore`` and ``PagedKvStore``.
 
-The executor runs every forward pass the same way; the layouts differ only here (how
+The runner runs every forward pass the same way; the layouts differ only here (how
 a batch's new tokens are placed and what attention metadata that yields) and in the
-attention call (:mod:`mlx_ferrum.layers.attention`). A store:
+attention backend the store was built with (:mod:`mlx_ferrum.layers.backends`, chosen
+once by :func:`~mlx_ferrum.kv_cache.factory.build_kv_store`). A store:
 
 - ``prepare(items)``: reserves room for each item's new tokens and returns the
   forward passes that run them (:class:`KvPass`: which items, in what order, laid out
-  how, with the metadata fields attention needs) plus an ``undo`` that restores every
+  how, with the pass's host-side inputs) plus an ``undo`` that restores every
   touched cache (and drops created ones) if the pass fails;
+- ``metadata(kv_pass)``: the pass's complete, typed attention metadata (device arrays,
+  the backend, every per-pass array the layers share), built before the model runs;
 - ``truncate``, ``fork``, ``release``: per-sequence operations;
 - ``used_bytes`` / ``allocated_bytes``: KV memory in bytes;
 - ``state(cache_ids)``: the arrays a pass writes, for the caller to evaluate.
@@ -25,11 +28,60 @@ from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 import numpy as np
 
+import mlx.core as mx
+
 from ..errors import KvCacheError, UnknownCacheError
+from ..layers.backends import (
+    AttentionBackend,
+    ContiguousAttentionBackend,
+    ContiguousMetadata,
+    PagedAttentionBackend,
+    PagedMetadata,
+    paged_metadata,
+)
+from ..layers.sdpa import contiguous_pad_mask
 from .contiguous import ContiguousKvCache
 from .layer_groups import LayerGroupKvManager
-from .manager import PagedKvCacheManager
 from .pool import PagedKvPool
+
+
+@dataclass
+class PagedPassInputs:
+    """A paged pass's host-side inputs (numpy), from :meth:`PagedKvStore.prepare`.
+
+    Attributes:
+        positions: ``[T]`` int32 position of each packed token.
+        context_lens: ``[num_rows]`` int32, tokens stored after the pass's writes.
+        query_start_loc: ``[num_rows + 1]`` int32 prefix sums of query tokens per row.
+        num_decode_seqs: leading rows that bring exactly one token.
+        host_context_lens, host_query_start_loc: the same as lists of ints.
+        slot_mappings: per layer group, ``[T]`` int32.
+        block_tables: per layer group, ``[num_rows, max_blocks]`` int32.
+    """
+
+    positions: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+    num_decode_seqs: int
+    host_context_lens: list
+    host_query_start_loc: list
+    slot_mappings: list
+    block_tables: list
+
+
+@dataclass
+class ContiguousPassInputs:
+    """A contiguous pass's host-side inputs, from :meth:`ContiguousKvStore.prepare`.
+
+    Attributes:
+        offsets: ``[B]`` int32 cache length of each row before the pass.
+        caches: per row, its per-layer caches.
+        cache_lens_after: per row, tokens stored after the pass.
+    """
+
+    offsets: np.ndarray
+    caches: list
+    cache_lens_after: list
 
 
 @dataclass
@@ -40,21 +92,31 @@ class KvPass:
         items: indices into the ``prepare`` items, in the pass's order.
         rows, cols: the pass's token array is ``[rows, cols]``.
         starts: flat index (into the ``rows * cols`` tokens) of each item's first token.
-        fields: :class:`~mlx_ferrum.layers.attention.AttentionMetadata` fields for this pass
-            (host values as numpy arrays / lists; the executor moves them to the device).
+        inputs: the store's host-side inputs of the pass (:class:`PagedPassInputs` or
+            :class:`ContiguousPassInputs`), turned into metadata by ``store.metadata``.
+        packed: True when the tokens are packed into one row of varlen sequences (the
+            paged layout), so the model may take them as ``[T]``.
+        decode_rows: attention rows that bring one token each (every row of a pure decode
+            pass; 0 when the store has no decode rows).
     """
 
     items: list[int]
     rows: int
     cols: int
     starts: list[int]
-    fields: dict = field(default_factory=dict)
+    inputs: Any = None
+    packed: bool = False
+    decode_rows: int = 0
 
 
 class KvStore(Protocol):
     """What the executor needs of a KV layout (see the module docstring)."""
 
     layout: str
+    backend: AttentionBackend
+    manager: Optional[LayerGroupKvManager]
+    pool: Optional[PagedKvPool]
+    supports_compiled_decode: bool
 
     def has(self, cache_id: Hashable) -> bool: ...
 
@@ -62,6 +124,10 @@ class KvStore(Protocol):
 
     def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
                 as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]: ...
+
+    def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> Any: ...
+
+    def set_ropes(self, ropes: Sequence) -> None: ...
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None: ...
 
@@ -83,20 +149,55 @@ def _unknown(cache_id: Hashable) -> UnknownCacheError:
 
 
 class PagedKvStore:
-    """The paged layout: a :class:`PagedKvCacheManager` (block tables) over a :class:`PagedKvPool`.
+    """The paged layout: a :class:`LayerGroupKvManager` (block tables, one per layer group)
+    over a :class:`PagedKvPool` (or a :class:`~mlx_ferrum.kv_cache.quantized.QuantizedPagedKvPool`),
+    read and written by one attention backend.
 
     Args:
-        manager: host-side block tables.
+        manager: host-side block tables (one group when no layer has its own window).
         pool: the per-layer K/V block pools (this store is their only holder).
         bytes_per_token: K+V bytes of one token over all layers.
+        backend: the attention backend (default :class:`PagedAttentionBackend`), chosen
+            once by the factory.
+        metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
+
+    Attributes:
+        layer_groups: each layer's group in the manager (all 0 with one group).
+        ropes: the model's distinct table ropes, whose ``(cos, sin)`` tables the
+            metadata carries (set by the runner with :meth:`set_ropes`).
+
+    Raises:
+        KvCacheError: a manager of several groups whose ``layer_groups`` does not name
+            every layer of the pool.
     """
 
     layout = "paged"
+    supports_compiled_decode = True
 
-    def __init__(self, manager: PagedKvCacheManager, pool: PagedKvPool, bytes_per_token: int):
+    def __init__(self, manager: LayerGroupKvManager, pool: PagedKvPool, bytes_per_token: int,
+                 backend: Optional[AttentionBackend] = None, metal_kernels: Optional[bool] = None):
         self.manager = manager
         self.pool = pool
         self.bytes_per_token = bytes_per_token
+        self.backend = backend if backend is not None else PagedAttentionBackend()
+        self.metal_kernels = metal_kernels
+        self.ropes: list = []
+        # (a store without a pool does block bookkeeping only: the manager's layers)
+        num_layers = pool.num_layers if pool is not None else len(manager.layer_groups)
+        if len(manager.groups) == 1:
+            self.layer_groups = [0] * num_layers
+        elif len(manager.layer_groups) == num_layers:
+            self.layer_groups = list(manager.layer_groups)
+        else:
+            raise KvCacheError(f"the block manager groups {len(manager.layer_groups)} layers and the pool has "
+                               f"{num_layers}: build the manager from the model's layer windows")
+
+    def set_ropes(self, ropes: Sequence) -> None:
+        """The model's ropes with tables (one per distinct ``table_key`` is kept)."""
+        seen: dict = {}
+        for rope in ropes:
+            seen.setdefault(rope.table_key, rope)
+        self.ropes = list(seen.values())
 
     def has(self, cache_id: Hashable) -> bool:
         """True when ``cache_id`` holds a cache."""
@@ -136,12 +237,9 @@ class PagedKvStore:
                 else:
                     mgr.truncate(cid, prev)
 
-        slots: list[int] = []
-        copies: list[tuple[int, int]] = []
         starts: list[int] = []
-        grouped = isinstance(mgr, LayerGroupKvManager)
-        group_slots: list[list[int]] = [[] for _ in mgr.groups] if grouped else []
-        group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups] if grouped else []
+        group_slots: list[list[int]] = [[] for _ in mgr.groups]
+        group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups]
         try:
             for i in order:
                 cid, tokens = items[i]
@@ -156,19 +254,13 @@ class PagedKvStore:
                     mgr.trim_to_window(cid)
                 start = mgr.num_tokens(cid)
                 before.append((cid, start if existed else None))
-                res = mgr.append_slots(cid, len(tokens), tokens if mgr.prefix_cache else None)
-                slots.extend(res.slots)
-                copies.extend(res.copies)
-                if grouped:
-                    for g, group_result in enumerate(res.group_results):
-                        group_slots[g].extend(group_result.slots)
-                        group_copies[g].extend(group_result.copies)
+                results = mgr.append_slots(cid, len(tokens), tokens if mgr.prefix_cache else None)
+                for g, result in enumerate(results):
+                    group_slots[g].extend(result.slots)
+                    group_copies[g].extend(result.copies)
                 starts.append(start)
-            if grouped:
-                for g, pairs in enumerate(group_copies):
-                    self.pool.copy_blocks(pairs, layers=[n for n, x in enumerate(mgr.layer_groups) if x == g])
-            else:
-                self.pool.copy_blocks(copies)
+            for g, pairs in enumerate(group_copies):
+                self.pool.copy_blocks(pairs, layers=[n for n, x in enumerate(self.layer_groups) if x == g])
         except BaseException:  # Ctrl-C too: never leave slots appended twice
             undo()
             raise
@@ -186,29 +278,36 @@ class PagedKvStore:
         qsl = np.zeros(len(row_lens) + 1, dtype=np.int64)
         np.cumsum(row_lens, out=qsl[1:])
         ctx_np = positions[qsl[1:] - 1] + 1  # each row attends up to its last token
-        table_arr = self._block_tables(mgr.seqs, [items[i][0] for i in order])
-        if len(row_item) != len(order):
-            table_arr = table_arr[row_item]
         ctx = ctx_np.tolist()
-        fields = dict(
-            layout="paged",
+        ids = [items[i][0] for i in order]
+        tables = [self._block_tables(g.seqs, ids) for g in mgr.groups]
+        if len(row_item) != len(order):
+            tables = [t[row_item] for t in tables]
+        num_decode = int(np.sum(row_lens == 1))
+        inputs = PagedPassInputs(
             positions=positions.astype(np.int32),
-            pool=self.pool,
-            slot_mapping=np.asarray(slots, dtype=np.int32),
-            block_tables=table_arr,
             context_lens=np.asarray(ctx, dtype=np.int32),
             query_start_loc=qsl.astype(np.int32),
-            num_decode_seqs=int(np.sum(row_lens == 1)),
+            num_decode_seqs=num_decode,
             host_context_lens=ctx,
             host_query_start_loc=qsl.tolist(),
+            slot_mappings=[np.asarray(gs, dtype=np.int32) for gs in group_slots],
+            block_tables=tables,
         )
-        if grouped:
-            fields["layer_groups"] = mgr.layer_groups
-            fields["group_slot_mappings"] = [np.asarray(gs, dtype=np.int32) for gs in group_slots]
-            fields["group_block_tables"] = [
-                t[row_item] if len(row_item) != len(order) else t
-                for t in (self._block_tables(g.seqs, [items[i][0] for i in order]) for g in mgr.groups)]
-        return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), fields)], undo
+        decode_rows = num_decode if num_decode == int(item_qsl[-1]) else 0
+        return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), inputs, packed=True,
+                       decode_rows=decode_rows)], undo
+
+    def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> PagedMetadata:
+        """The pass's complete :class:`~mlx_ferrum.layers.backends.PagedMetadata` (numpy
+        inputs moved to the device; ``dtype``, the activation dtype, is unused here)."""
+        f: PagedPassInputs = kv_pass.inputs
+        return paged_metadata(
+            self.backend, self.pool, mx.array(f.positions), mx.array(f.context_lens), f.num_decode_seqs,
+            self.layer_groups, [mx.array(x) for x in f.slot_mappings], [mx.array(x) for x in f.block_tables],
+            ropes=self.ropes, query_start_loc=mx.array(f.query_start_loc), host_context_lens=f.host_context_lens,
+            host_query_start_loc=f.host_query_start_loc, metal_kernels=self.metal_kernels,
+        )
 
     @staticmethod
     def _block_tables(seqs, cache_ids) -> np.ndarray:
@@ -259,13 +358,14 @@ class PagedKvStore:
 
     def state(self, cache_ids: Sequence[Hashable]) -> list:
         """The pool arrays (every pass writes them)."""
-        return self.pool.k + self.pool.v
+        return self.pool.arrays()
 
     def used_bytes(self) -> int:
-        """Bytes of the blocks in use (per layer group when the model mixes window sizes)."""
-        if isinstance(self.manager, LayerGroupKvManager):
-            return self.manager.bytes_held(self.bytes_per_token // len(self.manager.layer_groups))
-        return self.manager.allocator.num_in_use * self.manager.block_size * self.bytes_per_token
+        """Bytes of the blocks in use, per layer group (each group's blocks cost only its layers)."""
+        per_layer = self.bytes_per_token // len(self.layer_groups)
+        block_size = self.manager.block_size
+        return sum(g.allocator.num_in_use * block_size * self.layer_groups.count(gi) * per_layer
+                   for gi, g in enumerate(self.manager.groups))
 
     def allocated_bytes(self) -> int:
         """Bytes of the whole pool (free blocks included)."""
@@ -282,14 +382,24 @@ class ContiguousKvStore:
     Args:
         make_caches: builds a fresh per-layer cache list for a new sequence.
         bytes_per_token: K+V bytes of one token over all layers.
+        backend: the attention backend (default :class:`ContiguousAttentionBackend`),
+            chosen once by the factory.
     """
 
     layout = "contiguous"
+    supports_compiled_decode = False
+    manager = None
+    pool = None
 
-    def __init__(self, make_caches: Callable[[], list[ContiguousKvCache]], bytes_per_token: int):
+    def __init__(self, make_caches: Callable[[], list[ContiguousKvCache]], bytes_per_token: int,
+                 backend: Optional[AttentionBackend] = None):
         self.make_caches = make_caches
         self.bytes_per_token = bytes_per_token
+        self.backend = backend if backend is not None else ContiguousAttentionBackend()
         self.caches: dict[Hashable, list[ContiguousKvCache]] = {}
+
+    def set_ropes(self, ropes: Sequence) -> None:
+        """Unused: contiguous passes rotate by each row's offset (``mx.fast.rope``), no tables."""
 
     def has(self, cache_id: Hashable) -> bool:
         """True when ``cache_id`` holds a cache."""
@@ -335,13 +445,19 @@ class ContiguousKvStore:
                     caches.append(self.caches[cid])
                 prev = [c[0].len for c in caches]
                 touched.extend(zip(caches, prev))
-                fields = dict(layout="contiguous", offsets=np.asarray(prev, dtype=np.int32), caches=caches,
-                              cache_lens_after=[p + n for p in prev])
-                passes.append(KvPass(idxs, len(idxs), n, [j * n for j in range(len(idxs))], fields))
+                inputs = ContiguousPassInputs(np.asarray(prev, dtype=np.int32), caches, [p + n for p in prev])
+                passes.append(KvPass(idxs, len(idxs), n, [j * n for j in range(len(idxs))], inputs))
         except BaseException:  # Ctrl-C too: no half-created caches stay behind
             undo()
             raise
         return passes, undo
+
+    def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> ContiguousMetadata:
+        """The pass's :class:`~mlx_ferrum.layers.backends.ContiguousMetadata`: offsets on the
+        device, the rows' caches, and the pad mask (in ``dtype``) for rows of different lengths."""
+        f: ContiguousPassInputs = kv_pass.inputs
+        return ContiguousMetadata(self.backend, mx.array(f.offsets), f.caches,
+                                  contiguous_pad_mask(f.cache_lens_after, kv_pass.cols, dtype))
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Keep the first ``new_len`` tokens (their buffers stay allocated)."""
@@ -349,12 +465,11 @@ class ContiguousKvStore:
             c.truncate(new_len)
 
     def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
-        """Copy ``cache_id``'s tokens into a new sequence."""
+        """Copy ``cache_id``'s tokens into a new sequence (a quantized cache copies its codes)."""
         src = self._get(cache_id)
         dst = self.make_caches()
         for s, d in zip(src, dst):
-            if s.len:
-                d.append(s.k[..., : s.len, :], s.v[..., : s.len, :])
+            d.copy_from(s)
         self.caches[new_cache_id] = dst
 
     def release(self, cache_id: Hashable) -> None:
@@ -370,7 +485,7 @@ class ContiguousKvStore:
         out: list[Any] = []
         for cid in cache_ids:
             for layer in self.caches.get(cid, ()):
-                out.extend((layer.k, layer.v))
+                out.extend(layer.arrays())
         return out
 
     def used_bytes(self) -> int:

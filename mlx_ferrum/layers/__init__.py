@@ -1,8 +1,32 @@
-"""Layers shared by every model family: the attention call (contiguous | paged), rope variants, norms, MLP.
+"""Layers shared by every model family: the attention call and its backends (no cache |
+contiguous | paged), rope variants, norms, MLP.
 
-Models import from here; the executor builds the :class:`AttentionMetadata` these layers read.
+Models import from here; the KV store builds the metadata (:data:`AttentionMetadata`:
+one of the typed metadata classes of :mod:`.backends`, carrying its backend) these layers read.
 """
 
 from .attention import AttentionMetadata, apply_rope, attention, contiguous_pad_mask, rope_attention
+from .backends import (
+    AttentionBackend,
+    ContiguousAttentionBackend,
+    ContiguousMetadata,
+    NoCacheAttentionBackend,
+    NoCacheMetadata,
+    PagedAttentionBackend,
+    PagedMetadata,
+)
 
-__all__ = ["AttentionMetadata", "apply_rope", "attention", "contiguous_pad_mask", "rope_attention"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ContiguousAttentionBackend",
+    "ContiguousMetadata",
+    "NoCacheAttentionBackend",
+    "NoCacheMetadata",
+    "PagedAttentionBackend",
+    "PagedMetadata",
+    "apply_rope",
+    "attention",
+    "contiguous_pad_mask",
+    "rope_attention",
+]

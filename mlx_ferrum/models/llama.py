@@ -12,10 +12,11 @@ Architecture: Touvron et al., "Llama 2" (2023) and Meta's Llama 3 reference code
 RoPE from Su et al., "RoFormer" (2021) in the rotate-half convention of Hugging Face
 ``transformers``; llama3 frequency scaling as in Meta's ``apply_scaling``.
 
-The layers know nothing of caches or requests: every attention layer receives an
-``AttentionMetadata`` (``mlx_ferrum.layers.attention``) from the executor and hands
-its q/k/v to :func:`~mlx_ferrum.layers.attention.attention`, which reads and writes
-the KV cache of whichever layout the metadata carries.
+The layers know nothing of caches or requests: every attention layer receives the
+pass's metadata (``mlx_ferrum.layers.attention.AttentionMetadata``, built by the KV
+store) and hands its q/k/v to :func:`~mlx_ferrum.layers.attention.rope_attention`,
+which calls the attention backend the metadata carries (it reads and writes the KV
+cache of its layout).
 """
 
 from __future__ import annotations
@@ -243,13 +244,13 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     """A Llama-family causal LM: ``input_ids [B, L] int32 -> logits [B, L, vocab]``.
 
-    A paged pass may give its packed tokens as ``[T]`` (``meta.layout == "paged"``;
-    ``packed_tokens`` tells the executor so):
+    A paged pass may give its packed tokens as ``[T]`` (``packed_tokens`` tells the
+    runner so):
     then every activation is ``[T, ...]`` and the logits ``[T, vocab]``, with no
     flatten/unflatten around each projection (two graph ops per matmul of a 3-D input).
 
-    ``meta`` is an :class:`~mlx_ferrum.layers.attention.AttentionMetadata` built by an
-    executor (cache layout, positions, slot mapping ...). ``meta=None`` runs plain
+    ``meta`` is the pass's metadata (:mod:`mlx_ferrum.layers.backends`: its attention
+    backend, positions, caches or slot mappings ...) built by the runner's KV store. ``meta=None`` runs plain
     causal attention over the given tokens at positions ``0..L-1``, with no cache.
     ``meta.logits_indices`` (optional, ``[N]`` int32 over the flattened ``B*L`` tokens)
     restricts the LM head to those rows, returning ``[1, N, vocab]``.

@@ -1,9 +1,11 @@
 """LlmRunner: the :class:`~mlx_ferrum.runner.ModelRunner` over a decoder-only MLX model.
 
 One runner holds one model and one KV store (built once by
-:func:`mlx_ferrum.kv_cache.factory.build_kv_store` from ``RuntimeConfig.kv_layout``)
-and serves many sequences, each known by a ``cache_id``. It has ONE forward path; the
-layouts differ only in their store and in the attention call:
+:func:`mlx_ferrum.kv_cache.factory.build_kv_store` from ``RuntimeConfig.kv_layout``,
+with its attention backend) and serves many sequences, each known by a ``cache_id``.
+It has ONE forward path: the store places each pass's tokens and builds its typed
+metadata (which carries the backend) before the model runs; the layouts differ only in
+their store and backend:
 
 - contiguous: each sequence has per-layer :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`.
   Batched calls put sequences on separate rows; rows whose caches differ in length are
@@ -32,11 +34,12 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
-from ..kv_cache import PagedKvCacheManager, PagedKvPool
+from ..kv_cache import LayerGroupKvManager, PagedKvPool
 from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.manager import UNKNOWN_TOKEN
-from ..kv_cache.store import ContiguousKvStore, KvStore, PagedKvStore
-from ..layers.attention import AttentionMetadata, contiguous_pad_mask
+from ..kv_cache.store import KvStore
+from ..layers.attention import AttentionMetadata, paged_metadata
+from ..layers.rope import Rope
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
 from .protocol import ModelInfo, SeqWork
 
@@ -97,11 +100,23 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
     return mx.float32
 
 
+def table_ropes(model: nn.Module) -> list[Rope]:
+    """The model's :class:`~mlx_ferrum.layers.rope.Rope` modules that take per-pass tables
+    (``has_table``), one per distinct ``table_key``: a paged pass's metadata carries one
+    ``(cos, sin)`` table for each, shared by every layer using it."""
+    ropes: dict = {}
+    for module in model.modules():
+        if isinstance(module, Rope) and module.has_table:
+            ropes.setdefault(module.table_key, module)
+    return list(ropes.values())
+
+
 def layer_windows(model: nn.Module) -> list[Optional[int]]:
     """The sliding window of each layer (None: full attention), from ``model.args.window``.
 
     One shared window (Mistral, Phi-3) lets the paged manager free blocks outside it;
-    mixed layers (Gemma 3, gpt-oss) get a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
+    mixed layers (Gemma 3, gpt-oss) get one block table per layer group in the
+    :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
     """
     args = model.args
     if not hasattr(args, "window"):
@@ -122,7 +137,8 @@ class LlmRunner:
 
     Attributes:
         model, config, args, info, dtype: the model and its facts.
-        store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`).
+        store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`) with
+            its attention backend (``store.backend``).
         layout: ``store.layout``, for reports.
         manager, pool: the paged store's block manager and pool arrays (None for contiguous).
         max_seq_len: :meth:`kv_capacity`.
@@ -140,7 +156,7 @@ class LlmRunner:
         model: nn.Module,
         config: Optional[RuntimeConfig] = None,
         model_id: str = "model",
-        manager: Optional[PagedKvCacheManager] = None,
+        manager: Optional[LayerGroupKvManager] = None,
     ):
         self.model = model
         self.config = config if config is not None else RuntimeConfig()
@@ -165,14 +181,13 @@ class LlmRunner:
             num_parameters=n_params,
         )
         spec = KvSpec(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.dtype, self.max_seq_len,
-                      tuple(layer_windows(model)))
+                      tuple(layer_windows(model)), self.config.kv_cache_dtype)
         self.store: KvStore = build_kv_store(spec, self.config, self.weight_bytes, manager)
+        self.store.set_ropes(table_ropes(model))
         self.layout = self.store.layout
-        self.manager: Optional[PagedKvCacheManager] = None
-        self.pool: Optional[PagedKvPool] = None
-        if isinstance(self.store, PagedKvStore):
-            self.manager = self.store.manager
-            self.pool = self.store.pool
+        self.manager: Optional[LayerGroupKvManager] = self.store.manager
+        self.pool: Optional[PagedKvPool] = self.store.pool
+        if self.manager is not None:
             # the pool's block past the manager's (see build_kv_store)
             self._scratch_block = self.manager.num_blocks
         # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
@@ -182,7 +197,7 @@ class LlmRunner:
         # each thread that runs steps gets its own compiled function)
         self._compiled_decode: Optional[dict] = None
         self._wait_for_pools = mx.default_device().type == mx.DeviceType.cpu
-        if self.pool is not None and not self.config.enforce_eager:
+        if self.store.supports_compiled_decode and not self.config.enforce_eager:
             self._compiled_decode = {}
         # paged passes give the model its packed tokens as [T] when it takes them
         # (Model.packed_tokens): 2-D activations, so no flatten/unflatten pair of graph
@@ -202,7 +217,7 @@ class LlmRunner:
     @property
     def _contiguous(self) -> dict:
         """Contiguous layout: cache id -> per-layer caches (empty for paged)."""
-        return self.store.caches if isinstance(self.store, ContiguousKvStore) else {}
+        return getattr(self.store, "caches", {})
 
     def has_cache(self, cache_id: str) -> bool:
         """True when ``cache_id`` holds a cache."""
@@ -436,13 +451,13 @@ class LlmRunner:
             k = w.num_logit_rows
             rows.extend(range(start + n - k, start + n))
             owner.extend([i] * k)
-        meta = self._metadata(kv_pass.fields, kv_pass.cols)
+        meta = self.store.metadata(kv_pass, self.dtype)
         meta.lora_slots = self._lora_token_slots(work, kv_pass, flat.size)
         # the LM head runs only on the rows whose logits are returned
         if not (len(rows) == flat.size and rows == list(range(flat.size))):
             meta.logits_indices = mx.array(np.asarray(rows or [0], dtype=np.int32))
         tokens = self._input_ids(flat, patch_at, patch_rows, prev)
-        if not (self._packed_tokens and kv_pass.fields.get("layout") == "paged"):
+        if not (self._packed_tokens and kv_pass.packed):
             tokens = tokens.reshape(kv_pass.rows, kv_pass.cols)
         logits = self._call_model(tokens, meta, None)
         logits = logits.reshape(-1, logits.shape[-1])
@@ -480,13 +495,10 @@ class LlmRunner:
 
     @staticmethod
     def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
-        """Every attention row of a paged pass is a decode row with its logits returned:
+        """Every attention row of the pass is a decode row with its logits returned:
         one token per item, or an item laid out as one decode row per token (a draft)."""
-        f = kv_pass.fields
-        if f.get("layout") != "paged":
-            return False
         tokens = sum(len(work[i].tokens) for i in kv_pass.items)
-        return f["num_decode_seqs"] == tokens and all(
+        return kv_pass.decode_rows == tokens and all(
             work[i].num_logit_rows == len(work[i].tokens) for i in kv_pass.items
         )
 
@@ -504,9 +516,9 @@ class LlmRunner:
         order, or None when the model cannot be traced (it reads values on the host):
         the executor then stays eager for good, and the caller runs the pass op by op.
         """
-        f = kv_pass.fields
-        n = int(f["num_decode_seqs"])
-        rows, cols = shape_bucket(n), shape_bucket(f["block_tables"].shape[1])
+        f = kv_pass.inputs
+        n = int(f.num_decode_seqs)
+        rows, cols = shape_bucket(n), shape_bucket(f.block_tables[0].shape[1])
         ids = np.zeros(rows, dtype=np.int32)
         patch_at: list[int] = []
         patch_rows: list[int] = []
@@ -523,11 +535,13 @@ class LlmRunner:
         else:
             input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
         scratch_slot = self._scratch_block * self.manager.block_size
+        # the step's metadata arrays are inputs of the compiled function (not constants of
+        # its trace); the arrays derived from them are built inside it (_decode_graph)
         arrays = {
-            "positions": mx.array(_pad_rows(f["positions"], rows, 0)),
-            "slot_mapping": mx.array(_pad_rows(f["slot_mapping"], rows, scratch_slot)),
-            "block_tables": mx.array(_pad_table(f["block_tables"], rows, cols, self._scratch_block)),
-            "context_lens": mx.array(_pad_rows(f["context_lens"], rows, 1)),
+            "positions": mx.array(_pad_rows(f.positions, rows, 0)),
+            "context_lens": mx.array(_pad_rows(f.context_lens, rows, 1)),
+            "slot_mappings": [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f.slot_mappings],
+            "block_tables": [mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f.block_tables],
         }
         if self.lora is not None and any(work[i].lora_slot >= 0 for i in kv_pass.items):
             # one decode row per token: a draft laid out as several rows repeats its slot
@@ -542,10 +556,6 @@ class LlmRunner:
             # slots (and the stacks, after an adapter is loaded into a slot) differ
             arrays["lora_slots"] = mx.array(slots)
             arrays["lora_weights"] = self.lora.weights()
-        if f.get("layer_groups") is not None:
-            arrays["group_slot_mappings"] = [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f["group_slot_mappings"]]
-            arrays["group_block_tables"] = [
-                mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f["group_block_tables"]]
         pool = self.pool
         if self._wait_for_pools:
             # On the CPU backend a pool still pending from the previous (pipelined) step
@@ -554,17 +564,17 @@ class LlmRunner:
             # wait costs little there, as mx.async_eval already waited for all but the
             # previous step's tail. GPU backends skip it, so the host keeps building
             # ahead of the device (unmeasured here: no GPU on this machine).
-            mx.eval(pool.k, pool.v)
+            mx.eval(pool.arrays())
         try:
             step = self._compiled_step((rows, cols, "lora_slots" in arrays))
-            logits, k_pools, v_pools = step(input_ids, arrays, pool.k, pool.v)
+            logits, pool_arrays = step(input_ids, arrays, pool.arrays())
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
                 raise
             logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
             self._compiled_decode = None
             return None
-        pool.k, pool.v = list(k_pools), list(v_pools)
+        pool.set_arrays(pool_arrays)
         return logits if rows == n else logits[:n]
 
     def _compiled_step(self, shape: tuple):
@@ -585,33 +595,26 @@ class LlmRunner:
         entry[1].add(shape)
         return entry[0]
 
-    def _decode_graph(self, input_ids: mx.array, arrays: dict, k_pools: list, v_pools: list):
+    def _decode_graph(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
         """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
-        metadata arrays, and every layer's K/V pool -> ``(logits [B, vocab], k_pools, v_pools)``."""
-        pool = self.pool.with_arrays(k_pools, v_pools)
-        groups = getattr(self.manager, "layer_groups", None) if "group_block_tables" in arrays else None
-        arrays = dict(arrays)
-        lora_weights = arrays.pop("lora_weights", None)
-        meta = AttentionMetadata(
-            layout="paged", pool=pool, num_decode_seqs=input_ids.shape[0], metal_kernels=self._metal_kernels,
-            layer_groups=groups, **arrays,
-        )
-        if self._packed_tokens:
-            return self._call_model(input_ids, meta, lora_weights), pool.k, pool.v  # packed [B] tokens -> [B, vocab]
-        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.k, pool.v
+        metadata arrays, and every pool array (``pool.arrays()``: K/V, or a quantized pool's
+        codes, scales and biases) -> ``(logits [B, vocab], the written pool arrays)``.
 
-    def _metadata(self, fields: dict, new_tokens: int) -> AttentionMetadata:
-        """The store's host fields as :class:`AttentionMetadata` (numpy arrays moved to the device)."""
-        f = dict(fields)
-        lens_after = f.pop("cache_lens_after", None)
-        if lens_after is not None:
-            f["pad_mask"] = contiguous_pad_mask(lens_after, new_tokens, self.dtype)
-        for k, v in f.items():
-            if isinstance(v, np.ndarray):
-                f[k] = mx.array(v)
-            elif isinstance(v, list) and v and isinstance(v[0], np.ndarray):  # per layer group
-                f[k] = [mx.array(x) for x in v]
-        return AttentionMetadata(metal_kernels=self._metal_kernels, **f)
+        The complete metadata (:func:`~mlx_ferrum.layers.backends.paged_metadata`: pool
+        indices, decode indices, RoPE tables) is built here from the traced inputs, before
+        the model runs, so every replay derives it from that step's arrays."""
+        pool = self.pool.with_arrays(pool_arrays)
+        store = self.store
+        meta = paged_metadata(
+            store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
+            store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=store.ropes,
+            metal_kernels=self._metal_kernels,
+        )
+        meta.lora_slots = arrays.get("lora_slots")
+        lora_weights = arrays.get("lora_weights")
+        if self._packed_tokens:
+            return self._call_model(input_ids, meta, lora_weights), pool.arrays()  # packed [B] tokens -> [B, vocab]
+        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.arrays()
 
     # ------------------------------------------------------------ cache operations
     def trim_cache(self, cache_id: str, num_tokens: int) -> None:
@@ -655,7 +658,7 @@ class LlmRunner:
             KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
                 cached (nothing changes then).
         """
-        if not isinstance(self.store, PagedKvStore) or not self.manager.prefix_cache:
+        if self.manager is None or not self.manager.prefix_cache:
             raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
                                 "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
         with self._lock:
