@@ -14,23 +14,19 @@ stored (quantized) cache the way decoding does. Per format:
 - perplexity of the text's own next tokens and its change against ``auto``.
 
 Formats: ``int8``, ``int4`` (Walsh-Hadamard-rotated keys, the default) and ``int4``
-without rotation (``rotate_keys=False``), to show what the rotation buys.
+without rotation (``rotate_keys=False``), to show what the rotation buys. ``--extra`` adds
+int8 with rotated keys, and a yardstick that keeps the model dtype but rounds every stored
+K/V value to bfloat16 (what an 8-bit-mantissa store costs; contiguous caches).
 
 Greedy agreement (``--greedy``): 32 requests x 128 greedy tokens from prompts cut out of
 the text, through :class:`mlx_ferrum.engine.Engine` with the ``auto`` and the ``int8``
 cache; the share of generated positions whose token is the same, and the mean length
 of the identical prefix.
 
-Paths (``--path``):
-
-- ``engine``: ``RuntimeConfig(kv_cache_dtype=...)`` in the runner the engine builds (the
-  public API), paged layout.
-- ``hook``: the contiguous layout with its per-sequence caches replaced by
-  :class:`~mlx_ferrum.kv_cache.quantized.QuantizedContiguousKvCache` (keys rotated back
-  after dequantization, so the unmodified attention needs no query rotation). Used
-  where the runner does not yet build quantized storage from the config.
-- ``auto`` (default): ``engine`` when a runner built with ``kv_cache_dtype="int8"``
-  holds quantized storage, else ``hook``.
+Every format runs through the public configuration,
+``RuntimeConfig(kv_layout=..., kv_cache_dtype=...)``, in the layout ``--layout`` names
+(paged by default, or contiguous); int4 without rotation is the int4 runner with its
+storage's and backend's ``rotate_keys`` switched off before anything is stored.
 
 stories260K's context is 512 tokens, so its text runs in windows of 512 tokens (each
 starting with BOS); the Qwen shape runs one window of ``--qwen-tokens`` tokens.
@@ -61,7 +57,8 @@ from common import QWEN25_05B_CONFIG, cached_random_checkpoint, print_header, pr
 
 import mlx_ferrum as mf  # noqa: E402
 from mlx_ferrum.config import RuntimeConfig  # noqa: E402
-from mlx_ferrum.kv_cache.quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool, rotate  # noqa: E402
+from mlx_ferrum.kv_cache.contiguous import ContiguousKvCache  # noqa: E402
+from mlx_ferrum.kv_cache.quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool  # noqa: E402
 from mlx_ferrum.runner import LlmRunner, SeqWork  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -71,88 +68,84 @@ STORIES = Path(os.environ.get("FERRUM_SHARED_MODELS", HERE.parent.parent / "shar
 
 #: (name, kv_cache_dtype, rotate_keys)
 FORMATS = [("int8", "int8", False), ("int4", "int4", True), ("int4-norot", "int4", False)]
+#: extra rows of ``--extra``: int8 with rotated keys (not the format's default), and a
+#: yardstick that stores K/V rounded to bfloat16
+EXTRA_FORMATS = [("int8-rot", "int8", True)]
 
 
 # ------------------------------------------------------------------------------------ runners
 
 
-class _HookCache(QuantizedContiguousKvCache):
-    """A quantized contiguous cache that the unmodified contiguous attention can read:
-    ``append`` returns keys rotated back to the model's basis (the rotation is its own
-    inverse), and ``k`` / ``v`` name the code arrays so the store can evaluate them."""
+class _RoundedCache(ContiguousKvCache):
+    """The model-dtype cache, but every stored value rounded through ``store_dtype`` first."""
 
-    def fetch(self, start: int = 0):
-        keys, values = super().fetch(start)
-        if self.rotate_keys:
-            keys = rotate(keys, self.head_dim)
-        return keys, values
+    store_dtype = mx.bfloat16
 
-    @property
-    def k(self):
-        return self.k_codes
-
-    @property
-    def v(self):
-        return self.v_codes
+    def append(self, k, v):
+        return super().append(k.astype(self.store_dtype).astype(k.dtype), v.astype(self.store_dtype).astype(v.dtype))
 
 
-def hook_runner(model, kv_cache_dtype: str, rotate_keys: bool) -> LlmRunner:
-    """A contiguous-layout runner whose caches are :class:`_HookCache` (``auto``: the plain runner)."""
-    runner = LlmRunner(model, RuntimeConfig(kv_layout="contiguous", kv_cache_dtype="auto", kv_capacity=None))
-    if kv_cache_dtype == "auto":
-        return runner
+def rounded_runner(model) -> LlmRunner:
+    """A contiguous runner whose caches hold K/V rounded to bfloat16 (a yardstick, not a format)."""
+    runner = LlmRunner(model, RuntimeConfig(kv_layout="contiguous", kv_cache_dtype="auto"))
     args = model.args
-    dtype = runner.dtype
-
-    def make_caches():
-        return [_HookCache(args.num_key_value_heads, args.head_dim, dtype, runner.max_seq_len, kv_cache_dtype,
-                           step=256, rotate_keys=rotate_keys) for _ in range(args.num_hidden_layers)]
-
-    runner.store.make_caches = make_caches
+    runner.store.make_caches = lambda: [_RoundedCache(args.num_key_value_heads, args.head_dim, runner.dtype,
+                                                      runner.max_seq_len, 256) for _ in range(args.num_hidden_layers)]
     return runner
 
 
-def _quantized_pools(runner) -> list:
-    """Every quantized storage object reachable from the runner's store (one level deep)."""
-    found = []
-    for obj in [runner.store, *vars(runner.store).values()]:
-        if isinstance(obj, QuantizedPagedKvPool):
-            found.append(obj)
-        elif hasattr(obj, "rotate_keys") and hasattr(obj, "kv_cache_dtype"):
-            found.append(obj)
-    return found
+def set_key_rotation(runner: LlmRunner, rotate_keys: bool) -> None:
+    """Switch the rotation of int4 keys on or off in a freshly built runner (before anything
+    is stored): the store's pool and attention backend, and every cache its contiguous
+    store will make. The config has no such knob: the rotation is part of the int4 format,
+    and only this benchmark measures int4 without it."""
+    store = runner.store
+    for obj in (getattr(store, "backend", None), getattr(store, "pool", None)):
+        if obj is not None and hasattr(obj, "rotate_keys"):
+            obj.rotate_keys = rotate_keys
+    make = getattr(store, "make_caches", None)
+    if make is not None:
+        def make_caches():
+            caches = make()
+            for cache in caches:
+                cache.rotate_keys = rotate_keys
+            return caches
+
+        store.make_caches = make_caches
 
 
-def engine_runner(model, kv_cache_dtype: str, rotate_keys: bool, max_num_blocks: int) -> LlmRunner:
-    """A paged runner built from ``RuntimeConfig(kv_cache_dtype=...)``; ``rotate_keys=False``
-    is set on its quantized pool before anything is written."""
-    runner = LlmRunner(model, RuntimeConfig(kv_layout="paged", kv_cache_dtype=kv_cache_dtype,
-                                            max_num_blocks=max_num_blocks, prefix_cache=False))
+def quantized_storage(runner: LlmRunner) -> bool:
+    """True when the runner stores K/V quantized (a quantized pool, or quantized contiguous caches)."""
+    store = runner.store
+    if isinstance(getattr(store, "pool", None), QuantizedPagedKvPool):
+        return True
+    make = getattr(store, "make_caches", None)
+    return make is not None and isinstance(make()[0], QuantizedContiguousKvCache)
+
+
+def make_runner(model, layout: str, kv_cache_dtype: str, rotate_keys: bool, max_num_blocks: int) -> LlmRunner:
+    """A runner built from ``RuntimeConfig(kv_layout=layout, kv_cache_dtype=...)``.
+
+    Raises:
+        RuntimeError: the runner ignored a quantized ``kv_cache_dtype``.
+    """
+    config = RuntimeConfig(kv_layout=layout, kv_cache_dtype=kv_cache_dtype, prefix_cache=False,
+                           max_num_blocks=max_num_blocks if layout == "paged" else None)
+    runner = LlmRunner(model, config)
     if kv_cache_dtype != "auto":
-        pools = _quantized_pools(runner)
-        if not pools:
-            raise RuntimeError("the runner holds no quantized storage: use --path hook")
-        for pool in pools:
-            pool.rotate_keys = rotate_keys
+        if not quantized_storage(runner):
+            raise RuntimeError(f"RuntimeConfig(kv_cache_dtype={kv_cache_dtype!r}) built unquantized storage")
+        set_key_rotation(runner, rotate_keys)
     return runner
 
 
-def wired(model) -> bool:
-    """True when a runner built with ``kv_cache_dtype="int8"`` holds quantized storage."""
-    try:
-        runner = LlmRunner(model, RuntimeConfig(kv_layout="paged", kv_cache_dtype="int8", max_num_blocks=16))
-    except Exception:  # noqa: BLE001 - an unwired tree may refuse the setting
-        return False
-    return bool(_quantized_pools(runner))
-
-
-def build_runners(model, path: str, window: int) -> dict:
+def build_runners(model, layout: str, window: int, extra: bool = False) -> dict:
     blocks = -(-window // 16) + 4
-    make = (lambda d, r: engine_runner(model, d, r, blocks)) if path == "engine" else (
-        lambda d, r: hook_runner(model, d, r))
-    runners = {"auto": make("auto", False)}
-    for name, dtype, rot in FORMATS:
-        runners[name] = make(dtype, rot)
+    runners = {"auto": make_runner(model, layout, "auto", False, blocks)}
+    for name, dtype, rot in FORMATS + (EXTRA_FORMATS if extra else []):
+        runners[name] = make_runner(model, layout, dtype, rot, blocks)
+    if extra:
+        runners["bf16-store"] = rounded_runner(model)
     return runners
 
 
@@ -200,9 +193,10 @@ def teacher_forced(runners: dict, windows: list[list[int]], chunk: int) -> dict:
     return out
 
 
-def greedy_agreement(model, tokenizer, path: str, text_ids: list[int], requests: int, new_tokens: int,
-                     prompt_len: int) -> dict:
-    """``requests`` greedy generations of ``new_tokens`` with auto and int8 KV; token agreement."""
+def greedy_agreement(model, tokenizer, layout: str, text_ids: list[int], requests: int, new_tokens: int,
+                     prompt_len: int, extra: bool = False) -> dict:
+    """``requests`` greedy generations of ``new_tokens`` with auto and int8 KV (and with
+    ``extra`` the bfloat16-rounded yardstick); token agreement with auto."""
     from mlx_ferrum.engine import Engine
     from mlx_ferrum.engine.sampling import SamplingParams
 
@@ -211,28 +205,37 @@ def greedy_agreement(model, tokenizer, path: str, text_ids: list[int], requests:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     total = prompt_len + new_tokens
     outs = {}
-    for dtype in ("auto", "int8"):
-        if path == "engine":
-            config = RuntimeConfig(kv_layout="paged", kv_cache_dtype=dtype, max_num_seqs=requests,
-                                   max_num_blocks=requests * (-(-total // 16)) + 8)
-            engine = Engine(model, tokenizer, config)
-        else:
-            engine = Engine(model, tokenizer, RuntimeConfig(kv_layout="contiguous", max_num_seqs=requests),
-                            executor=hook_runner(model, dtype, False))
+    for dtype in ("auto", "int8") + (("bf16-store",) if extra else ()):
+        # the yardstick's rounding cache exists in the contiguous layout only
+        config = RuntimeConfig(kv_layout="contiguous" if dtype == "bf16-store" else layout,
+                               kv_cache_dtype="auto" if dtype == "bf16-store" else dtype,
+                               max_num_seqs=requests, prefix_cache=False,
+                               max_num_blocks=(requests * (-(-total // 16)) + 8
+                                               if layout == "paged" and dtype != "bf16-store" else None))
+        runner = rounded_runner(model) if dtype == "bf16-store" else None
+        engine = Engine(model, tokenizer, config, executor=runner)
+        if dtype == "int8" and not quantized_storage(engine.runner):
+            raise RuntimeError("RuntimeConfig(kv_cache_dtype='int8') built unquantized storage")
         results = engine.generate(prompts, params)
         outs[dtype] = [list(r.token_ids) for r in results]
-    same = total_tokens = 0
-    prefixes = []
-    for a, b in zip(outs["auto"], outs["int8"]):
-        n = min(len(a), len(b))
-        same += sum(x == y for x, y in zip(a[:n], b[:n]))
-        total_tokens += max(len(a), len(b))
-        k = 0
-        while k < n and a[k] == b[k]:
-            k += 1
-        prefixes.append(k)
-    return {"requests": requests, "new_tokens": new_tokens, "agreement": same / total_tokens,
-            "mean_identical_prefix": float(np.mean(prefixes)), "all_identical": sum(p == new_tokens for p in prefixes)}
+    res = {}
+    for name in outs:
+        if name == "auto":
+            continue
+        same = total_tokens = 0
+        prefixes = []
+        for a, b in zip(outs["auto"], outs[name]):
+            n = min(len(a), len(b))
+            same += sum(x == y for x, y in zip(a[:n], b[:n]))
+            total_tokens += max(len(a), len(b))
+            k = 0
+            while k < n and a[k] == b[k]:
+                k += 1
+            prefixes.append(k)
+        res[name] = {"requests": requests, "new_tokens": new_tokens, "agreement": same / total_tokens,
+                     "mean_identical_prefix": float(np.mean(prefixes)),
+                     "all_identical": sum(p == new_tokens for p in prefixes)}
+    return res
 
 
 # ------------------------------------------------------------------------------------- main
@@ -259,7 +262,7 @@ def report(title: str, res: dict) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--path", choices=["auto", "engine", "hook"], default="auto")
+    p.add_argument("--layout", choices=["paged", "contiguous"], default="paged")
     p.add_argument("--models", default="stories,qwen", help="comma-separated: stories, qwen")
     p.add_argument("--chunk", type=int, default=32, help="tokens per teacher-forced pass")
     p.add_argument("--qwen-layers", type=int, default=24, help="layers of the Qwen2.5-0.5B shape")
@@ -268,6 +271,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--greedy-requests", type=int, default=32)
     p.add_argument("--greedy-tokens", type=int, default=128)
     p.add_argument("--greedy-models", default="stories", help="models for the greedy agreement")
+    p.add_argument("--extra", action="store_true",
+                   help="also int8 with rotated keys, and a yardstick storing K/V rounded to bfloat16")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: stories260K on its first two windows, greedy 4 requests x 16 tokens")
@@ -299,18 +304,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "head_dim 64, 2 KV heads)")
         else:
             raise SystemExit(f"unknown model {name!r}: use stories or qwen")
-        path = args.path if args.path != "auto" else ("engine" if wired(model) else "hook")
-        runners = build_runners(model, path, window)
+        runners = build_runners(model, args.layout, window, args.extra)
         res = teacher_forced(runners, windows, args.chunk)
-        entry = {"label": label, "path": path, "teacher_forced": res, "seconds": round(time.perf_counter() - t0, 1)}
-        report(f"{label} - path {path} - {time.perf_counter() - t0:.0f} s", res)
+        entry = {"label": label, "layout": args.layout, "teacher_forced": res,
+                 "seconds": round(time.perf_counter() - t0, 1)}
+        report(f"{label} - {args.layout} layout - {time.perf_counter() - t0:.0f} s", res)
         if args.greedy and name in args.greedy_models.split(","):
-            g = greedy_agreement(model, tok if name == "stories" else None, path, ids, args.greedy_requests,
-                                 args.greedy_tokens, prompt_len=32)
-            entry["greedy_int8"] = g
-            print(f"greedy int8 vs auto: {g['agreement'] * 100:.2f}% of tokens agree over {g['requests']} requests x "
-                  f"{g['new_tokens']} tokens; mean identical prefix {g['mean_identical_prefix']:.1f}; "
-                  f"{g['all_identical']} requests identical")
+            greedy = greedy_agreement(model, tok if name == "stories" else None, args.layout, ids, args.greedy_requests,
+                                      args.greedy_tokens, prompt_len=32, extra=args.extra)
+            entry["greedy"] = greedy
+            for fmt, g in greedy.items():
+                print(f"greedy {fmt} vs auto: {g['agreement'] * 100:.2f}% of tokens agree over {g['requests']} "
+                      f"requests x {g['new_tokens']} tokens; mean identical prefix {g['mean_identical_prefix']:.1f}; "
+                      f"{g['all_identical']} requests identical")
         results["models"][name] = entry
         del runners, model
     if args.json:
