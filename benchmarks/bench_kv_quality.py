@@ -13,10 +13,12 @@ stored (quantized) cache the way decoding does. Per format:
   over every predicted position (float64 log-softmax of the returned logits);
 - perplexity of the text's own next tokens and its change against ``auto``.
 
-Formats: ``int8``, ``int4`` (Walsh-Hadamard-rotated keys, the default) and ``int4``
+Formats: ``int8`` and ``int4`` (Walsh-Hadamard-rotated keys, the default) and ``int4``
 without rotation (``rotate_keys=False``), to show what the rotation buys. ``--extra`` adds
-int8 with rotated keys, and a yardstick that keeps the model dtype but rounds every stored
+int8 without rotation, and a yardstick that keeps the model dtype but rounds every stored
 K/V value to bfloat16 (what an 8-bit-mantissa store costs; contiguous caches).
+Also per format: the share of positions whose greedy choice (argmax) equals ``auto``'s
+on the same teacher-forced inputs ("top-1 agreement").
 
 Greedy agreement (``--greedy``): 32 requests x 128 greedy tokens from prompts cut out of
 the text, through :class:`mlx_ferrum.engine.Engine` with the ``auto`` and the ``int8``
@@ -67,10 +69,10 @@ TEXT = HERE / "data" / "kv_quality_text.txt"
 STORIES = Path(os.environ.get("FERRUM_SHARED_MODELS", HERE.parent.parent / "shared" / "models")) / "stories260K"
 
 #: (name, kv_cache_dtype, rotate_keys)
-FORMATS = [("int8", "int8", False), ("int4", "int4", True), ("int4-norot", "int4", False)]
-#: extra rows of ``--extra``: int8 with rotated keys (not the format's default), and a
-#: yardstick that stores K/V rounded to bfloat16
-EXTRA_FORMATS = [("int8-rot", "int8", True)]
+FORMATS = [("int8", "int8", True), ("int4", "int4", True), ("int4-norot", "int4", False)]
+#: extra rows of ``--extra``: int8 without rotated keys, and a yardstick that stores K/V
+#: rounded to bfloat16
+EXTRA_FORMATS = [("int8-norot", "int8", False)]
 
 
 # ------------------------------------------------------------------------------------ runners
@@ -164,6 +166,7 @@ def teacher_forced(runners: dict, windows: list[list[int]], chunk: int) -> dict:
     kl = {n: 0.0 for n in names}
     kl_max = {n: 0.0 for n in names}
     nll = {n: 0.0 for n in names}
+    top1 = {n: 0 for n in names}
     count = 0
     for w, ids in enumerate(windows):
         cid = f"window-{w}"
@@ -176,18 +179,21 @@ def teacher_forced(runners: dict, windows: list[list[int]], chunk: int) -> dict:
                 logp[n] = log_softmax64(logits)
             ref = logp["auto"]
             p_ref = np.exp(ref)
+            choice = ref.argmax(axis=-1)
             for n in names:
                 per_pos = (p_ref * (ref - logp[n])).sum(axis=-1)
                 kl[n] += float(per_pos.sum())
                 kl_max[n] = max(kl_max[n], float(per_pos.max()))
                 nll[n] -= float(logp[n][np.arange(len(piece)), targets].sum())
+                top1[n] += int((logp[n].argmax(axis=-1) == choice).sum())
             count += len(piece)
         for n in names:
             runners[n].release_cache(cid)
     out = {}
     for n in names:
         ppl = float(np.exp(nll[n] / count))
-        out[n] = {"mean_kl": kl[n] / count, "max_kl": kl_max[n], "perplexity": ppl, "positions": count}
+        out[n] = {"mean_kl": kl[n] / count, "max_kl": kl_max[n], "perplexity": ppl, "positions": count,
+                  "top1_agreement": top1[n] / count}
     for n in names:
         out[n]["ppl_change_pct"] = 100.0 * (out[n]["perplexity"] / out["auto"]["perplexity"] - 1.0)
     return out
@@ -256,8 +262,9 @@ def report(title: str, res: dict) -> None:
     rows = []
     for n, r in res.items():
         rows.append([n, f"{r['mean_kl']:.6f}", f"{r['max_kl']:.5f}", f"{r['perplexity']:.4f}",
-                     f"{r['ppl_change_pct']:+.3f}%", r["positions"]])
-    print_table(["kv_cache_dtype", "mean KL (nats)", "max KL", "perplexity", "ppl change", "positions"], rows)
+                     f"{r['ppl_change_pct']:+.3f}%", f"{r['top1_agreement'] * 100:.2f}%", r["positions"]])
+    print_table(["kv_cache_dtype", "mean KL (nats)", "max KL", "perplexity", "ppl change", "top-1 agreement",
+                 "positions"], rows)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -272,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=128)
     p.add_argument("--greedy-models", default="stories", help="models for the greedy agreement")
     p.add_argument("--extra", action="store_true",
-                   help="also int8 with rotated keys, and a yardstick storing K/V rounded to bfloat16")
+                   help="also int8 without rotated keys, and a yardstick storing K/V rounded to bfloat16")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: stories260K on its first two windows, greedy 4 requests x 16 tokens")

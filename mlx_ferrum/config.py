@@ -288,7 +288,7 @@ class RuntimeConfig:
       in memory; the least recently used beyond it are dropped and re-read from disk on use.
     - ``kv_cache_dtype`` (``FERRUM_KV_CACHE_DTYPE``, ``"auto"``): how K and V are stored: ``"auto"``
       (the model dtype), ``"int8"`` or ``"int4"`` (group-wise quantized along ``head_dim``, float16
-      scales; int4 keys are Walsh-Hadamard rotated). vLLM's name.
+      scales; keys are Walsh-Hadamard rotated). vLLM's name.
     - ``tensor_parallel_size`` (``FERRUM_TENSOR_PARALLEL_SIZE``, 1): ranks each layer's heads
       and MLP columns are split across (vLLM's name). Above 1 the process must be one rank
       of an ``mlx.launch`` group (see :mod:`mlx_ferrum.distributed`).

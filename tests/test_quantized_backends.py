@@ -2,7 +2,7 @@
 the engine, in both layouts, eager and compiled.
 
 The oracle is the model run with no cache whose attention sees K and V exactly as the
-cache stores them: each token's keys rotated (int4) and both quantized and dequantized
+cache stores them: each token's keys rotated and both quantized and dequantized
 by the storage format (whose functions test_kv_quantization.py checks against a float64
 numpy implementation), queries rotated to match. What is under test here is the wiring:
 which tokens are quantized when, which blocks each row reads, the query rotation, the
@@ -35,7 +35,7 @@ class StoredKvOracle(NoCacheAttentionBackend):
     """Causal attention over K/V as a quantized cache stores them (no cache involved)."""
 
     def __init__(self, kind: str):
-        self.kind, self.rotated = kind, kind == "int4"
+        self.kind, self.rotated = kind, True  # keys are rotated in both formats
 
     def _stored(self, x, rotated):
         d = x.shape[-1]
@@ -185,7 +185,7 @@ def test_the_store_holds_quantized_storage_and_the_backend_of_its_dtype(llama):
     assert isinstance(paged.store.backend, QuantizedPagedAttentionBackend) and paged.store.backend.rotate_keys
     contiguous = LlmRunner(llama, config("contiguous", "int8"))
     assert isinstance(contiguous.store.backend, QuantizedContiguousAttentionBackend)
-    assert not contiguous.store.backend.rotate_keys
+    assert contiguous.store.backend.rotate_keys  # int8 keys are rotated too
     contiguous.run([SeqWork("a", [1, 2, 3])])
     assert isinstance(contiguous._contiguous["a"][0], QuantizedContiguousKvCache)
     # bytes per token: int8 codes (head_dim 8) + one float16 scale per group, K and V, per layer

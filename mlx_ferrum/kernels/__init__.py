@@ -176,7 +176,7 @@ def paged_prefill_attention(
 
 
 def _rotated_query(q: mx.array, keys_rotated: bool) -> mx.array:
-    # the kernels take queries in the keys' basis: the pool stores int4 keys rotated
+    # the kernels take queries in the keys' basis: the pool stores keys rotated
     return quantized_reference.rotate(q, q.shape[-1]) if keys_rotated else q
 
 

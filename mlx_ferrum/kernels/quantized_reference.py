@@ -15,14 +15,17 @@ Format (``kv_cache_dtype``; the shared storage contract of the quantized KV cach
   ``mx.quantize`` takes only groups of 32, 64 or 128 (stories260K has ``head_dim`` 8).
 - Scales and biases: float16, ``[..., head_dim // G]``.
 
-For int4, keys are rotated before quantization by a fixed normalized Walsh-Hadamard
+Keys (int8 and int4; the storage's ``rotate_keys``, on by default) are rotated before
+quantization by a fixed normalized Walsh-Hadamard
 matrix ``H`` (block-diagonal, blocks of the largest power of two dividing ``head_dim``);
 ``H`` is symmetric and orthonormal, so with queries rotated the same way
 ``(q H) . (k H) = q . k``. The rotation spreads an outlier channel over the whole
 block, which shrinks the range a 4-bit group has to cover: the incoherence processing
 of QuaRot (Ashkboos et al., 2024) and QuIP# (Tseng et al., 2024), as applied to the K
 cache by llama.cpp / ik_llama.cpp (Hadamard-rotated K cache) and by vllm-metal's
-TurboQuant. Keys are rotated after RoPE; values are never rotated.
+TurboQuant. Keys are rotated after RoPE; values are never rotated. int8 keys are rotated
+too: on stories260K (outlier key channels, groups of 8) it halved int8's KL divergence
+against float KV (``benchmarks/bench_kv_quality.py``, ``docs/benchmarks.md``).
 
 Attention here takes the stored codes, scales and biases, gathers only the blocks
 that the block tables name, dequantizes those to float32 and attends as

@@ -1,12 +1,12 @@
 """Quantized KV storage (``kv_cache_dtype`` "int8" / "int4"): a paged pool and a contiguous cache.
 
 The format (group-wise int8 / packed int4 codes with float16 scales and biases along
-``head_dim``, Walsh-Hadamard-rotated int4 keys) and its math live in
+``head_dim``, Walsh-Hadamard-rotated keys) and its math live in
 :mod:`mlx_ferrum.kernels.quantized_reference`, which attention reads; they are
 re-exported here beside the storage (``kv_group_size``, ``quantize_kv``,
 ``dequantize_kv``, ``hadamard_matrix``, ``rotate``).
 
-Every write quantizes the new tokens (rotating int4 keys first) and scatters their
+Every write quantizes the new tokens (rotating keys first) and scatters their
 codes, scales and biases into the slots, in the same pass; nothing here ever
 builds a float copy of the stored tokens except :meth:`QuantizedContiguousKvCache.append`'s
 return value, which is that one sequence's keys and values for the reference path.
@@ -89,7 +89,7 @@ def quantized_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: in
 
 
 def _default_rotate(kv_cache_dtype: str, rotate_keys: Optional[bool]) -> bool:
-    return kv_cache_dtype == "int4" if rotate_keys is None else bool(rotate_keys)
+    return True if rotate_keys is None else bool(rotate_keys)
 
 
 def _shapes(lead: tuple, head_dim: int, kv_cache_dtype: str) -> tuple[tuple, mx.Dtype, tuple]:
@@ -113,7 +113,7 @@ class QuantizedPagedKvPool:
         num_layers, num_blocks, num_kv_heads, block_size, head_dim: the pool shape.
         kv_cache_dtype: "int8" or "int4".
         rotate_keys: rotate keys by the Walsh-Hadamard matrix before quantizing them
-            (None: True for int4, False for int8). Attention must then rotate queries
+            (None: True). Attention must then rotate queries
             (``keys_rotated=self.rotate_keys`` in the quantized reference).
 
     Attributes:
@@ -320,7 +320,7 @@ class QuantizedContiguousKvCache:
         kv_cache_dtype: "int8" or "int4".
         step: growth step in tokens.
         preallocate: allocate ``max_capacity`` tokens at once.
-        rotate_keys: as in :class:`QuantizedPagedKvPool` (None: True for int4 only).
+        rotate_keys: as in :class:`QuantizedPagedKvPool` (None: True).
 
     Attributes:
         k_codes, v_codes: ``[1, num_kv_heads, capacity, C]``; k_scales, v_scales (and for

@@ -2,7 +2,7 @@
 
 The same layouts as :mod:`mlx_ferrum.layers.backends`, over the storage of
 :mod:`mlx_ferrum.kv_cache.quantized` (group-wise codes with float16 scales along
-``head_dim``; int4 keys rotated by a Walsh-Hadamard transform before quantization, the
+``head_dim``; keys rotated by a Walsh-Hadamard transform before quantization, the
 format of :mod:`mlx_ferrum.kernels.quantized_reference`):
 
 - the write quantizes the new tokens in the same pass that writes their slots (the
