@@ -297,3 +297,27 @@ def test_int8_greedy_on_stories260k_mostly_matches_auto(stories_path):
 
     top1 = np.mean(forced("auto") == forced("int8"))
     assert top1 >= 0.95, f"teacher-forced, int8 picks auto's token at {top1:.1%} of positions"
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_stats_and_metrics_report_the_bytes_as_stored(llama, layout):
+    """``engine.stats()["kv"]`` and the server's ``/metrics`` exposition give the bytes a
+    token takes as stored (codes, scales and biases), which fall with the cache dtype; the
+    paged pool's allocated bytes are the arrays' own."""
+    from mlx_ferrum.server.metrics import ServerMetrics
+
+    per_token = {}
+    for kind in ("auto", "int8", "int4"):
+        engine = Engine(llama, None, config(layout, kind))
+        engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, temperature=0.0))
+        kv = engine.stats()["kv"]
+        assert kv["kv_cache_dtype"] == kind
+        per_token[kind] = kv["bytes_per_token"]
+        if layout == "paged":
+            pool = engine.runner.pool
+            assert kv["allocated_bytes"] == sum(int(a.nbytes) for a in pool.arrays())
+            assert kv["bytes_per_token"] * pool.num_blocks * pool.block_size == kv["allocated_bytes"]
+        text = ServerMetrics(engine).render().decode()
+        assert f'mlx_ferrum:kv_cache_bytes_per_token{{kv_cache_dtype="{kind}"}} {float(per_token[kind])}' in text
+        assert "mlx_ferrum:kv_cache_allocated_bytes" in text and "mlx_ferrum:kv_cache_used_bytes" in text
+    assert per_token["int4"] < per_token["int8"] < per_token["auto"]

@@ -372,8 +372,13 @@ class PagedKvStore:
         return self.pool.nbytes
 
     def metrics(self) -> dict:
-        """The manager's block metrics."""
-        return self.manager.cache_metrics_snapshot()
+        """The manager's block metrics, and the bytes as stored: ``kv_cache_dtype``,
+        ``bytes_per_token`` (K+V of one token over all layers, quantized scales and
+        biases included), ``allocated_bytes`` (the whole pool) and ``used_bytes`` (the
+        blocks in use)."""
+        return {**self.manager.cache_metrics_snapshot(), "kv_cache_dtype": self.backend.kv_cache_dtype,
+                "bytes_per_token": self.bytes_per_token, "allocated_bytes": self.allocated_bytes(),
+                "used_bytes": self.used_bytes()}
 
 
 class ContiguousKvStore:
@@ -497,5 +502,8 @@ class ContiguousKvStore:
         return self.used_bytes()
 
     def metrics(self) -> dict:
-        """Sequences and bytes held."""
-        return {"num_sequences": len(self.caches), "allocated_bytes": self.used_bytes()}
+        """Sequences and bytes held (as stored: ``bytes_per_token`` over all layers, quantized
+        scales and biases included)."""
+        held = self.used_bytes()
+        return {"num_sequences": len(self.caches), "kv_cache_dtype": self.backend.kv_cache_dtype,
+                "bytes_per_token": self.bytes_per_token, "allocated_bytes": held, "used_bytes": held}

@@ -38,6 +38,15 @@ class _EngineCollector:
         usage.add_metric([], (used / total) if total else 0.0)
         blocks = GaugeMetricFamily("mlx_ferrum:kv_cache_used_blocks", "KV-cache blocks in use.")
         blocks.add_metric([], used or 0)
+        # bytes as stored, so a quantized cache (kv_cache_dtype int8/int4) shows what it saves
+        dtype = str(s["kv"].get("kv_cache_dtype", "auto"))
+        kv_bytes = []
+        for key, name, doc in (("allocated_bytes", "kv_cache_allocated_bytes", "Bytes of the KV cache's storage, scales included."),
+                               ("used_bytes", "kv_cache_used_bytes", "Bytes of the KV blocks (or buffers) in use, scales included."),
+                               ("bytes_per_token", "kv_cache_bytes_per_token", "K and V bytes of one token over all layers, as stored.")):
+            gauge = GaugeMetricFamily(f"mlx_ferrum:{name}", doc, labels=["kv_cache_dtype"])
+            gauge.add_metric([dtype], s["kv"].get(key, 0) or 0)
+            kv_bytes.append(gauge)
         hit_rate = GaugeMetricFamily("mlx_ferrum:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.")
         hit_rate.add_metric([], s.get("prefix_cache_hit_rate") or 0.0)
         hits = CounterMetricFamily("mlx_ferrum:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
@@ -55,7 +64,7 @@ class _EngineCollector:
         draft_tokens.add_metric([], s.get("spec_proposed_tokens", 0))
         accepted = CounterMetricFamily("mlx_ferrum:spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
         accepted.add_metric([], s.get("spec_accepted_tokens", 0))
-        return [running, waiting, usage, blocks, hit_rate, hits, preempt, generated, prefilled,
+        return [running, waiting, usage, blocks, *kv_bytes, hit_rate, hits, preempt, generated, prefilled,
                 drafts, draft_tokens, accepted] + self._lora()
 
     def _lora(self) -> list:
