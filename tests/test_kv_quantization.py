@@ -381,13 +381,14 @@ def test_reference_gathers_only_the_tables_blocks(monkeypatch):
     for lst in (pool.k_scales, pool.v_scales, pool.k_biases, pool.v_biases):
         lst[0][mx.array(unused)] = mx.array(np.nan, dtype=mx.float16)
     seen = []
-    real = qref.dequantize_kv
+    real = qref._gather_rows
 
-    def spy(codes, scales, biases, kind, head_dim, dtype=mx.float32):
-        seen.append(int(np.prod(codes.shape[:-1])))
-        return real(codes, scales, biases, kind, head_dim, dtype)
+    def spy(array, rows):
+        # every read of the pool (codes, scales, biases) goes through this gather
+        seen.append(int(np.prod(rows.shape)) * array.shape[2])
+        return real(array, rows)
 
-    monkeypatch.setattr(qref, "dequantize_kv", spy)
+    monkeypatch.setattr(qref, "_gather_rows", spy)
     q = sample((2, HEADS, D), seed=2)
     out = qref.quantized_paged_attention_decode(
         mx.array(q), *pool.layer_arrays(0), mx.array(tables), mx.array(context_lens, dtype=mx.int32), D**-0.5,

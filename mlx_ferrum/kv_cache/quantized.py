@@ -384,6 +384,19 @@ class QuantizedContiguousKvCache:
         Raises:
             KvCacheExhaustedError: ``len + L > max_capacity``.
         """
+        self.write(k, v)
+        return self.fetch()
+
+    def write(self, k: mx.array, v: mx.array) -> None:
+        """Quantize and store ``L`` new tokens, as :meth:`append` does, returning nothing
+        (for attention that reads the codes themselves).
+
+        Args:
+            k, v: ``[1, num_kv_heads, L, head_dim]`` (post-RoPE keys).
+
+        Raises:
+            KvCacheExhaustedError: ``len + L > max_capacity``.
+        """
         n = k.shape[2]
         end = self.len + n
         if end > self.max_capacity:
@@ -405,7 +418,6 @@ class QuantizedContiguousKvCache:
             self.k_biases[:, :, self.len : end] = kb
             self.v_biases[:, :, self.len : end] = vb
         self.len = end
-        return self.fetch()
 
     def fetch(self, start: int = 0) -> tuple[mx.array, mx.array]:
         """Stored tokens ``start .. len - 1``, dequantized to the model dtype:
@@ -419,6 +431,26 @@ class QuantizedContiguousKvCache:
         values = dequantize_kv(part(self.v_codes), part(self.v_scales), part(self.v_biases),
                                self.kv_cache_dtype, self.head_dim, self.dtype)
         return keys, values
+
+    def stored_arrays(self, start: int = 0, stop: Optional[int] = None) -> tuple:
+        """Slots ``start .. stop - 1`` as stored, not dequantized: ``(k_codes, v_codes,
+        k_scales, v_scales, k_biases, v_biases)``, each ``[1, num_kv_heads, stop - start, ...]``
+        (views; biases None for int8), the argument order of
+        :func:`~mlx_ferrum.kernels.quantized_reference.attention_over_codes`.
+
+        ``stop`` defaults to ``len`` and may go up to ``capacity``: slots past ``len`` hold
+        finite leftovers (zeros or truncated tokens) that a caller must mask.
+
+        Raises:
+            KvCacheError: nothing is stored yet, or ``0 <= start <= stop <= capacity`` fails.
+        """
+        stop = self.len if stop is None else stop
+        if self.k_codes is None or not 0 <= start <= stop <= self.capacity:
+            raise KvCacheError(f"stored_arrays({start}, {stop}): the cache holds {self.len} tokens in "
+                               f"{self.capacity} slots")
+        part = lambda a: None if a is None else a[:, :, start:stop]  # noqa: E731
+        return (part(self.k_codes), part(self.v_codes), part(self.k_scales), part(self.v_scales),
+                part(self.k_biases), part(self.v_biases))
 
     def copy_from(self, other: "QuantizedContiguousKvCache") -> None:
         """Take ``other``'s stored tokens as they are (codes, not re-quantized), for a fork.

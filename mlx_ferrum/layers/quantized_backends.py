@@ -28,6 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..kernels.quantized_reference import (
+    attention_over_codes,
     check_kv_cache_dtype,
     dequantize_kv,
     quantize_kv,
@@ -132,14 +133,56 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         self.kv_cache_dtype = kv_cache_dtype
         self.rotate_keys = bool(rotate_keys)
 
+    def write(self, layer: int, k: mx.array, v: mx.array, meta) -> None:
+        """Quantize and append row ``b``'s ``k[b]``, ``v[b]`` to ``meta.caches[b][layer]``
+        (``QuantizedContiguousKvCache.write``: nothing is dequantized here)."""
+        for i in range(k.shape[0]):
+            meta.caches[i][layer].write(k[i : i + 1], v[i : i + 1])
+
     def read(self, layer: int, meta, row: int) -> tuple[mx.array, mx.array]:
         """Row ``row``'s stored K and V of ``layer``, dequantized to the model dtype (keys
-        in the rotated basis when the cache rotates them)."""
+        in the rotated basis when the cache rotates them); prefill passes read this."""
         return meta.caches[row][layer].fetch()
 
     def attend(self, layer, q, k, v, meta, scale, window=None, sinks=None) -> mx.array:
-        """:meth:`ContiguousAttentionBackend.attend` with the queries rotated to the keys' basis."""
+        """:meth:`ContiguousAttentionBackend.attend` with the queries rotated to the keys' basis.
+
+        A decode pass (one new token per row) attends over each row's codes with
+        :func:`~mlx_ferrum.kernels.quantized_reference.attention_over_codes`, so no row's
+        cache is dequantized; rows of different lengths are batched by reading each
+        row's slots up to the longest (codes, not floats) and masking past its length.
+        Prefill passes read the dequantized rows (:meth:`read`).
+        """
         if self.rotate_keys:
             q = rotate(q, q.shape[-1])
-        return super().attend(layer, q, k, v, meta, scale, window, sinks)
+        if q.shape[2] != 1:
+            return super().attend(layer, q, k, v, meta, scale, window, sinks)
+        return self._decode(layer, q, meta, scale, window, sinks)
+
+    def _decode(self, layer, q, meta, scale, window, sinks) -> mx.array:
+        """One query per row ``q`` ``[B, H, 1, D]`` (rotated) over the rows' codes -> ``[B, H, 1, D]``."""
+        caches = [meta.caches[i][layer] for i in range(q.shape[0])]
+        lens = [c.len for c in caches]
+        if len(caches) == 1:
+            n = lens[0]
+            start = max(0, n - window) if window is not None else 0
+            arrays = caches[0].stored_arrays(start, n)
+            valid = None
+        else:
+            longest = max(lens)
+            rows = [c.stored_arrays(0, min(longest, c.capacity)) for c in caches]
+
+            def padded(a):
+                # a row whose buffer is shorter than the longest row gets zero slots (masked)
+                return a if a.shape[2] == longest else mx.pad(a, [(0, 0), (0, 0), (0, longest - a.shape[2]), (0, 0)])
+
+            arrays = [None if parts[0] is None else mx.concatenate([padded(a) for a in parts], axis=0)
+                      for parts in zip(*rows)]
+            positions = mx.arange(longest)[None, :]
+            context = mx.array(lens, dtype=mx.int32)[:, None]
+            valid = positions < context
+            if window is not None:
+                valid = valid & (positions >= context - window)
+        out = attention_over_codes(q[:, :, 0, :], *arrays, valid, scale, sinks)
+        return out[:, :, None, :]
 
