@@ -5,6 +5,7 @@ Usage::
     python benchmarks/bench_kv_speed.py                       # 2,048 tokens, 1 and 32 requests, both layouts
     python benchmarks/bench_kv_speed.py --context 512 --requests 1,8 --layouts paged --rounds 3   # quick
     python benchmarks/bench_kv_speed.py --model ../shared/models/stories260K --context 448
+    python benchmarks/bench_kv_speed.py --quick                # smoke run (tests/test_benchmarks_smoke.py)
 
 For each layout (``paged``, the default layout, and ``contiguous``) one
 :class:`~mlx_ferrum.executor.LlmExecutor` is built per ``kv_cache_dtype`` with the same
@@ -145,7 +146,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", help="weights of the random checkpoint")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, 1 and 4 requests, 2 rounds")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.context, args.requests, args.rounds, args.steps, args.warmup = 256, "1,4", 2, 2, 1
     import mlx_ferrum as mf
     from mlx_ferrum import bench
 

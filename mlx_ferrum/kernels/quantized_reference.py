@@ -24,9 +24,11 @@ of QuaRot (Ashkboos et al., 2024) and QuIP# (Tseng et al., 2024), as applied to 
 cache by llama.cpp / ik_llama.cpp (Hadamard-rotated K cache) and by vllm-metal's
 TurboQuant. Keys are rotated after RoPE; values are never rotated.
 
-Attention here takes the stored codes, scales and biases, gathers only the blocks
-that the block tables name, dequantizes those to float32 and attends as
-:mod:`mlx_ferrum.kernels.reference` does; no float copy of the pool is ever built.
+Attention here takes the stored codes, scales and biases and gathers only the blocks
+that the block tables name; no float copy of the pool is ever built. Decode
+(:func:`attention_over_codes`) attends from the codes themselves, with each group's
+scale (and int4 bias) folded into the scores and the probabilities; prefill
+dequantizes one sequence's gathered blocks and runs the fused SDPA.
 **The attention functions rotate the queries themselves** when ``keys_rotated`` is
 True: callers pass the same (post-RoPE) queries they would pass to the float path.
 

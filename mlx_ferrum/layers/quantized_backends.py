@@ -7,8 +7,10 @@ format of :mod:`mlx_ferrum.kernels.quantized_reference`):
 
 - the write quantizes the new tokens in the same pass that writes their slots (the
   storage's ``write`` / ``append``);
-- attention dequantizes only the blocks (or the one sequence's cache) it reads, and
-  with rotated keys it rotates the queries by the same orthonormal matrix, so
+- attention reads only the blocks (or the one sequence's cache) it needs: decode attends
+  from the codes themselves (:func:`~mlx_ferrum.kernels.quantized_reference.attention_over_codes`,
+  group scales folded into the scores and probabilities), prefill dequantizes the blocks
+  it gathered; with rotated keys it rotates the queries by the same orthonormal matrix, so
   ``q_rot . k_rot = q . k`` (QuaRot / QuIP#-style incoherence processing; llama.cpp's
   Hadamard-rotated K cache). Values are never rotated, so outputs need no rotating back.
 
@@ -82,7 +84,7 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
 
     def decode_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, scale: float,
                          window=None, sinks=None) -> mx.array:
-        """Decode rows ``q`` ``[nd, H, D]`` over the dequantized gathered blocks -> ``[nd, H, D]``
+        """Decode rows ``q`` ``[nd, H, D]`` over their gathered blocks' codes -> ``[nd, H, D]``
         (:func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_attention_decode`)."""
         nd = q.shape[0]
         return quantized_paged_attention_decode(
@@ -117,7 +119,8 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
 
 class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
     """The contiguous layout over :class:`~mlx_ferrum.kv_cache.quantized.QuantizedContiguousKvCache`
-    lists: ``append`` quantizes, :meth:`read` dequantizes one row's cache, and queries are
+    lists: :meth:`write` quantizes, decode attends from the rows' codes, prefill reads one
+    row's cache dequantized (:meth:`read`), and queries are
     rotated when the keys are.
 
     Args:
