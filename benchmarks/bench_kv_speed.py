@@ -15,8 +15,10 @@ are timed: one step is ``LlmExecutor.forward`` over the first ``n`` sequences (o
 token each; the paged layout runs its compiled decode step), a greedy argmax, and
 ``mx.eval`` of the tokens and the KV state. Sequences beyond ``n`` stay idle in the cache.
 
-A round times ``--steps`` steps of every dtype in turn (the sides alternate, so load
-drifting on a shared machine hits them alike); the order rotates each round. Printed:
+A round times a block of steps of every dtype in turn (the sides alternate, so load
+drifting on a shared machine hits them alike); the order rotates each round. The block
+has as many steps (``--steps`` .. ``--max-steps``) as make ``auto``'s last at least
+``--min-block-s`` seconds. Printed:
 decode steps/s and tokens/s (median over rounds), and per quantized dtype the ratio of
 its steps/s to ``auto``'s in the same round (median, with min and max over rounds).
 The target of the quantized cache is int8 >= 0.9x of ``auto`` at 2,048 tokens.
@@ -103,7 +105,8 @@ class Side:
 def measure(model, layout: str, dtypes: list[str], requests: list[int], args, prompts) -> list[dict]:
     """Rows ``{layout, requests, dtype, steps_s, ratios}`` for one layout."""
     count = max(requests)
-    steps_total = len(requests) * (args.rounds * args.steps + args.warmup)
+    # at most this many steps per timed block (see the calibration below), plus warmup and calibration
+    steps_total = len(requests) * (args.rounds * max(args.steps, args.max_steps) + args.warmup + 2)
     sides = []
     for dtype in dtypes:
         side = Side(model, layout, dtype, count, args.context, steps_total, args.block_size, args.chunk, prompts)
@@ -113,15 +116,19 @@ def measure(model, layout: str, dtypes: list[str], requests: list[int], args, pr
     for n in requests:
         for side in sides:
             side.run_steps(n, args.warmup)
+        # a timed block lasts at least --min-block-s on the auto side (a 5 ms step timed
+        # a few times would measure the machine's other load more than the step)
+        per_step = sides[0].run_steps(n, 2) / 2
+        steps = min(args.max_steps, max(args.steps, int(args.min_block_s / per_step) + 1))
         rates: dict[str, list[float]] = {s.name: [] for s in sides}
         for r in range(args.rounds):
             order = sides[r % len(sides):] + sides[: r % len(sides)]
             for side in order:
-                rates[side.name].append(args.steps / side.run_steps(n, args.steps))
+                rates[side.name].append(steps / side.run_steps(n, steps))
         for side in sides:
             ratios = ([a / b for a, b in zip(rates[side.name], rates["auto"])]
                       if "auto" in rates and side.name != "auto" else [])
-            rows.append({"layout": layout, "requests": n, "dtype": side.name,
+            rows.append({"layout": layout, "requests": n, "dtype": side.name, "steps": steps,
                          "steps_s": statistics.median(rates[side.name]), "ratios": ratios})
     for side in sides:
         side.release()
@@ -136,8 +143,11 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", default="1,32", help="concurrent decoding sequences, comma-separated")
     ap.add_argument("--layouts", default="paged,contiguous")
     ap.add_argument("--dtypes", default="auto,int8,int4")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps per side per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2, help="fewest decode steps per side per round")
+    ap.add_argument("--max-steps", type=int, default=64, help="most decode steps per side per round")
+    ap.add_argument("--min-block-s", type=float, default=0.4,
+                    help="steps per round are chosen so that auto's block of steps takes at least this long")
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side before the rounds")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens")
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, 1 and 4 requests, 2 rounds")
     args = ap.parse_args(argv)
     if args.quick:
-        args.context, args.requests, args.rounds, args.steps, args.warmup = 256, "1,4", 2, 2, 1
+        args.context, args.requests, args.rounds, args.max_steps, args.min_block_s, args.warmup = 256, "1,4", 2, 4, 0.05, 1
     import mlx_ferrum as mf
     from mlx_ferrum import bench
 
@@ -167,7 +177,8 @@ def main(argv=None) -> int:
         path, shape = Path(args.model), args.model
     print_header("decode speed with a quantized KV cache (kv_cache_dtype) against auto",
                  {"model": shape, "context": args.context, "requests": requests, "layouts": args.layouts,
-                  "steps x rounds": f"{args.steps} x {args.rounds} per side (alternating)",
+                  "rounds": f"{args.rounds} per side (alternating), each {args.steps}-{args.max_steps} steps "
+                            f"(auto's block >= {args.min_block_s} s)",
                   "block_size": args.block_size})
     model, _ = mf.load(str(path))
     prompts = bench.make_prompts(model.args.vocab_size, max(requests), args.context, 0)
@@ -178,10 +189,10 @@ def main(argv=None) -> int:
     for row in rows:
         ratios = row["ratios"]
         ratio = (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "1")
-        table.append([row["layout"], row["requests"], row["dtype"], f"{row['steps_s']:.2f}",
+        table.append([row["layout"], row["requests"], row["dtype"], row["steps"], f"{row['steps_s']:.2f}",
                       f"{row['steps_s'] * row['requests']:.1f}", f"{1e3 / row['steps_s']:.1f}", ratio])
     print()
-    print_table(["layout", "requests", "kv_cache_dtype", "steps/s", "tokens/s", "ms/step",
+    print_table(["layout", "requests", "kv_cache_dtype", "steps per round", "steps/s", "tokens/s", "ms/step",
                  "vs auto (median, min-max over rounds)"], table)
     return 0
 

@@ -23,6 +23,7 @@ The contiguous cache holds the same per layer with ``[1, num_kv_heads, capacity,
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -290,6 +291,31 @@ class QuantizedPagedKvPool:
                 dequantize_kv(pick(vc), pick(vs), pick(vb), self.kv_cache_dtype, self.head_dim))
 
 
+def _quantize_pair(k: mx.array, v: mx.array, kv_cache_dtype: str, rotate_keys: bool, head_dim: int) -> tuple:
+    """``(k_codes, k_scales, k_biases, v_codes, v_scales, v_biases)`` of ``k`` (rotated first
+    when ``rotate_keys``) and ``v``; the biases None for int8."""
+    if rotate_keys:
+        k = rotate(k, head_dim)
+    return (*quantize_kv(k, kv_cache_dtype), *quantize_kv(v, kv_cache_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_quantizer(kv_cache_dtype: str, rotate_keys: bool, head_dim: int):
+    """:func:`_quantize_pair` for one format, ``mx.compile``'d (its inputs, one decode
+    token's K and V, keep their shape from step to step, so it is traced once)."""
+    compiled = mx.compile(lambda k, v: [a for a in _quantize_pair(k, v, kv_cache_dtype, rotate_keys, head_dim)
+                                        if a is not None])
+
+    def run(k: mx.array, v: mx.array) -> tuple:
+        out = compiled(k, v)
+        if len(out) == 6:
+            return tuple(out)
+        kc, ks, vc, vs = out
+        return kc, ks, None, vc, vs, None
+
+    return run
+
+
 def check_quantized_pool_fits(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                               kv_cache_dtype: str, extra_blocks: int = 0) -> None:
     """Refuse a quantized pool that free memory cannot hold, before it is allocated.
@@ -406,10 +432,12 @@ class QuantizedContiguousKvCache:
             )
         if end > self.capacity:
             self._grow_to(min(self.max_capacity, -(-end // self.step) * self.step))
-        if self.rotate_keys:
-            k = rotate(k, self.head_dim)
-        kc, ks, kb = quantize_kv(k, self.kv_cache_dtype)
-        vc, vs, vb = quantize_kv(v, self.kv_cache_dtype)
+        if n == 1:
+            # a decode step: the same few tensors every step, so one compiled graph serves
+            # them (op by op, the quantization's ~30 small ops cost more than the attention)
+            kc, ks, kb, vc, vs, vb = _decode_quantizer(self.kv_cache_dtype, self.rotate_keys, self.head_dim)(k, v)
+        else:
+            kc, ks, kb, vc, vs, vb = _quantize_pair(k, v, self.kv_cache_dtype, self.rotate_keys, self.head_dim)
         self.k_codes[:, :, self.len : end] = kc
         self.v_codes[:, :, self.len : end] = vc
         self.k_scales[:, :, self.len : end] = ks

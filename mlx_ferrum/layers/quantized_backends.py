@@ -42,6 +42,15 @@ from ..errors import ConfigurationError
 from .backends import ContiguousAttentionBackend, PagedAttentionBackend, PagedGroupTables
 
 
+#: A contiguous decode step reads each row's slots in spans of this many tokens (the
+#: slots past a row's length are masked): the compiled attention keeps one shape for
+#: this many steps, at the cost of reading at most this many masked slots per row.
+DECODE_READ_GRANULE = 128
+
+#: input shapes of the contiguous decode's compiled attention kept before its traces are dropped
+MAX_DECODE_TRACES = 64
+
+
 def _check_quantized(kv_cache_dtype: str) -> None:
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
@@ -135,6 +144,7 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         _check_quantized(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.rotate_keys = bool(rotate_keys)
+        self._compiled: dict = {}
 
     def write(self, layer: int, k: mx.array, v: mx.array, meta) -> None:
         """Quantize and append row ``b``'s ``k[b]``, ``v[b]`` to ``meta.caches[b][layer]``
@@ -163,29 +173,48 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         return self._decode(layer, q, meta, scale, window, sinks)
 
     def _decode(self, layer, q, meta, scale, window, sinks) -> mx.array:
-        """One query per row ``q`` ``[B, H, 1, D]`` (rotated) over the rows' codes -> ``[B, H, 1, D]``."""
+        """One query per row ``q`` ``[B, H, 1, D]`` (rotated) over the rows' codes -> ``[B, H, 1, D]``.
+
+        Every row's slots ``first .. first + span - 1`` are read, ``span`` rounded up to a
+        multiple of :data:`DECODE_READ_GRANULE` so that consecutive steps share the shape of
+        one compiled attention (the slots past a row's length are masked); ``first`` skips
+        whole granules before the shortest row's window."""
         caches = [meta.caches[i][layer] for i in range(q.shape[0])]
         lens = [c.len for c in caches]
-        if len(caches) == 1:
-            n = lens[0]
-            start = max(0, n - window) if window is not None else 0
-            arrays = caches[0].stored_arrays(start, n)
-            valid = None
-        else:
-            longest = max(lens)
-            rows = [c.stored_arrays(0, min(longest, c.capacity)) for c in caches]
+        granule = DECODE_READ_GRANULE
+        first = 0 if window is None else max(0, min(lens) - window) // granule * granule
+        span = -(-(max(lens) - first) // granule) * granule
 
-            def padded(a):
-                # a row whose buffer is shorter than the longest row gets zero slots (masked)
-                return a if a.shape[2] == longest else mx.pad(a, [(0, 0), (0, 0), (0, longest - a.shape[2]), (0, 0)])
+        def padded(a):
+            # slots past a row's buffer (shorter than the span) are zeros, masked like the rest
+            return a if a.shape[2] == span else mx.pad(a, [(0, 0), (0, 0), (0, span - a.shape[2]), (0, 0)])
 
-            arrays = [None if parts[0] is None else mx.concatenate([padded(a) for a in parts], axis=0)
-                      for parts in zip(*rows)]
-            positions = mx.arange(longest)[None, :]
-            context = mx.array(lens, dtype=mx.int32)[:, None]
-            valid = positions < context
-            if window is not None:
-                valid = valid & (positions >= context - window)
-        out = attention_over_codes(q[:, :, 0, :], *arrays, valid, scale, sinks)
-        return out[:, :, None, :]
+        rows = [[None if a is None else padded(a) for a in c.stored_arrays(first, min(first + span, c.capacity))]
+                for c in caches]
+        arrays = rows[0] if len(rows) == 1 else [
+            None if parts[0] is None else mx.concatenate(parts, axis=0) for parts in zip(*rows)]
+        context = mx.array([[n - first] for n in lens], dtype=mx.int32)  # row lengths, from slot `first`
+        attend = self._compiled_attention(scale, window, q.shape, arrays, sinks)
+        return attend(q[:, :, 0, :], arrays, context, sinks)[:, :, None, :]
+
+    def _compiled_attention(self, scale: float, window, shape: tuple, arrays: list, sinks):
+        """``mx.compile`` of :func:`attention_over_codes` with its mask for this scale and
+        window (fused elementwise chains instead of op-by-op dispatch in an uncompiled
+        contiguous step). Its traces are dropped once :data:`MAX_DECODE_TRACES` input shapes
+        were seen, so a long run holds a bounded number."""
+        key = (scale, window, sinks is None)
+        entry = self._compiled.get(key)
+        shapes = (tuple(shape), tuple(arrays[0].shape))
+        if entry is None or (shapes not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
+
+            def attend(q, arrays, context, sinks):
+                positions = mx.arange(arrays[0].shape[2])[None, :]
+                valid = positions < context
+                if window is not None:
+                    valid = valid & (positions >= context - window)
+                return attention_over_codes(q, *arrays, valid, scale, sinks)
+
+            entry = self._compiled[key] = (mx.compile(attend), set())
+        entry[1].add(shapes)
+        return entry[0]
 
