@@ -434,24 +434,24 @@ def test_attention_over_codes_with_several_groups_matches_float64_oracle(kind, h
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("window", [None, 6])
-def test_contiguous_backend_decode_batches_rows_of_different_lengths(kind, window):
+@pytest.mark.parametrize("window,lens", [(None, [5, 13, 9]), (6, [5, 13, 9]), (6, [140, 300]), (None, [7])])
+def test_contiguous_backend_decode_batches_rows_of_different_lengths(kind, window, lens):
     """A contiguous decode pass over rows of different lengths (and buffer capacities)
     attends from each row's codes; every row equals the float64 oracle over what its
-    cache stores."""
+    cache stores. Rows past a whole read granule (128 slots) before their window start
+    the read there."""
     from mlx_ferrum.layers.backends import ContiguousMetadata
     from mlx_ferrum.layers.quantized_backends import QuantizedContiguousAttentionBackend
 
-    lens = [5, 13, 9]
     caches = []
     for i, n in enumerate(lens):
-        cache = QuantizedContiguousKvCache(KVH, D, mx.float32, 64, kind, step=4)
+        cache = QuantizedContiguousKvCache(KVH, D, mx.float32, 512, kind, step=4)
         cache.append(mx.array(sample((1, KVH, n, D), seed=60 + i)), mx.array(sample((1, KVH, n, D), seed=70 + i)))
         caches.append([cache])
     backend = QuantizedContiguousAttentionBackend(kind, rotate_keys=kind == "int4")
     meta = ContiguousMetadata(backend=backend, offsets=mx.array(lens, dtype=mx.int32), caches=caches)
-    q = sample((3, HEADS, 1, D), seed=80)
-    k, v = sample((3, KVH, 1, D), seed=81), sample((3, KVH, 1, D), seed=82)
+    q = sample((len(lens), HEADS, 1, D), seed=80)
+    k, v = sample((len(lens), KVH, 1, D), seed=81), sample((len(lens), KVH, 1, D), seed=82)
     sinks = np.linspace(-1, 2, HEADS).astype(np.float32)
     scale = D**-0.5
     out = backend.attention(mx.array(q), mx.array(k), mx.array(v), meta, 0, scale, window, mx.array(sinks))
