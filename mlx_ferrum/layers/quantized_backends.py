@@ -30,7 +30,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..kernels.quantized_reference import (
-    attention_over_codes,
     check_kv_cache_dtype,
     dequantize_kv,
     quantize_kv,
@@ -40,6 +39,7 @@ from ..kernels.quantized_reference import (
 )
 from ..errors import ConfigurationError
 from .backends import ContiguousAttentionBackend, PagedAttentionBackend, PagedGroupTables
+from ..kernels.quantized_reference import attention_over_codes
 
 
 #: A contiguous decode step reads each row's slots in spans of this many tokens (the
@@ -93,7 +93,7 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
 
     def decode_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, scale: float,
                          window=None, sinks=None) -> mx.array:
-        """Decode rows ``q`` ``[nd, H, D]`` over their gathered blocks' codes -> ``[nd, H, D]``
+        """Decode rows ``q`` ``[nd, H, D]`` over the dequantized gathered blocks -> ``[nd, H, D]``
         (:func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_attention_decode`)."""
         nd = q.shape[0]
         return quantized_paged_attention_decode(
