@@ -193,26 +193,38 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
                 for c in caches]
         arrays = rows[0] if len(rows) == 1 else [
             None if parts[0] is None else mx.concatenate(parts, axis=0) for parts in zip(*rows)]
+        if len(rows) == 1:
+            # one row's slots are a strided slice of its buffer (heads `capacity` slots
+            # apart), which MLX's CPU backend casts element by element; each head's slice
+            # is contiguous, so the heads are attended one by one
+            heads = [[None if a is None else a[:, h : h + 1] for a in arrays] for h in range(arrays[0].shape[1])]
+        else:
+            heads = [arrays]  # concatenated rows: contiguous already
         context = mx.array([[n - first] for n in lens], dtype=mx.int32)  # row lengths, from slot `first`
-        attend = self._compiled_attention(scale, window, q.shape, arrays, sinks)
-        return attend(q[:, :, 0, :], arrays, context, sinks)[:, :, None, :]
+        attend = self._compiled_attention(scale, window, q.shape, heads, sinks)
+        return attend(q[:, :, 0, :], heads, context, sinks)[:, :, None, :]
 
-    def _compiled_attention(self, scale: float, window, shape: tuple, arrays: list, sinks):
+    def _compiled_attention(self, scale: float, window, shape: tuple, heads: list, sinks):
         """``mx.compile`` of :func:`attention_over_codes` with its mask for this scale and
         window (fused elementwise chains instead of op-by-op dispatch in an uncompiled
-        contiguous step). Its traces are dropped once :data:`MAX_DECODE_TRACES` input shapes
-        were seen, so a long run holds a bounded number."""
+        contiguous step), over ``heads``: lists of stored arrays, each for a consecutive
+        part of the KV heads (the query heads split alike). Its traces are dropped once
+        :data:`MAX_DECODE_TRACES` input shapes were seen, so a long run holds a bounded number."""
         key = (scale, window, sinks is None)
         entry = self._compiled.get(key)
-        shapes = (tuple(shape), tuple(arrays[0].shape))
+        shapes = (tuple(shape), len(heads), tuple(heads[0][0].shape))
         if entry is None or (shapes not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
 
-            def attend(q, arrays, context, sinks):
-                positions = mx.arange(arrays[0].shape[2])[None, :]
+            def attend(q, heads, context, sinks):
+                positions = mx.arange(heads[0][0].shape[2])[None, :]
                 valid = positions < context
                 if window is not None:
                     valid = valid & (positions >= context - window)
-                return attention_over_codes(q, *arrays, valid, scale, sinks)
+                per = q.shape[1] // len(heads)  # query heads per part
+                outs = [attention_over_codes(q[:, i * per : (i + 1) * per], *arrays, valid, scale,
+                                             None if sinks is None else sinks[i * per : (i + 1) * per])
+                        for i, arrays in enumerate(heads)]
+                return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
             entry = self._compiled[key] = (mx.compile(attend), set())
         entry[1].add(shapes)
