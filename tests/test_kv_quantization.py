@@ -381,13 +381,14 @@ def test_reference_gathers_only_the_tables_blocks(monkeypatch):
     for lst in (pool.k_scales, pool.v_scales, pool.k_biases, pool.v_biases):
         lst[0][mx.array(unused)] = mx.array(np.nan, dtype=mx.float16)
     seen = []
-    real = qref.dequantize_kv
+    real = qref._gather_rows
 
-    def spy(codes, scales, biases, kind, head_dim, dtype=mx.float32):
-        seen.append(int(np.prod(codes.shape[:-1])))
-        return real(codes, scales, biases, kind, head_dim, dtype)
+    def spy(array, rows):
+        # every read of the pool (codes, scales, biases) goes through this gather
+        seen.append(int(np.prod(rows.shape)) * array.shape[2])
+        return real(array, rows)
 
-    monkeypatch.setattr(qref, "dequantize_kv", spy)
+    monkeypatch.setattr(qref, "_gather_rows", spy)
     q = sample((2, HEADS, D), seed=2)
     out = qref.quantized_paged_attention_decode(
         mx.array(q), *pool.layer_arrays(0), mx.array(tables), mx.array(context_lens, dtype=mx.int32), D**-0.5,
@@ -402,6 +403,67 @@ def test_reference_gathers_only_the_tables_blocks(monkeypatch):
         mx.array(context_lens, dtype=mx.int32), starts, D**-0.5, keys_rotated=True)
     assert np.all(np.isfinite(np.array(out)))
     assert max(seen) <= 3 * KVH * BS  # per sequence, only its live blocks
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("head_dim", [24, 128])  # 3 groups of 8, 2 groups of 64
+def test_attention_over_codes_with_several_groups_matches_float64_oracle(kind, head_dim):
+    """The decode attention that folds each group's scale (and int4 bias) out of its
+    products, for head_dims of several groups, with a mask, sinks and grouped-query heads."""
+    seqs, kvh, heads, tokens = 3, 2, 6, 11
+    k = sample((seqs, kvh, tokens, head_dim), seed=40)
+    v = sample((seqs, kvh, tokens, head_dim), seed=41, outliers=False)
+    q = sample((seqs, heads, head_dim), seed=42)
+    kc, ks, kb = qref.quantize_kv(mx.array(k), kind)
+    vc, vs, vb = qref.quantize_kv(mx.array(v), kind)
+    lens = np.array([11, 4, 7])
+    valid = np.arange(tokens)[None, :] < lens[:, None]
+    sinks = np.linspace(-1, 1, heads).astype(np.float32)
+    scale = head_dim**-0.5
+    out = qref.attention_over_codes(mx.array(q), kc, vc, ks, vs, kb, vb, mx.array(valid), scale, mx.array(sinks))
+    keys = np_dequantize(np.array(kc), to_np(ks), None if kb is None else to_np(kb), kind, head_dim)
+    values = np_dequantize(np.array(vc), to_np(vs), None if vb is None else to_np(vb), kind, head_dim)
+    g = heads // kvh
+    for i in range(seqs):
+        for h in range(heads):
+            logits = keys[i, h // g, : lens[i]] @ q[i, h].astype(np.float64) * scale
+            m = max(logits.max(), sinks[h])
+            w = np.exp(logits - m)
+            ref = (w / (w.sum() + np.exp(sinks[h] - m))) @ values[i, h // g, : lens[i]]
+            np.testing.assert_allclose(np.array(out[i, h]), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("window,lens", [(None, [5, 13, 9]), (6, [5, 13, 9]), (6, [140, 300]), (None, [7])])
+def test_contiguous_backend_decode_batches_rows_of_different_lengths(kind, window, lens):
+    """A contiguous decode pass over rows of different lengths (and buffer capacities)
+    attends from each row's codes; every row equals the float64 oracle over what its
+    cache stores. Rows past a whole read granule (128 slots) before their window start
+    the read there."""
+    from mlx_ferrum.layers.backends import ContiguousMetadata
+    from mlx_ferrum.layers.quantized_backends import QuantizedContiguousAttentionBackend
+
+    caches = []
+    for i, n in enumerate(lens):
+        cache = QuantizedContiguousKvCache(KVH, D, mx.float32, 512, kind, step=4)
+        cache.append(mx.array(sample((1, KVH, n, D), seed=60 + i)), mx.array(sample((1, KVH, n, D), seed=70 + i)))
+        caches.append([cache])
+    backend = QuantizedContiguousAttentionBackend(kind, rotate_keys=kind == "int4")
+    meta = ContiguousMetadata(backend=backend, offsets=mx.array(lens, dtype=mx.int32), caches=caches)
+    q = sample((len(lens), HEADS, 1, D), seed=80)
+    k, v = sample((len(lens), KVH, 1, D), seed=81), sample((len(lens), KVH, 1, D), seed=82)
+    sinks = np.linspace(-1, 2, HEADS).astype(np.float32)
+    scale = D**-0.5
+    out = backend.attention(mx.array(q), mx.array(k), mx.array(v), meta, 0, scale, window, mx.array(sinks))
+    assert out.shape == q.shape
+    for i, n in enumerate(lens):
+        cache = caches[i][0]
+        assert cache.len == n + 1
+        part = lambda a: None if a is None else to_np(a)[0, :, : n + 1]  # noqa: E731
+        keys = np_dequantize(part(cache.k_codes), part(cache.k_scales), part(cache.k_biases), kind, D)
+        values = np_dequantize(part(cache.v_codes), part(cache.v_scales), part(cache.v_biases), kind, D)
+        ref = oracle_attention(q[i, :, 0][None], keys, values, [n], scale, window, sinks, rotate_q=cache.rotate_keys)
+        np.testing.assert_allclose(np.array(out[i, :, 0]), ref[0], atol=2e-5, rtol=1e-4)
 
 
 def test_pool_layout_sizes_and_bytes_per_token():

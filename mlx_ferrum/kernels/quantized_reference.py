@@ -27,9 +27,11 @@ TurboQuant. Keys are rotated after RoPE; values are never rotated. int8 keys are
 too: on stories260K (outlier key channels, groups of 8) it halved int8's KL divergence
 against float KV (``benchmarks/bench_kv_quality.py``, ``docs/benchmarks.md``).
 
-Attention here takes the stored codes, scales and biases, gathers only the blocks
-that the block tables name, dequantizes those to float32 and attends as
-:mod:`mlx_ferrum.kernels.reference` does; no float copy of the pool is ever built.
+Attention here takes the stored codes, scales and biases and gathers only the blocks
+that the block tables name; no float copy of the pool is ever built. Decode
+(:func:`attention_over_codes`) attends from the codes themselves, with each group's
+scale (and int4 bias) folded into the scores and the probabilities; prefill
+dequantizes one sequence's gathered blocks and runs the fused SDPA.
 **The attention functions rotate the queries themselves** when ``keys_rotated`` is
 True: callers pass the same (post-RoPE) queries they would pass to the float path.
 
@@ -270,6 +272,111 @@ def gather_dequantized(
     )
 
 
+def _unpack(codes: mx.array) -> tuple[mx.array, mx.array]:
+    """Packed int4 codes ``[..., n]`` -> (even elements, odd elements), each ``[..., n]``
+    float32 (the low and the high nibbles)."""
+    return (codes & 15).astype(mx.float32), (codes >> 4).astype(mx.float32)
+
+
+def attention_over_codes(
+    q: mx.array,
+    k_codes: mx.array,
+    v_codes: mx.array,
+    k_scales: mx.array,
+    v_scales: mx.array,
+    k_biases: Optional[mx.array],
+    v_biases: Optional[mx.array],
+    valid: Optional[mx.array],
+    scale: float,
+    sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """One query per sequence over that sequence's quantized K/V, computed from the codes:
+    no dequantized copy of K or V is built.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]`` queries in the keys' basis (already rotated
+            when the keys are).
+        k_codes, v_codes: ``[num_seqs, num_kv_heads, T, C]`` each sequence's stored codes,
+            dense (gathered blocks, or a contiguous cache's rows); int8 (``C = head_dim``)
+            or packed uint8 (int4, ``C = head_dim // 2``).
+        k_scales, v_scales, k_biases, v_biases: ``[num_seqs, num_kv_heads, T, head_dim // G]``
+            float16 (biases None for int8).
+        valid: ``[num_seqs, T]`` bool, the key positions each query may see, or None (all).
+        scale: softmax scale.
+        sinks: ``[num_heads]`` attention-sink logits, or None.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in q's dtype.
+
+    The group scale (and the int4 bias) is folded out of the products instead of being
+    applied to every stored element: with ``k = code * s + b`` over a group,
+    ``q . k = s * (q . code) + b * sum(q)`` per group, so the scores take one multiply per
+    key token and group; for the values, ``sum_t p_t (code_t s_t + b_t) = (p * s) @ code +
+    p @ b``. The int4 nibbles stay in two arrays (even and odd elements) that multiply the
+    matching halves of the query, so the codes are never interleaved back. What remains
+    per stored element is its cast to float32 for the products. Softmax in base 2 with
+    ``log2(e)`` folded into the scale (FlashAttention-2), as the float reference.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    kvh = k_codes.shape[1]
+    g = num_heads // kvh
+    groups = k_scales.shape[-1]
+    width = head_dim // groups  # G
+    code_width = k_codes.shape[-1] // groups  # code columns per group (G, or G // 2 packed)
+    affine = k_biases is not None
+    f32 = mx.float32
+
+    def per_token(x: mx.array) -> mx.array:  # [S, KVH, T, groups] -> [S, KVH, groups, T] float32
+        return x.astype(f32).swapaxes(-1, -2)
+
+    def group_codes(codes: mx.array, i: int):  # one group's codes as float32 [S, KVH, T, ...]
+        part = codes[..., i * code_width : (i + 1) * code_width]
+        return _unpack(part) if affine else part.astype(f32)
+
+    # Group by group: the cast of one group's columns is a contiguous matrix for the
+    # product (a product over a strided view of all groups at once made MLX copy it).
+    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
+    k_s = per_token(k_scales)
+    k_b = per_token(k_biases) if affine else None
+    scores = None
+    for i in range(groups):
+        qi = qg[..., i * width : (i + 1) * width]  # [S, KVH, g, G]
+        codes = group_codes(k_codes, i)
+        if affine:
+            even, odd = codes
+            part = qi[..., 0::2] @ even.swapaxes(-1, -2) + qi[..., 1::2] @ odd.swapaxes(-1, -2)
+            part = part * k_s[:, :, i : i + 1] + qi.sum(axis=-1, keepdims=True) * k_b[:, :, i : i + 1]
+        else:
+            part = (qi @ codes.swapaxes(-1, -2)) * k_s[:, :, i : i + 1]  # [S, KVH, g, T]
+        scores = part if scores is None else scores + part
+    if valid is not None:
+        scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
+    m = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
+        m = mx.maximum(m, sink)
+    p = mx.power(2.0, scores - m)
+    denom = p.sum(axis=-1, keepdims=True)  # [S, KVH, g, 1]
+    if sinks is not None:
+        denom = denom + mx.power(2.0, sink - m)
+    v_s = per_token(v_scales)
+    v_b = per_token(v_biases) if affine else None
+    outs = []
+    for i in range(groups):
+        weighted = p * v_s[:, :, i : i + 1]
+        codes = group_codes(v_codes, i)
+        if affine:
+            even, odd = codes
+            halves = mx.stack([weighted @ even, weighted @ odd], axis=-1)  # [S, KVH, g, G // 2, 2]
+            out = halves.reshape(num_seqs, kvh, g, width)  # even and odd elements interleaved back
+            out = out + (p * v_b[:, :, i : i + 1]).sum(axis=-1, keepdims=True)
+        else:
+            out = weighted @ codes  # [S, KVH, g, G]
+        outs.append(out)
+    out = outs[0] if groups == 1 else mx.concatenate(outs, axis=-1)
+    return (out / denom).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
 def quantized_paged_attention_decode(
     q: mx.array,
     k_codes: mx.array,
@@ -305,49 +412,36 @@ def quantized_paged_attention_decode(
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype.
 
-    Only the blocks of ``block_tables`` are gathered and dequantized; the scores,
-    the base-2 softmax and the value product are the float reference's, in float32
-    (FlashAttention-2's base-2 exponent; Kwon et al.'s paged layout).
+    Only the blocks of ``block_tables`` are gathered (codes, scales and biases, never a
+    float copy), and :func:`attention_over_codes` attends over them with the group
+    scales folded into the scores and probabilities (Kwon et al.'s paged layout). With
+    ``host_context_lens`` and one sequence, only its live blocks (those inside the
+    window) are gathered.
     """
     num_seqs, num_heads, head_dim = q.shape
     kvh, bs = k_codes.shape[1], k_codes.shape[2]
     nb = block_tables.shape[1]
-    g = num_heads // kvh
     if keys_rotated:
         q = rotate(q, head_dim)
+    pick = lambda a, rows: None if a is None else _gather_rows(a, rows)  # noqa: E731
     if host_context_lens is not None and num_seqs == 1:
-        # one sequence: dequantize just its live blocks and use the fused SDPA
+        # one sequence: read just its live blocks, and from them just the live tokens
         n = int(host_context_lens[0])
         start = max(0, n - window) if window is not None else 0
         first, last = start // bs, -(-n // bs)
-        table = block_tables[:, first:last]
-        keys = gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype)
-        values = gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype)
-        keys = keys[:, :, start - first * bs : n - first * bs]
-        values = values[:, :, start - first * bs : n - first * bs]
-        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
-        return mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, **extra)[:, :, 0, :]
-    f32 = mx.float32
+        rows = block_rows(block_tables[:, first:last], kvh)
+        lo, hi = start - first * bs, n - first * bs
+        live = lambda a: None if a is None else pick(a, rows)[:, :, lo:hi]  # noqa: E731
+        return attention_over_codes(q, live(k_codes), live(v_codes), live(k_scales), live(v_scales),
+                                    live(k_biases), live(v_biases), None, scale, sinks)
     if index is None:
         index = decode_index(block_tables, context_lens, kvh, bs)
-    keys = gather_dequantized(k_codes, k_scales, k_biases, block_tables, head_dim, f32, index.rows)  # [S, KVH, T, D]
-    values = gather_dequantized(v_codes, v_scales, v_biases, block_tables, head_dim, f32, index.rows)
-    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
-    scores = qg @ keys.swapaxes(-1, -2)  # [S, KVH, g, T]
     valid = index.valid
     if window is not None:
         valid = valid & (mx.arange(nb * bs)[None] >= context_lens[:, None] - window)
-    scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
-    m = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
-        m = mx.maximum(m, sink)
-    p = mx.power(2.0, scores - m)
-    denom = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + mx.power(2.0, sink - m)
-    out = (p @ values) / denom
-    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    rows = index.rows
+    return attention_over_codes(q, pick(k_codes, rows), pick(v_codes, rows), pick(k_scales, rows),
+                                pick(v_scales, rows), pick(k_biases, rows), pick(v_biases, rows), valid, scale, sinks)
 
 
 def quantized_paged_prefill_attention(

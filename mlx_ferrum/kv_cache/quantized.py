@@ -23,6 +23,7 @@ The contiguous cache holds the same per layer with ``[1, num_kv_heads, capacity,
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -290,6 +291,31 @@ class QuantizedPagedKvPool:
                 dequantize_kv(pick(vc), pick(vs), pick(vb), self.kv_cache_dtype, self.head_dim))
 
 
+def _quantize_pair(k: mx.array, v: mx.array, kv_cache_dtype: str, rotate_keys: bool, head_dim: int) -> tuple:
+    """``(k_codes, k_scales, k_biases, v_codes, v_scales, v_biases)`` of ``k`` (rotated first
+    when ``rotate_keys``) and ``v``; the biases None for int8."""
+    if rotate_keys:
+        k = rotate(k, head_dim)
+    return (*quantize_kv(k, kv_cache_dtype), *quantize_kv(v, kv_cache_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_quantizer(kv_cache_dtype: str, rotate_keys: bool, head_dim: int):
+    """:func:`_quantize_pair` for one format, ``mx.compile``'d (its inputs, one decode
+    token's K and V, keep their shape from step to step, so it is traced once)."""
+    compiled = mx.compile(lambda k, v: [a for a in _quantize_pair(k, v, kv_cache_dtype, rotate_keys, head_dim)
+                                        if a is not None])
+
+    def run(k: mx.array, v: mx.array) -> tuple:
+        out = compiled(k, v)
+        if len(out) == 6:
+            return tuple(out)
+        kc, ks, vc, vs = out
+        return kc, ks, None, vc, vs, None
+
+    return run
+
+
 def check_quantized_pool_fits(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                               kv_cache_dtype: str, extra_blocks: int = 0) -> None:
     """Refuse a quantized pool that free memory cannot hold, before it is allocated.
@@ -384,6 +410,19 @@ class QuantizedContiguousKvCache:
         Raises:
             KvCacheExhaustedError: ``len + L > max_capacity``.
         """
+        self.write(k, v)
+        return self.fetch()
+
+    def write(self, k: mx.array, v: mx.array) -> None:
+        """Quantize and store ``L`` new tokens, as :meth:`append` does, returning nothing
+        (for attention that reads the codes themselves).
+
+        Args:
+            k, v: ``[1, num_kv_heads, L, head_dim]`` (post-RoPE keys).
+
+        Raises:
+            KvCacheExhaustedError: ``len + L > max_capacity``.
+        """
         n = k.shape[2]
         end = self.len + n
         if end > self.max_capacity:
@@ -393,10 +432,12 @@ class QuantizedContiguousKvCache:
             )
         if end > self.capacity:
             self._grow_to(min(self.max_capacity, -(-end // self.step) * self.step))
-        if self.rotate_keys:
-            k = rotate(k, self.head_dim)
-        kc, ks, kb = quantize_kv(k, self.kv_cache_dtype)
-        vc, vs, vb = quantize_kv(v, self.kv_cache_dtype)
+        if n == 1:
+            # a decode step: the same few tensors every step, so one compiled graph serves
+            # them (op by op, the quantization's ~30 small ops cost more than the attention)
+            kc, ks, kb, vc, vs, vb = _decode_quantizer(self.kv_cache_dtype, self.rotate_keys, self.head_dim)(k, v)
+        else:
+            kc, ks, kb, vc, vs, vb = _quantize_pair(k, v, self.kv_cache_dtype, self.rotate_keys, self.head_dim)
         self.k_codes[:, :, self.len : end] = kc
         self.v_codes[:, :, self.len : end] = vc
         self.k_scales[:, :, self.len : end] = ks
@@ -405,7 +446,6 @@ class QuantizedContiguousKvCache:
             self.k_biases[:, :, self.len : end] = kb
             self.v_biases[:, :, self.len : end] = vb
         self.len = end
-        return self.fetch()
 
     def fetch(self, start: int = 0) -> tuple[mx.array, mx.array]:
         """Stored tokens ``start .. len - 1``, dequantized to the model dtype:
@@ -419,6 +459,26 @@ class QuantizedContiguousKvCache:
         values = dequantize_kv(part(self.v_codes), part(self.v_scales), part(self.v_biases),
                                self.kv_cache_dtype, self.head_dim, self.dtype)
         return keys, values
+
+    def stored_arrays(self, start: int = 0, stop: Optional[int] = None) -> tuple:
+        """Slots ``start .. stop - 1`` as stored, not dequantized: ``(k_codes, v_codes,
+        k_scales, v_scales, k_biases, v_biases)``, each ``[1, num_kv_heads, stop - start, ...]``
+        (views; biases None for int8), the argument order of
+        :func:`~mlx_ferrum.kernels.quantized_reference.attention_over_codes`.
+
+        ``stop`` defaults to ``len`` and may go up to ``capacity``: slots past ``len`` hold
+        finite leftovers (zeros or truncated tokens) that a caller must mask.
+
+        Raises:
+            KvCacheError: nothing is stored yet, or ``0 <= start <= stop <= capacity`` fails.
+        """
+        stop = self.len if stop is None else stop
+        if self.k_codes is None or not 0 <= start <= stop <= self.capacity:
+            raise KvCacheError(f"stored_arrays({start}, {stop}): the cache holds {self.len} tokens in "
+                               f"{self.capacity} slots")
+        part = lambda a: None if a is None else a[:, :, start:stop]  # noqa: E731
+        return (part(self.k_codes), part(self.v_codes), part(self.k_scales), part(self.v_scales),
+                part(self.k_biases), part(self.v_biases))
 
     def copy_from(self, other: "QuantizedContiguousKvCache") -> None:
         """Take ``other``'s stored tokens as they are (codes, not re-quantized), for a fork.
