@@ -448,7 +448,7 @@ def test_contiguous_backend_decode_batches_rows_of_different_lengths(kind, windo
         cache = QuantizedContiguousKvCache(KVH, D, mx.float32, 512, kind, step=4)
         cache.append(mx.array(sample((1, KVH, n, D), seed=60 + i)), mx.array(sample((1, KVH, n, D), seed=70 + i)))
         caches.append([cache])
-    backend = QuantizedContiguousAttentionBackend(kind, rotate_keys=kind == "int4")
+    backend = QuantizedContiguousAttentionBackend(kind, rotate_keys=caches[0][0].rotate_keys)
     meta = ContiguousMetadata(backend=backend, offsets=mx.array(lens, dtype=mx.int32), caches=caches)
     q = sample((len(lens), HEADS, 1, D), seed=80)
     k, v = sample((len(lens), KVH, 1, D), seed=81), sample((len(lens), KVH, 1, D), seed=82)
