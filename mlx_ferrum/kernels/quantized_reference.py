@@ -49,7 +49,7 @@ import numpy as np
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import ConfigurationError
-from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index
+from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index, varlen_prefill_over_blocks
 
 #: The largest group size along ``head_dim`` (head_dim 64, 128, 256 use it).
 KV_GROUP_SIZE = 64
@@ -482,34 +482,14 @@ def quantized_paged_prefill_attention(
     ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
     starts = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
     head_dim = q.shape[-1]
-    bs = k_codes.shape[2]
     if keys_rotated:
         q = rotate(q, head_dim)
-    outs = []
-    for i, clen in enumerate(ctx):
-        q0, q1 = starts[i], starts[i + 1]
-        qlen = q1 - q0
-        if qlen == 0:
-            continue
-        nb = -(-clen // bs)
-        first = max(0, clen - qlen - window + 1) // bs if window is not None else 0
-        table = block_tables[i, first:nb]
-        begin = first * bs
-        keys = gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype)[None, :, : clen - begin]
-        values = gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype)[None, :, : clen - begin]
-        qi = mx.swapaxes(q[q0:q1], 0, 1)[None]
-        qpos = mx.arange(clen - qlen, clen)[:, None]
-        kpos = mx.arange(begin, clen)[None, :]
-        allowed = kpos <= qpos
-        if window is not None:
-            allowed = allowed & (kpos > qpos - window)
-        mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
-        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
-        o = mx.fast.scaled_dot_product_attention(qi, keys, values, scale=scale, mask=mask, **extra)
-        outs.append(mx.swapaxes(o[0], 0, 1))
-    if not outs:
-        return mx.zeros_like(q)
-    return mx.concatenate(outs, axis=0)
+
+    def gather(table):
+        return (gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype),
+                gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype))
+
+    return varlen_prefill_over_blocks(q, gather, k_codes.shape[2], block_tables, ctx, starts, scale, window, sinks)
 
 
 def quantized_contiguous_attention(

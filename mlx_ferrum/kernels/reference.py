@@ -198,20 +198,34 @@ def paged_prefill_attention(
     """
     ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
     qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
-    bs = k_pool.shape[2]
+    return varlen_prefill_over_blocks(q, lambda table: (_gather(k_pool, table), _gather(v_pool, table)),
+                                      k_pool.shape[2], block_tables, ctx, qsl, scale, window, sinks)
+
+
+def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_tables: mx.array, ctx: Sequence[int],
+                               qsl: Sequence[int], scale: float, window: Optional[int] = None,
+                               sinks: Optional[mx.array] = None) -> mx.array:
+    """The varlen causal prefill loop shared by the float and the quantized references.
+
+    ``gather(table)`` returns one sequence's keys and values ``[KVH, len(table) *
+    block_size, D]`` from the blocks ``table`` names (float pools: a gather; quantized
+    pools: a gather and a dequantize). ``ctx`` / ``qsl``: host context lengths and query
+    start offsets. Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    """
     outs = []
     for i, clen in enumerate(ctx):
         q0, q1 = qsl[i], qsl[i + 1]
         qlen = q1 - q0
         if qlen == 0:
             continue
-        nb = -(-clen // bs)
+        nb = -(-clen // block_size)
         # with a window, blocks wholly before the first query's window are skipped
-        first = max(0, clen - qlen - window + 1) // bs if window is not None else 0
+        first = max(0, clen - qlen - window + 1) // block_size if window is not None else 0
         table = block_tables[i, first:nb]
-        start = first * bs
-        keys = _gather(k_pool, table)[None, :, : clen - start]  # [1, KVH, clen - start, D]
-        values = _gather(v_pool, table)[None, :, : clen - start]
+        start = first * block_size
+        keys, values = gather(table)
+        keys = keys[None, :, : clen - start]  # [1, KVH, clen - start, D]
+        values = values[None, :, : clen - start]
         qi = mx.swapaxes(q[q0:q1], 0, 1)[None]  # [1, H, qlen, D]
         qpos = mx.arange(clen - qlen, clen)[:, None]
         kpos = mx.arange(start, clen)[None, :]
