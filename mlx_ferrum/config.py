@@ -92,6 +92,40 @@ def _parse_split(var: str, raw: str) -> Optional[str]:
     return v
 
 
+#: the compact spelling of both parallel sizes, read when neither size is given explicitly
+PARALLEL_VARIABLE = "FERRUM_PARALLEL"
+
+_PARALLEL_KEYS = {"tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size"}
+
+
+def parse_parallel(var: str, raw: str) -> dict[str, int]:
+    """Parse the compact parallel spelling: ``none``, ``tensor=N``, ``pipeline=N`` or
+    ``tensor=N,pipeline=M`` (either order, spaces ignored) into the two size fields.
+
+    Returns:
+        ``{"tensor_parallel_size": N, "pipeline_parallel_size": M}`` (a mode left out is 1).
+
+    Raises:
+        ConfigurationError: anything else (an unknown mode, a mode given twice, a size
+            that is not a positive integer, ``none`` mixed with a size); the message names
+            ``var`` and the accepted forms.
+    """
+    usage = (f"{var}={raw!r} is not valid: use none, tensor=N, pipeline=N or tensor=N,pipeline=M "
+             "(N, M positive integers)")
+    text = raw.strip().lower().replace(" ", "")
+    sizes = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    if text in ("none", "1"):
+        return sizes
+    seen = set()
+    for part in text.split(","):
+        mode, equals, size = part.partition("=")
+        if mode not in _PARALLEL_KEYS or not equals or mode in seen or not size.isdigit() or int(size) < 1:
+            raise ConfigurationError(usage)
+        seen.add(mode)
+        sizes[_PARALLEL_KEYS[mode]] = int(size)
+    return sizes
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -304,6 +338,10 @@ class RuntimeConfig:
       :class:`~mlx_ferrum.errors.DistributedTimeoutError` (a dead or hung peer).
     - ``pipeline_split`` (``FERRUM_PIPELINE_SPLIT``, None = even): layers per pipeline rank,
       ``"3,2"``; checked against the model's layer count at load.
+    - ``FERRUM_PARALLEL`` (no field of its own): both sizes in one variable, ``none``,
+      ``tensor=2``, ``pipeline=2`` or ``tensor=2,pipeline=2`` (:func:`parse_parallel`); a
+      mode it leaves out is 1. An explicit size field still wins; a size variable set to a
+      different value is refused. :attr:`parallel` reads the resulting mode back.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -341,14 +379,41 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         explicit = set()
+        spelled = self._parallel_from_environment()
         for f in fields(self):
             if getattr(self, f.name) is not None:
                 explicit.add(f.name)
+                continue
+            if f.name in spelled:
+                setattr(self, f.name, spelled[f.name])
                 continue
             var, parse, default = _ENV[f.name]
             raw = os.environ.get(var)
             setattr(self, f.name, parse(var, raw) if raw is not None else default)
         self._validate(explicit)
+
+    def _parallel_from_environment(self) -> dict[str, int]:
+        """The sizes ``FERRUM_PARALLEL`` spells, for the size fields not given explicitly.
+
+        Raises:
+            ConfigurationError: ``FERRUM_PARALLEL`` is malformed, or a size variable
+                (``FERRUM_TENSOR_PARALLEL_SIZE`` / ``FERRUM_PIPELINE_PARALLEL_SIZE``) is set to
+                another value than the one ``FERRUM_PARALLEL`` implies (a mode it leaves out
+                is 1): two spellings that disagree are refused rather than one silently winning.
+        """
+        raw = os.environ.get(PARALLEL_VARIABLE)
+        if raw is None:
+            return {}
+        spelled = parse_parallel(PARALLEL_VARIABLE, raw)
+        for name, size in spelled.items():
+            var, parse, _ = _ENV[name]
+            other = os.environ.get(var)
+            if getattr(self, name) is None and other is not None and parse(var, other) != size:
+                raise ConfigurationError(
+                    f"{PARALLEL_VARIABLE}={raw!r} sets {name}={size} but {var}={other!r} disagrees: "
+                    f"unset one of them (or make them agree)"
+                )
+        return {name: size for name, size in spelled.items() if getattr(self, name) is None}
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "RuntimeConfig":

@@ -47,6 +47,47 @@ def test_parallel_sizes_from_environment_and_arguments(monkeypatch):
         RuntimeConfig(distributed_backend="tcp", pipeline_parallel_size=1)
 
 
+@pytest.mark.parametrize("spelling, sizes", [
+    ("tensor=2", (2, 1)), ("pipeline=3", (1, 3)), ("tensor=2,pipeline=2", (2, 2)),
+    (" Pipeline=2 , tensor=4 ", (4, 2)), ("none", (1, 1)),
+])
+def test_ferrum_parallel_spells_both_sizes(monkeypatch, spelling, sizes):
+    monkeypatch.delenv("FERRUM_TENSOR_PARALLEL_SIZE", raising=False)
+    monkeypatch.delenv("FERRUM_PIPELINE_PARALLEL_SIZE", raising=False)
+    monkeypatch.setenv("FERRUM_PARALLEL", spelling)
+    config = RuntimeConfig()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == sizes
+    expected_mode = "+".join(m for m, n in zip(("tensor", "pipeline"), sizes) if n > 1) or "none"
+    assert config.parallel == expected_mode and config.world_size == sizes[0] * sizes[1]
+    # an explicit field beats the environment, as for every other field
+    assert RuntimeConfig(tensor_parallel_size=8).tensor_parallel_size == 8
+
+
+@pytest.mark.parametrize("spelling", ["tensor", "tensor=0", "tensor=two", "data=2", "tensor=2,tensor=2",
+                                      "none,tensor=2", "tensor=2;pipeline=2", ""])
+def test_malformed_ferrum_parallel_is_a_named_error(monkeypatch, spelling):
+    monkeypatch.setenv("FERRUM_PARALLEL", spelling)
+    with pytest.raises(ConfigurationError, match="FERRUM_PARALLEL=.*tensor=N,pipeline=M"):
+        RuntimeConfig()
+
+
+def test_ferrum_parallel_against_the_size_variables(monkeypatch):
+    monkeypatch.setenv("FERRUM_PARALLEL", "tensor=2")
+    monkeypatch.setenv("FERRUM_TENSOR_PARALLEL_SIZE", "4")
+    with pytest.raises(ConfigurationError, match="FERRUM_PARALLEL='tensor=2' sets tensor_parallel_size=2 but "
+                                                 "FERRUM_TENSOR_PARALLEL_SIZE='4' disagrees"):
+        RuntimeConfig()
+    # a mode the spelling leaves out is 1: a pipeline size variable of 2 disagrees too
+    monkeypatch.setenv("FERRUM_TENSOR_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("FERRUM_PIPELINE_PARALLEL_SIZE", "2")
+    with pytest.raises(ConfigurationError, match="pipeline_parallel_size=1 but FERRUM_PIPELINE_PARALLEL_SIZE"):
+        RuntimeConfig()
+    monkeypatch.setenv("FERRUM_PIPELINE_PARALLEL_SIZE", "1")
+    assert RuntimeConfig().world_size == 2  # agreeing spellings are fine
+    # an explicit field is not checked against the environment (it wins over both)
+    assert RuntimeConfig(pipeline_parallel_size=2).parallel == "tensor+pipeline"
+
+
 def test_no_launcher_is_a_named_error_never_a_group_of_one():
     # this test process was not started by mlx.launch: strict init finds no backend
     with pytest.raises(DistributedConfigurationError, match="mlx.launch"):
