@@ -40,7 +40,7 @@ def _check_identity(results: list[dict], model, cases: list[dict]) -> None:
         expected = one_process_tokens(model, case)
         driver = results[0]["cases"][index]
         got = [driver["tokens"][rid] for rid in driver["order"]]
-        assert got == expected, f"case {index} ({case['layout']}): TP=2 tokens differ from one process"
+        assert got == expected, f"case {index} ({case['layout']}): parallel tokens differ from one process"
         for other in results[1:]:
             assert other["cases"][index]["tokens"] == driver["tokens"], f"case {index}: ranks disagree"
             assert other["cases"][index]["num_steps"] == driver["num_steps"]
@@ -360,3 +360,33 @@ def test_readme_multiple_macs_python_snippet_runs_under_mlx_launch(stories_path,
     model, tokenizer = load(str(stories_path))
     expected = Engine(model, tokenizer).generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
     assert expected[0].text in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.slow  # 4 processes on 2 cores: about 30 s
+def test_tensor_and_pipeline_combined_on_four_ranks_matches_one_process(stories_path, tmp_path):
+    """TP=2 x PP=2 on 4 ranks (world ranks 0, 1: layers 0-2; ranks 2, 3: layers 3-4, each
+    stage's heads split across its 2 ranks). MLX's ring backend has no sub-groups, so the
+    layer sums and the stage boundaries run over all 4 ranks, the other stage adding zeros
+    (see mlx_ferrum.distributed.pipeline): the same greedy and seeded tokens as one
+    process, and every rank runs the same collective sequence."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    layers = model.args.num_hidden_layers
+    cases = _cases(model.args.vocab_size, 3, max_tokens=8)
+    results = run_ranks({"model": str(stories_path), "sizes": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                         "cases": cases}, tmp_path, size=4)
+    _check_identity(results, model, cases)
+    _check_steps(results)
+    assert [res["num_layers"] for res in results] == [3, 3, 2, 2]
+    for res in results:
+        counts = res["forward_collectives"]
+        # two sums per layer of the whole model, one stage boundary, the logits; no send/recv
+        assert counts == {"all_sum": 2 * layers + 1 + 1, "all_gather": 0, "send": 0, "recv_like": 0}, counts
+        assert res["local_num_kv_heads"] == model.args.num_key_value_heads // 2
+        assert res["capabilities"] == {"supports_tensor_parallelism": True, "supports_pipeline_parallelism": True,
+                                       "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                       "supports_speculative_decoding": True}
+    full = _one_process_bytes(model)
+    # the embedding is replicated within a stage (tied: on the first and the last stage)
+    assert all(res["weight_bytes"] <= 0.45 * full for res in results), ([r["weight_bytes"] for r in results], full)

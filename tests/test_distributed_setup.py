@@ -107,6 +107,12 @@ def test_group_size_must_equal_the_product_of_the_sizes():
     group = init_group(config, init=strict_init)
     assert seen["strict"] is True and (group.rank, group.size, group.mode) == (3, 4, "tensor")
     assert init_group(RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1)) is None
+    # both sizes: world rank 3 of 2 x 2 is stage 1's tensor rank 1
+    combined = init_group(RuntimeConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
+                          init=lambda **kw: _Group(4, 3))
+    assert (combined.mode, combined.pipeline_rank, combined.tensor_rank) == ("tensor+pipeline", 1, 1)
+    with pytest.raises(DistributedConfigurationError, match="needs a group of 4 ranks, but mlx.launch started 2"):
+        init_group(RuntimeConfig(tensor_parallel_size=2, pipeline_parallel_size=2), init=lambda **kw: _Group(2))
 
 
 def test_heads_not_divisible_by_the_group_are_refused():

@@ -54,7 +54,10 @@ def _run(spec: dict, result: dict) -> None:
 
     loader._load_safetensors = recording
     sizes = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
-    sizes[f"{spec['mode']}_parallel_size"] = spec["size"]
+    if "sizes" in spec:
+        sizes.update(spec["sizes"])
+    else:
+        sizes[f"{spec['mode']}_parallel_size"] = spec["size"]
     group = init_group(RuntimeConfig(distributed_backend="ring", distributed_timeout=spec.get("timeout", 60),
                                      pipeline_split=spec.get("pipeline_split"), **sizes))
     result["world_size"] = group.size
