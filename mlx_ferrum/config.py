@@ -157,6 +157,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "distributed_backend": ("FERRUM_DISTRIBUTED_BACKEND", _parse_backend, "any"),
     "distributed_timeout": ("FERRUM_DISTRIBUTED_TIMEOUT", _parse_int, 60),
     "pipeline_split": ("FERRUM_PIPELINE_SPLIT", _parse_split, None),
+    "pipeline_micro_batches": ("FERRUM_PIPELINE_MICRO_BATCHES", _parse_int, 2),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -193,6 +194,8 @@ FIELD_HELP: dict[str, str] = {
     "distributed_backend": "mx.distributed backend: any, ring, jaccl, mpi or nccl",
     "distributed_timeout": "seconds an engine step may wait on the other ranks before this rank exits",
     "pipeline_split": "layers per pipeline rank, e.g. 3,2 (the sum is the model's layers)",
+    "pipeline_micro_batches": "micro-batches each engine step is split into under pipeline parallelism, so the "
+                              "stages overlap (1: one pass at a time)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -338,6 +341,11 @@ class RuntimeConfig:
       :class:`~mlx_ferrum.errors.DistributedTimeoutError` (a dead or hung peer).
     - ``pipeline_split`` (``FERRUM_PIPELINE_SPLIT``, None = even): layers per pipeline rank,
       ``"3,2"``; checked against the model's layer count at load.
+    - ``pipeline_micro_batches`` (``FERRUM_PIPELINE_MICRO_BATCHES``, 2): under pipeline
+      parallelism each engine step's sequences are split into this many micro-batches
+      (about equal token counts), so stage ``r`` computes one while stage ``r + 1``
+      computes the one before; 1 runs one pass at a time. Ignored otherwise (and by the
+      combined tensor + pipeline mode, whose sums take every rank).
     - ``FERRUM_PARALLEL`` (no field of its own): both sizes in one variable, ``none``,
       ``tensor=2``, ``pipeline=2`` or ``tensor=2,pipeline=2`` (:func:`parse_parallel`); a
       mode it leaves out is 1. An explicit size field still wins; a size variable set to a
@@ -376,6 +384,7 @@ class RuntimeConfig:
     distributed_backend: Optional[str] = None
     distributed_timeout: Optional[int] = None
     pipeline_split: Optional[str] = None
+    pipeline_micro_batches: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
@@ -486,7 +495,7 @@ class RuntimeConfig:
             raise ConfigurationError(
                 f"{n('kv_cache_dtype')}={self.kv_cache_dtype!r} is not valid: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout", "pipeline_micro_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")

@@ -181,11 +181,17 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
     cases.append(dict(layout="contiguous", prompts=cases[0]["prompts"][:2], speculative="ngram",
                       params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
+    # one pass at a time (no micro-batches), for comparison with the default of 2
+    cases.append(dict(cases[0], pipeline_micro_batches=1))
     results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases,
                          "pipeline_split": "2,3"}, tmp_path)
     _check_identity(results, model, cases)
     assert results[0]["cases"][3]["spec_accepted_tokens"] > 0
     _check_pipeline_traffic(results)
+    for res in results:
+        # 4 requests per step: split into 2 micro-batches in flight (default), or not at all
+        assert all(case["micro_batched_steps"] > 0 for case in res["cases"][:3]), res["cases"]
+        assert res["cases"][4]["micro_batched_steps"] == 0
     assert [res["num_layers"] for res in results] == [2, 3]
     for res in results:
         assert res["capabilities"] == {"supports_tensor_parallelism": False, "supports_pipeline_parallelism": True,

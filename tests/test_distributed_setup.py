@@ -284,3 +284,23 @@ def test_pipeline_split_is_checked_against_the_layers(monkeypatch):
     monkeypatch.setenv("FERRUM_PIPELINE_SPLIT", "3,x")
     with pytest.raises(ConfigurationError, match="FERRUM_PIPELINE_SPLIT"):
         RuntimeConfig()
+
+
+def test_pipeline_micro_batches_split_a_step_by_tokens():
+    from mlx_ferrum.distributed.pipeline import PipelineStage
+
+    stage = PipelineStage(0, 2, 0, 2, False, None, micro_batches=2)
+    assert stage.overlaps
+    assert stage.split([1] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stage.split([30, 1, 1, 1]) == [[0], [1, 2, 3]]  # balanced by tokens, never an empty group
+    assert stage.split([1, 1, 30]) == [[0, 1], [2]]
+    assert stage.split([5]) == [[0]]
+    stage.micro_batches = 3
+    assert stage.split([1] * 7) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert sorted(i for group in stage.split([3, 9, 1, 4, 4]) for i in group) == list(range(5))
+    stage.micro_batches = 1
+    assert stage.split([1] * 4) == [[0, 1, 2, 3]]
+    # the combined mode's sums take every rank: no overlap, no split
+    assert not PipelineStage(0, 2, 0, 2, False, None, tensor_parallel_size=2).overlaps
+    with pytest.raises(ConfigurationError, match="pipeline_micro_batches"):
+        RuntimeConfig(pipeline_micro_batches=0)

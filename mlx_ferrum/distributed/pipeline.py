@@ -44,6 +44,7 @@ every registered family.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -100,6 +101,18 @@ def _finish_pass(logits: mx.array) -> mx.array:
     """
     mx.eval(logits)
     return logits
+
+
+def _sum_or_defer(local: mx.array, stage: Optional["PipelineStage"]) -> mx.array:
+    """A pass's logits: ``local`` (this rank's logits, or zeros) summed across ranks now;
+    or, while ``stage`` defers (micro-batches in flight), ``local`` evaluated as it is, so
+    that this rank's sends happen now and the sums wait for the end of the step
+    (:meth:`PipelineStage.sum_logits`)."""
+    if stage is not None and stage.deferred:
+        mx.eval(local)
+        return local
+    group = stage.group if stage is not None else None
+    return _finish_pass(mx.distributed.all_sum(local, group=group))
 
 
 class _Receive:
@@ -191,7 +204,7 @@ class _SummedHead:
     def _pipeline_sum(self, logits):
         if not getattr(self, "pipeline_contributes", True):
             logits = _zeros_after(logits)  # a tensor rank > 0 of the last stage: rank 0's logits count once
-        return _finish_pass(mx.distributed.all_sum(logits, group=self.pipeline_group))
+        return _sum_or_defer(logits, self.pipeline_owner)
 
 
 class _ZeroHead:
@@ -200,7 +213,7 @@ class _ZeroHead:
 
     def as_linear(self, h):
         zeros = mx.depends(mx.zeros((*h.shape[:-1], self.pipeline_vocab), dtype=self.pipeline_dtype), h)
-        return _finish_pass(mx.distributed.all_sum(zeros, group=self.pipeline_group))
+        return _sum_or_defer(zeros, self.pipeline_owner)
 
 
 class ZeroHead(nn.Module):
@@ -213,17 +226,19 @@ class ZeroHead(nn.Module):
         group: the ``mx.distributed`` group.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, group):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, group, owner: Optional["PipelineStage"] = None):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dtype, self.group = vocab_size, hidden_size, dtype, group
+        self.pipeline_owner = owner
 
     def __call__(self, h: mx.array) -> mx.array:
         return self.as_linear(h)
 
     def as_linear(self, h: mx.array) -> mx.array:
-        """``[..., hidden] -> [..., vocab_size]`` (one ``all_sum``)."""
+        """``[..., hidden] -> [..., vocab_size]`` (one ``all_sum``, or deferred: see
+        :meth:`PipelineStage.deferring`)."""
         zeros = mx.depends(mx.zeros((*h.shape[:-1], self.vocab_size), dtype=self.dtype), h)
-        return _finish_pass(mx.distributed.all_sum(zeros, group=self.group))
+        return _sum_or_defer(zeros, self.pipeline_owner)
 
 
 class ZeroEmbedding(ZeroHead):
@@ -271,6 +286,58 @@ class PipelineStage:
     tensor_parallel_size: int = 1
     tensor_rank: int = 0
     counts: Optional[list] = None
+    micro_batches: int = 1
+    deferred: bool = False
+    #: steps :meth:`split` cut into more than one micro-batch (a statistic)
+    split_steps: int = 0
+
+    @property
+    def overlaps(self) -> bool:
+        """True when passes can be in flight on several stages at once: pipeline only (the
+        combined mode's sums take every rank, so no stage runs ahead)."""
+        return self.size > 1 and not self.combined
+
+    def split(self, token_counts: list[int]) -> list[list[int]]:
+        """The micro-batches of one step: item indices in ``min(micro_batches, items)``
+        consecutive groups of about equal token counts (each group non-empty).
+
+        Args:
+            token_counts: new tokens of each item of the step, in order.
+        """
+        groups = max(1, min(self.micro_batches, len(token_counts)))
+        total = sum(token_counts)
+        out: list[list[int]] = [[]]
+        seen = 0
+        for index, count in enumerate(token_counts):
+            left_items = len(token_counts) - index
+            need_groups = groups - len(out)
+            if out[-1] and need_groups > 0 and (seen >= total * len(out) / groups or left_items <= need_groups):
+                out.append([])
+            out[-1].append(index)
+            seen += count
+        self.split_steps += len(out) > 1
+        return out
+
+    @contextlib.contextmanager
+    def deferring(self):
+        """Within: the output head evaluates this rank's part of each pass (its sends go
+        out) and returns it unsummed; :meth:`sum_logits` then sums the passes in build
+        order. So stage ``r`` computes pass ``k + 1`` while stage ``r + 1`` computes pass
+        ``k`` (GPipe's micro-batches: Huang et al., "GPipe: Efficient Training of Giant
+        Neural Networks using Pipeline Parallelism", 2019), and every rank still runs its
+        sends, receives and sums in one order (each evaluated in turn, see
+        :func:`_finish_pass`)."""
+        self.deferred = True
+        try:
+            yield self
+        finally:
+            self.deferred = False
+
+    def sum_logits(self, pieces: list[mx.array]) -> list[mx.array]:
+        """Sum each deferred pass's logits across ranks, in build order (empty ones stay
+        as they are: every rank holds the same shapes), each evaluated before the next."""
+        return [piece if piece.size == 0 else _finish_pass(mx.distributed.all_sum(piece, group=self.group))
+                for piece in pieces]
 
     @property
     def combined(self) -> bool:
@@ -307,7 +374,7 @@ class PipelineStage:
 
         dtype = model_dtype_from(weights) or model_dtype(model)
         args = model.args
-        common = dict(pipeline_group=self.group)
+        common = dict(pipeline_group=self.group, pipeline_owner=self)
         backbone = model.model
         layers = list(backbone.layers[self.start : self.end])
         for index, layer in enumerate(layers):
@@ -338,14 +405,14 @@ class PipelineStage:
             elif self.first:
                 _retype(embed, _ZeroHead, pipeline_vocab=args.vocab_size, pipeline_dtype=dtype, **common)
             else:
-                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group)
+                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group, self)
         else:
             if not self.first:
-                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group)
+                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group, self)
             if self.last:
                 _retype(model.lm_head, _SummedHead, pipeline_contributes=self.tensor_rank == 0, **common)
             else:
-                model.lm_head = ZeroHead(args.vocab_size, args.hidden_size, dtype, self.group)
+                model.lm_head = ZeroHead(args.vocab_size, args.hidden_size, dtype, self.group, self)
         model.args = _local_args(args, self.start, self.end)
         if getattr(backbone, "args", None) is args:
             backbone.args = model.args

@@ -81,7 +81,8 @@ def _run(spec: dict, result: dict) -> None:
     for case in spec.get("cases", []):
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
                                max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"),
-                               kv_cache_dtype=case.get("kv_cache_dtype"), **sizes)
+                               kv_cache_dtype=case.get("kv_cache_dtype"),
+                               pipeline_micro_batches=case.get("pipeline_micro_batches"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
         params = [SamplingParams(**p) for p in case["params"]]
         tokens: dict[str, list[int]] = {}
@@ -106,6 +107,7 @@ def _run(spec: dict, result: dict) -> None:
             "broadcasts": stats["lockstep_broadcasts"], "collectives": stats["lockstep_collectives"],
             "heartbeats": stats["heartbeats"], "num_preemptions": stats["num_preemptions"],
             "spec_proposed_tokens": stats["spec_proposed_tokens"], "spec_accepted_tokens": stats["spec_accepted_tokens"],
+            "micro_batched_steps": stats["pipeline_micro_batched_steps"],
         })
 
 
