@@ -181,8 +181,14 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
     cases.append(dict(layout="contiguous", prompts=cases[0]["prompts"][:2], speculative="ngram",
                       params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
-    # one pass at a time (no micro-batches), for comparison with the default of 2
+    # every step with 2+ sequences split into 2 micro-batches (the default floor of 32
+    # tokens per micro-batch lowered to 1, so decode steps split too)
+    for case in cases:
+        case["micro_batch_min_tokens"] = 1
+    # one pass at a time (no micro-batches), for comparison
     cases.append(dict(cases[0], pipeline_micro_batches=1))
+    # the defaults (2 micro-batches of at least 32 tokens): only the prompt steps split
+    cases.append(dict(cases[1], prompts=[p * 4 for p in cases[1]["prompts"]], micro_batch_min_tokens=None))
     results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases,
                          "pipeline_split": "2,3"}, tmp_path)
     _check_identity(results, model, cases)
@@ -192,6 +198,7 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
         # 4 requests per step: split into 2 micro-batches in flight (default), or not at all
         assert all(case["micro_batched_steps"] > 0 for case in res["cases"][:3]), res["cases"]
         assert res["cases"][4]["micro_batched_steps"] == 0
+        assert 0 < res["cases"][5]["micro_batched_steps"] < res["cases"][5]["num_steps"] / 2
     assert [res["num_layers"] for res in results] == [2, 3]
     for res in results:
         assert res["capabilities"] == {"supports_tensor_parallelism": False, "supports_pipeline_parallelism": True,

@@ -289,7 +289,7 @@ def test_pipeline_split_is_checked_against_the_layers(monkeypatch):
 def test_pipeline_micro_batches_split_a_step_by_tokens():
     from mlx_ferrum.distributed.pipeline import PipelineStage
 
-    stage = PipelineStage(0, 2, 0, 2, False, None, micro_batches=2)
+    stage = PipelineStage(0, 2, 0, 2, False, None, micro_batches=2, micro_batch_min_tokens=1)
     assert stage.overlaps
     assert stage.split([1] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert stage.split([30, 1, 1, 1]) == [[0], [1, 2, 3]]  # balanced by tokens, never an empty group
@@ -300,6 +300,11 @@ def test_pipeline_micro_batches_split_a_step_by_tokens():
     assert sorted(i for group in stage.split([3, 9, 1, 4, 4]) for i in group) == list(range(5))
     stage.micro_batches = 1
     assert stage.split([1] * 4) == [[0, 1, 2, 3]]
+    # by default a micro-batch needs 32 tokens: a decode step of 8 sequences stays whole
+    stage = PipelineStage(0, 2, 0, 2, False, None, micro_batches=2)
+    assert stage.split([1] * 8) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert stage.split([32] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stage.split([40, 20, 1]) == [[0, 1, 2]]  # 61 tokens: one group of 32 would be left short
     # the combined mode's sums take every rank: no overlap, no split
     assert not PipelineStage(0, 2, 0, 2, False, None, tensor_parallel_size=2).overlaps
     with pytest.raises(ConfigurationError, match="pipeline_micro_batches"):

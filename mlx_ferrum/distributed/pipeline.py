@@ -56,6 +56,9 @@ import mlx.nn as nn
 from ..errors import ShardingError
 from .group import ParallelGroup
 
+#: the fewest new tokens a micro-batch gets (see :meth:`PipelineStage.split`)
+MICRO_BATCH_MIN_TOKENS = 32
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -287,6 +290,7 @@ class PipelineStage:
     tensor_rank: int = 0
     counts: Optional[list] = None
     micro_batches: int = 1
+    micro_batch_min_tokens: int = MICRO_BATCH_MIN_TOKENS
     deferred: bool = False
     #: steps :meth:`split` cut into more than one micro-batch (a statistic)
     split_steps: int = 0
@@ -298,14 +302,20 @@ class PipelineStage:
         return self.size > 1 and not self.combined
 
     def split(self, token_counts: list[int]) -> list[list[int]]:
-        """The micro-batches of one step: item indices in ``min(micro_batches, items)``
-        consecutive groups of about equal token counts (each group non-empty).
+        """The micro-batches of one step: item indices in consecutive groups of about equal
+        token counts (each group non-empty), as many as ``micro_batches`` allows while
+        every group keeps at least ``micro_batch_min_tokens`` tokens.
+
+        The floor is why decode steps of a few sequences stay whole: a decode row's cost
+        is reading the weights, which every micro-batch reads again, so splitting them
+        only adds passes (measured: ``benchmarks/bench_parallel.py``, docs/benchmarks.md),
+        while prompt tokens are bound by arithmetic, which the stages then share.
 
         Args:
             token_counts: new tokens of each item of the step, in order.
         """
-        groups = max(1, min(self.micro_batches, len(token_counts)))
         total = sum(token_counts)
+        groups = max(1, min(self.micro_batches, len(token_counts), total // max(1, self.micro_batch_min_tokens)))
         out: list[list[int]] = [[]]
         seen = 0
         for index, count in enumerate(token_counts):

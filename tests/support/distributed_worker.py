@@ -84,6 +84,10 @@ def _run(spec: dict, result: dict) -> None:
                                kv_cache_dtype=case.get("kv_cache_dtype"),
                                pipeline_micro_batches=case.get("pipeline_micro_batches"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
+        if getattr(model, "pipeline_stage", None) is not None:
+            from mlx_ferrum.distributed.pipeline import MICRO_BATCH_MIN_TOKENS
+
+            model.pipeline_stage.micro_batch_min_tokens = case.get("micro_batch_min_tokens") or MICRO_BATCH_MIN_TOKENS
         params = [SamplingParams(**p) for p in case["params"]]
         tokens: dict[str, list[int]] = {}
         if group.is_driver:
