@@ -13,8 +13,11 @@ for a tied head, the embedding matrix). A forward pass on rank ``r``:
   the same tokens everywhere.
 
 So a pass costs ``P - 1`` send/recv pairs of ``[tokens, hidden]`` and one ``all_sum`` of
-the logits rows. Stages run one after the other within a step (no micro-batches in
-flight yet): pipeline parallelism here is for fitting a model, not for speed.
+the logits rows. Within an engine step the runner splits the sequences into
+micro-batches (:meth:`PipelineStage.split`, ``RuntimeConfig.pipeline_micro_batches``)
+and the logits sums wait until every micro-batch is built
+(:meth:`PipelineStage.deferring`), so stage ``r`` computes micro-batch ``k + 1`` while
+stage ``r + 1`` computes micro-batch ``k``.
 
 Combined with tensor parallelism (``tensor_parallel_size * pipeline_parallel_size``
 ranks; world rank ``w`` is stage ``w // T``, tensor rank ``w % T``): each stage's layers
