@@ -13,8 +13,8 @@ same background load), a fresh lockstep engine runs ``--requests`` greedy reques
 
 - ``prefill``: ``max_tokens=1``: the wall time of the step that runs every prompt (the
   batch's time to first token), where micro-batches can overlap the stages;
-- ``decode``: ``--decode-tokens`` more tokens after the prompts: the wall time of the
-  whole request, with the prefill time subtracted (per generated token of the batch).
+- ``decode``: prompts of 4 tokens and ``--decode-tokens`` generated tokens each: the wall
+  time per engine step (decode steps of ``--requests`` rows; the short prefill is included).
 
 Settings: ``mb=1`` (one pass per step: the stages take turns), ``mb=2`` (the default: 2
 micro-batches of at least 32 tokens, so decode steps of a few sequences stay whole),
@@ -65,13 +65,13 @@ def rank_main(spec: dict) -> None:
     n, p, d = spec["requests"], spec["prompt_tokens"], spec["decode_tokens"]
     for repeat in range(spec["repeats"] + 1):  # the first round warms up and is not recorded
         for name, (micro_batches, floor) in SETTINGS.items():
-            for kind, max_tokens in (("prefill", 1), ("decode", 1 + d)):
+            for kind, length, max_tokens in (("prefill", p, 1), ("decode", 4, d)):
                 config = RuntimeConfig(kv_layout="paged", max_num_seqs=n, max_num_blocks=n * (-(-(p + d + 1) // 16)) + 8,
                                        pipeline_parallel_size=2, tensor_parallel_size=1,
                                        pipeline_micro_batches=micro_batches)
                 engine = LockstepEngine(model, None, config, group, heartbeat_s=0)
                 model.pipeline_stage.micro_batch_min_tokens = floor or MICRO_BATCH_MIN_TOKENS
-                prompts = [[int(t) for t in rng.integers(3, vocab, p)] for _ in range(n)]
+                prompts = [[int(t) for t in rng.integers(3, vocab, length)] for _ in range(n)]
                 if group.is_driver:
                     start = time.perf_counter()
                     engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: a 4-layer Qwen2.5-0.5B shape)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     model = args.model or str(cached_random_checkpoint(
@@ -125,7 +125,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for name in SETTINGS:
         pre = times[name]["prefill"]
-        dec = [(total - first) / args.decode_tokens * 1000 for total, first in zip(times[name]["decode"], pre)]
+        dec = [total / args.decode_tokens * 1000 for total in times[name]["decode"]]
         print(f"| {name} | {min(pre) * 1000:.0f} | {statistics.median(pre) * 1000:.0f} | {min(dec):.1f} | "
               f"{statistics.median(dec):.1f} |", flush=True)
     return 0

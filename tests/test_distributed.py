@@ -235,9 +235,11 @@ def test_pipeline_parallel_other_families_match_one_process(family, tmp_path):
     hf_reference.make_checkpoint(family, folder, window=6)
     model, _, _ = load_model(folder)
     cases = _cases(model.args.vocab_size, 3, max_tokens=10)[:2]
+    cases[1]["micro_batch_min_tokens"] = 1  # every step of 2+ sequences in 2 micro-batches
     results = run_ranks({"model": str(folder), "mode": "pipeline", "size": 2, "cases": cases}, tmp_path)
     _check_identity(results, model, cases)
     _check_pipeline_traffic(results)
+    assert results[0]["cases"][1]["micro_batched_steps"] > 0
 
 
 @pytest.mark.slow
