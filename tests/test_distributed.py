@@ -377,6 +377,18 @@ def test_readme_multiple_macs_python_snippet_runs_under_mlx_launch(stories_path,
     assert expected[0].text in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+def test_tensor_and_pipeline_combined_greedy_on_four_ranks(stories_path, tmp_path):
+    """The default suite's short form of the test below: TP=2 x PP=2, one paged greedy case."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = [_cases(model.args.vocab_size, 2, max_tokens=6)[1]]
+    results = run_ranks({"model": str(stories_path), "sizes": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                         "cases": cases}, tmp_path, size=4)
+    _check_identity(results, model, cases)
+    assert [res["num_layers"] for res in results] == [3, 3, 2, 2]
+
+
 @pytest.mark.slow  # 4 processes on 2 cores: about 30 s
 def test_tensor_and_pipeline_combined_on_four_ranks_matches_one_process(stories_path, tmp_path):
     """TP=2 x PP=2 on 4 ranks (world ranks 0, 1: layers 0-2; ranks 2, 3: layers 3-4, each
@@ -389,6 +401,7 @@ def test_tensor_and_pipeline_combined_on_four_ranks_matches_one_process(stories_
     model, _ = load(str(stories_path))
     layers = model.args.num_hidden_layers
     cases = _cases(model.args.vocab_size, 3, max_tokens=8)
+    cases.append(dict(cases[1], kv_cache_dtype="int8"))  # the rank's KV heads of its layers, quantized
     results = run_ranks({"model": str(stories_path), "sizes": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
                          "cases": cases}, tmp_path, size=4)
     _check_identity(results, model, cases)
