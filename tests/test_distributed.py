@@ -418,3 +418,18 @@ def test_tensor_and_pipeline_combined_on_four_ranks_matches_one_process(stories_
     full = _one_process_bytes(model)
     # the embedding is replicated within a stage (tied: on the first and the last stage)
     assert all(res["weight_bytes"] <= 0.45 * full for res in results), ([r["weight_bytes"] for r in results], full)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_three_stages_with_micro_batches(stories_path, tmp_path):
+    """5 layers on 3 ranks (2, 2, 1): a middle stage receives and sends; every step of 2+
+    sequences in 2 micro-batches (floor 1 token), in both layouts."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = [dict(case, micro_batch_min_tokens=1) for case in _cases(model.args.vocab_size, 4, max_tokens=8)]
+    results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 3, "cases": cases}, tmp_path, size=3)
+    _check_identity(results, model, cases)
+    _check_pipeline_traffic(results)
+    assert [res["num_layers"] for res in results] == [2, 2, 1]
+    assert all(case["micro_batched_steps"] > 0 for res in results for case in res["cases"])
