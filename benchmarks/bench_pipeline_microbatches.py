@@ -66,7 +66,8 @@ def rank_main(spec: dict) -> None:
     for repeat in range(spec["repeats"] + 1):  # the first round warms up and is not recorded
         for name, (micro_batches, floor) in SETTINGS.items():
             for kind, length, max_tokens in (("prefill", p, 1), ("decode", 4, d)):
-                config = RuntimeConfig(kv_layout="paged", max_num_seqs=n, max_num_blocks=n * (-(-(p + d + 1) // 16)) + 8,
+                blocks = n * (-(-(p + d + 1) // 16)) + 8
+                config = RuntimeConfig(kv_layout="paged", max_num_seqs=n, max_num_blocks=blocks,
                                        pipeline_parallel_size=2, tensor_parallel_size=1,
                                        pipeline_micro_batches=micro_batches)
                 engine = LockstepEngine(model, None, config, group, heartbeat_s=0)
