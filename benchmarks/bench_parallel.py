@@ -14,7 +14,10 @@ steady-state decode tok/s, TTFT, inter-token latency), run three ways:
 - ``1 process``: one process, ``OPENBLAS_NUM_THREADS=2``;
 - ``TP=2``: ``mlx.launch --backend ring -n 2 --hosts 127.0.0.1``, ``--tensor-parallel-size 2``,
   ``OPENBLAS_NUM_THREADS=1`` per rank (2 threads in all);
-- ``PP=2``: the same launch with ``--pipeline-parallel-size 2``.
+- ``PP=2``: the same launch with ``--pipeline-parallel-size 2`` (each engine step split into
+  2 micro-batches in flight, the default ``FERRUM_PIPELINE_MICRO_BATCHES=2``);
+- ``PP=2 mb=1``: the same with ``FERRUM_PIPELINE_MICRO_BATCHES=1`` (one pass at a time: the
+  stages never overlap).
 
 This says what the parallel machinery costs (two ``all_sum`` per layer and one
 broadcast per engine step over TCP loopback, processes competing for the same cores),
@@ -45,6 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 STORIES = Path(os.environ.get("FERRUM_SHARED_MODELS", ROOT.parent / "shared" / "models")) / "stories260K"
 
 
+#: the runs, in table order
+MODES = ("1 process", "TP=2", "PP=2 mb=1", "PP=2")
+
+
 def _launcher() -> str:
     local = Path(sys.executable).with_name("mlx.launch")
     return str(local) if local.exists() else "mlx.launch"
@@ -69,6 +76,8 @@ def run(model: str, mode: str, concurrency: str, prompt_tokens: int, max_tokens:
         flag = "--tensor-parallel-size" if mode == "TP=2" else "--pipeline-parallel-size"
         cmd = [_launcher(), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--", *bench, flag, "2"]
         env = _env(1)
+        if mode.startswith("PP=2"):
+            env["FERRUM_PIPELINE_MICRO_BATCHES"] = "1" if mode == "PP=2 mb=1" else "2"
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1800)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     if proc.returncode != 0 or len(rows) < 3:
@@ -84,7 +93,13 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated runs among {', '.join(MODES)} (the first is the baseline of 'vs')")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; use among {', '.join(MODES)}")
     if args.model:
         models = [args.model]
     else:
@@ -97,13 +112,12 @@ def main() -> int:
                   "runs' threads": "OPENBLAS_NUM_THREADS=2 (1 process), =1 per rank (TP=2, PP=2)",
                   "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens})
     print()
-    print("| model | concurrency | run | decode tok/s | vs 1 process | TTFT p50 ms | ITL p50 ms |")
+    print(f"| model | concurrency | run | decode tok/s | vs {modes[0]} | TTFT p50 ms | ITL p50 ms |")
     print("|---|---|---|---|---|---|---|")
     for model in models:
         name = Path(model).name
-        results = {mode: run(model, mode, args.concurrency, args.prompt_tokens, args.max_tokens)
-                   for mode in ("1 process", "TP=2", "PP=2")}
-        for i, base in enumerate(results["1 process"]):
+        results = {mode: run(model, mode, args.concurrency, args.prompt_tokens, args.max_tokens) for mode in modes}
+        for i, base in enumerate(results[modes[0]]):
             for mode, rows in results.items():
                 row = rows[i]
                 ratio = float(row["decode tok/s"]) / float(base["decode tok/s"])

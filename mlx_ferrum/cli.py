@@ -315,7 +315,7 @@ class _Parallel:
     def __init__(self, args, config: RuntimeConfig):
         from .distributed import init_group, lockstep_engine
 
-        if getattr(args, "adapter_path", None):
+        if config.parallel != "none" and getattr(args, "adapter_path", None):
             from .distributed.lockstep import check_lockstep_config
 
             check_lockstep_config(config)

@@ -92,6 +92,40 @@ def _parse_split(var: str, raw: str) -> Optional[str]:
     return v
 
 
+#: the compact spelling of both parallel sizes, read when neither size is given explicitly
+PARALLEL_VARIABLE = "FERRUM_PARALLEL"
+
+_PARALLEL_KEYS = {"tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size"}
+
+
+def parse_parallel(var: str, raw: str) -> dict[str, int]:
+    """Parse the compact parallel spelling: ``none``, ``tensor=N``, ``pipeline=N`` or
+    ``tensor=N,pipeline=M`` (either order, spaces ignored) into the two size fields.
+
+    Returns:
+        ``{"tensor_parallel_size": N, "pipeline_parallel_size": M}`` (a mode left out is 1).
+
+    Raises:
+        ConfigurationError: anything else (an unknown mode, a mode given twice, a size
+            that is not a positive integer, ``none`` mixed with a size); the message names
+            ``var`` and the accepted forms.
+    """
+    usage = (f"{var}={raw!r} is not valid: use none, tensor=N, pipeline=N or tensor=N,pipeline=M "
+             "(N, M positive integers)")
+    text = raw.strip().lower().replace(" ", "")
+    sizes = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    if text in ("none", "1"):
+        return sizes
+    seen = set()
+    for part in text.split(","):
+        mode, equals, size = part.partition("=")
+        if mode not in _PARALLEL_KEYS or not equals or mode in seen or not size.isdigit() or int(size) < 1:
+            raise ConfigurationError(usage)
+        seen.add(mode)
+        sizes[_PARALLEL_KEYS[mode]] = int(size)
+    return sizes
+
+
 # field -> (environment variable, parser, default)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "kv_layout": ("FERRUM_METAL_PAGED_KV", _parse_layout, "contiguous"),
@@ -123,6 +157,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "distributed_backend": ("FERRUM_DISTRIBUTED_BACKEND", _parse_backend, "any"),
     "distributed_timeout": ("FERRUM_DISTRIBUTED_TIMEOUT", _parse_int, 60),
     "pipeline_split": ("FERRUM_PIPELINE_SPLIT", _parse_split, None),
+    "pipeline_micro_batches": ("FERRUM_PIPELINE_MICRO_BATCHES", _parse_int, 2),
 }
 
 #: One line per field, for ``mlx-ferrum serve --help`` (the README's flag table says the same).
@@ -159,6 +194,8 @@ FIELD_HELP: dict[str, str] = {
     "distributed_backend": "mx.distributed backend: any, ring, jaccl, mpi or nccl",
     "distributed_timeout": "seconds an engine step may wait on the other ranks before this rank exits",
     "pipeline_split": "layers per pipeline rank, e.g. 3,2 (the sum is the model's layers)",
+    "pipeline_micro_batches": "micro-batches each engine step is split into under pipeline parallelism, so the "
+                              "stages overlap (1: one pass at a time)",
 }
 
 #: Upper bound, in bytes, of the paged pool's memory budget where no Metal device reports
@@ -304,6 +341,15 @@ class RuntimeConfig:
       :class:`~mlx_ferrum.errors.DistributedTimeoutError` (a dead or hung peer).
     - ``pipeline_split`` (``FERRUM_PIPELINE_SPLIT``, None = even): layers per pipeline rank,
       ``"3,2"``; checked against the model's layer count at load.
+    - ``pipeline_micro_batches`` (``FERRUM_PIPELINE_MICRO_BATCHES``, 2): under pipeline
+      parallelism each engine step's sequences are split into this many micro-batches
+      (about equal token counts), so stage ``r`` computes one while stage ``r + 1``
+      computes the one before; 1 runs one pass at a time. Ignored otherwise (and by the
+      combined tensor + pipeline mode, whose sums take every rank).
+    - ``FERRUM_PARALLEL`` (no field of its own): both sizes in one variable, ``none``,
+      ``tensor=2``, ``pipeline=2`` or ``tensor=2,pipeline=2`` (:func:`parse_parallel`); a
+      mode it leaves out is 1. An explicit size field still wins; a size variable set to a
+      different value is refused. :attr:`parallel` reads the resulting mode back.
 
     Raises:
         ConfigurationError: a value is malformed; the message names the variable or field.
@@ -338,17 +384,45 @@ class RuntimeConfig:
     distributed_backend: Optional[str] = None
     distributed_timeout: Optional[int] = None
     pipeline_split: Optional[str] = None
+    pipeline_micro_batches: Optional[int] = None
 
     def __post_init__(self) -> None:
         explicit = set()
+        spelled = self._parallel_from_environment()
         for f in fields(self):
             if getattr(self, f.name) is not None:
                 explicit.add(f.name)
+                continue
+            if f.name in spelled:
+                setattr(self, f.name, spelled[f.name])
                 continue
             var, parse, default = _ENV[f.name]
             raw = os.environ.get(var)
             setattr(self, f.name, parse(var, raw) if raw is not None else default)
         self._validate(explicit)
+
+    def _parallel_from_environment(self) -> dict[str, int]:
+        """The sizes ``FERRUM_PARALLEL`` spells, for the size fields not given explicitly.
+
+        Raises:
+            ConfigurationError: ``FERRUM_PARALLEL`` is malformed, or a size variable
+                (``FERRUM_TENSOR_PARALLEL_SIZE`` / ``FERRUM_PIPELINE_PARALLEL_SIZE``) is set to
+                another value than the one ``FERRUM_PARALLEL`` implies (a mode it leaves out
+                is 1): two spellings that disagree are refused rather than one silently winning.
+        """
+        raw = os.environ.get(PARALLEL_VARIABLE)
+        if raw is None:
+            return {}
+        spelled = parse_parallel(PARALLEL_VARIABLE, raw)
+        for name, size in spelled.items():
+            var, parse, _ = _ENV[name]
+            other = os.environ.get(var)
+            if getattr(self, name) is None and other is not None and parse(var, other) != size:
+                raise ConfigurationError(
+                    f"{PARALLEL_VARIABLE}={raw!r} sets {name}={size} but {var}={other!r} disagrees: "
+                    f"unset one of them (or make them agree)"
+                )
+        return {name: size for name, size in spelled.items() if getattr(self, name) is None}
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "RuntimeConfig":
@@ -421,7 +495,7 @@ class RuntimeConfig:
             raise ConfigurationError(
                 f"{n('kv_cache_dtype')}={self.kv_cache_dtype!r} is not valid: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout", "pipeline_micro_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer")

@@ -40,7 +40,7 @@ def _check_identity(results: list[dict], model, cases: list[dict]) -> None:
         expected = one_process_tokens(model, case)
         driver = results[0]["cases"][index]
         got = [driver["tokens"][rid] for rid in driver["order"]]
-        assert got == expected, f"case {index} ({case['layout']}): TP=2 tokens differ from one process"
+        assert got == expected, f"case {index} ({case['layout']}): parallel tokens differ from one process"
         for other in results[1:]:
             assert other["cases"][index]["tokens"] == driver["tokens"], f"case {index}: ranks disagree"
             assert other["cases"][index]["num_steps"] == driver["num_steps"]
@@ -181,11 +181,24 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
     cases.append(dict(layout="contiguous", prompts=cases[0]["prompts"][:2], speculative="ngram",
                       params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
+    # every step with 2+ sequences split into 2 micro-batches (the default floor of 32
+    # tokens per micro-batch lowered to 1, so decode steps split too)
+    for case in cases:
+        case["micro_batch_min_tokens"] = 1
+    # one pass at a time (no micro-batches), for comparison
+    cases.append(dict(cases[0], pipeline_micro_batches=1))
+    # the defaults (2 micro-batches of at least 32 tokens): only the prompt steps split
+    cases.append(dict(cases[1], prompts=[p * 4 for p in cases[1]["prompts"]], micro_batch_min_tokens=None))
     results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 2, "cases": cases,
                          "pipeline_split": "2,3"}, tmp_path)
     _check_identity(results, model, cases)
     assert results[0]["cases"][3]["spec_accepted_tokens"] > 0
     _check_pipeline_traffic(results)
+    for res in results:
+        # 4 requests per step: split into 2 micro-batches in flight (default), or not at all
+        assert all(case["micro_batched_steps"] > 0 for case in res["cases"][:3]), res["cases"]
+        assert res["cases"][4]["micro_batched_steps"] == 0
+        assert 0 < res["cases"][5]["micro_batched_steps"] < res["cases"][5]["num_steps"] / 2
     assert [res["num_layers"] for res in results] == [2, 3]
     for res in results:
         assert res["capabilities"] == {"supports_tensor_parallelism": False, "supports_pipeline_parallelism": True,
@@ -222,9 +235,11 @@ def test_pipeline_parallel_other_families_match_one_process(family, tmp_path):
     hf_reference.make_checkpoint(family, folder, window=6)
     model, _, _ = load_model(folder)
     cases = _cases(model.args.vocab_size, 3, max_tokens=10)[:2]
+    cases[1]["micro_batch_min_tokens"] = 1  # every step of 2+ sequences in 2 micro-batches
     results = run_ranks({"model": str(folder), "mode": "pipeline", "size": 2, "cases": cases}, tmp_path)
     _check_identity(results, model, cases)
     _check_pipeline_traffic(results)
+    assert results[0]["cases"][1]["micro_batched_steps"] > 0
 
 
 @pytest.mark.slow
@@ -360,3 +375,61 @@ def test_readme_multiple_macs_python_snippet_runs_under_mlx_launch(stories_path,
     model, tokenizer = load(str(stories_path))
     expected = Engine(model, tokenizer).generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
     assert expected[0].text in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_tensor_and_pipeline_combined_greedy_on_four_ranks(stories_path, tmp_path):
+    """The default suite's short form of the test below: TP=2 x PP=2, one paged greedy case."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = [_cases(model.args.vocab_size, 2, max_tokens=6)[1]]
+    results = run_ranks({"model": str(stories_path), "sizes": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                         "cases": cases}, tmp_path, size=4)
+    _check_identity(results, model, cases)
+    assert [res["num_layers"] for res in results] == [3, 3, 2, 2]
+
+
+@pytest.mark.slow  # 4 processes on 2 cores: about 30 s
+def test_tensor_and_pipeline_combined_on_four_ranks_matches_one_process(stories_path, tmp_path):
+    """TP=2 x PP=2 on 4 ranks (world ranks 0, 1: layers 0-2; ranks 2, 3: layers 3-4, each
+    stage's heads split across its 2 ranks). MLX's ring backend has no sub-groups, so the
+    layer sums and the stage boundaries run over all 4 ranks, the other stage adding zeros
+    (see mlx_ferrum.distributed.pipeline): the same greedy and seeded tokens as one
+    process, and every rank runs the same collective sequence."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    layers = model.args.num_hidden_layers
+    cases = _cases(model.args.vocab_size, 3, max_tokens=8)
+    cases.append(dict(cases[1], kv_cache_dtype="int8"))  # the rank's KV heads of its layers, quantized
+    results = run_ranks({"model": str(stories_path), "sizes": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                         "cases": cases}, tmp_path, size=4)
+    _check_identity(results, model, cases)
+    _check_steps(results)
+    assert [res["num_layers"] for res in results] == [3, 3, 2, 2]
+    for res in results:
+        counts = res["forward_collectives"]
+        # two sums per layer of the whole model, one stage boundary, the logits; no send/recv
+        assert counts == {"all_sum": 2 * layers + 1 + 1, "all_gather": 0, "send": 0, "recv_like": 0}, counts
+        assert res["local_num_kv_heads"] == model.args.num_key_value_heads // 2
+        assert res["capabilities"] == {"supports_tensor_parallelism": True, "supports_pipeline_parallelism": True,
+                                       "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                       "supports_speculative_decoding": True}
+    full = _one_process_bytes(model)
+    # the embedding is replicated within a stage (tied: on the first and the last stage)
+    assert all(res["weight_bytes"] <= 0.45 * full for res in results), ([r["weight_bytes"] for r in results], full)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_three_stages_with_micro_batches(stories_path, tmp_path):
+    """5 layers on 3 ranks (2, 2, 1): a middle stage receives and sends; every step of 2+
+    sequences in 2 micro-batches (floor 1 token), in both layouts."""
+    from mlx_ferrum.api import load
+
+    model, _ = load(str(stories_path))
+    cases = [dict(case, micro_batch_min_tokens=1) for case in _cases(model.args.vocab_size, 4, max_tokens=8)]
+    results = run_ranks({"model": str(stories_path), "mode": "pipeline", "size": 3, "cases": cases}, tmp_path, size=3)
+    _check_identity(results, model, cases)
+    _check_pipeline_traffic(results)
+    assert [res["num_layers"] for res in results] == [2, 2, 1]
+    assert all(case["micro_batched_steps"] > 0 for res in results for case in res["cases"])

@@ -47,6 +47,47 @@ def test_parallel_sizes_from_environment_and_arguments(monkeypatch):
         RuntimeConfig(distributed_backend="tcp", pipeline_parallel_size=1)
 
 
+@pytest.mark.parametrize("spelling, sizes", [
+    ("tensor=2", (2, 1)), ("pipeline=3", (1, 3)), ("tensor=2,pipeline=2", (2, 2)),
+    (" Pipeline=2 , tensor=4 ", (4, 2)), ("none", (1, 1)),
+])
+def test_ferrum_parallel_spells_both_sizes(monkeypatch, spelling, sizes):
+    monkeypatch.delenv("FERRUM_TENSOR_PARALLEL_SIZE", raising=False)
+    monkeypatch.delenv("FERRUM_PIPELINE_PARALLEL_SIZE", raising=False)
+    monkeypatch.setenv("FERRUM_PARALLEL", spelling)
+    config = RuntimeConfig()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == sizes
+    expected_mode = "+".join(m for m, n in zip(("tensor", "pipeline"), sizes) if n > 1) or "none"
+    assert config.parallel == expected_mode and config.world_size == sizes[0] * sizes[1]
+    # an explicit field beats the environment, as for every other field
+    assert RuntimeConfig(tensor_parallel_size=8).tensor_parallel_size == 8
+
+
+@pytest.mark.parametrize("spelling", ["tensor", "tensor=0", "tensor=two", "data=2", "tensor=2,tensor=2",
+                                      "none,tensor=2", "tensor=2;pipeline=2", ""])
+def test_malformed_ferrum_parallel_is_a_named_error(monkeypatch, spelling):
+    monkeypatch.setenv("FERRUM_PARALLEL", spelling)
+    with pytest.raises(ConfigurationError, match="FERRUM_PARALLEL=.*tensor=N,pipeline=M"):
+        RuntimeConfig()
+
+
+def test_ferrum_parallel_against_the_size_variables(monkeypatch):
+    monkeypatch.setenv("FERRUM_PARALLEL", "tensor=2")
+    monkeypatch.setenv("FERRUM_TENSOR_PARALLEL_SIZE", "4")
+    with pytest.raises(ConfigurationError, match="FERRUM_PARALLEL='tensor=2' sets tensor_parallel_size=2 but "
+                                                 "FERRUM_TENSOR_PARALLEL_SIZE='4' disagrees"):
+        RuntimeConfig()
+    # a mode the spelling leaves out is 1: a pipeline size variable of 2 disagrees too
+    monkeypatch.setenv("FERRUM_TENSOR_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("FERRUM_PIPELINE_PARALLEL_SIZE", "2")
+    with pytest.raises(ConfigurationError, match="pipeline_parallel_size=1 but FERRUM_PIPELINE_PARALLEL_SIZE"):
+        RuntimeConfig()
+    monkeypatch.setenv("FERRUM_PIPELINE_PARALLEL_SIZE", "1")
+    assert RuntimeConfig().world_size == 2  # agreeing spellings are fine
+    # an explicit field is not checked against the environment (it wins over both)
+    assert RuntimeConfig(pipeline_parallel_size=2).parallel == "tensor+pipeline"
+
+
 def test_no_launcher_is_a_named_error_never_a_group_of_one():
     # this test process was not started by mlx.launch: strict init finds no backend
     with pytest.raises(DistributedConfigurationError, match="mlx.launch"):
@@ -66,6 +107,12 @@ def test_group_size_must_equal_the_product_of_the_sizes():
     group = init_group(config, init=strict_init)
     assert seen["strict"] is True and (group.rank, group.size, group.mode) == (3, 4, "tensor")
     assert init_group(RuntimeConfig(tensor_parallel_size=1, pipeline_parallel_size=1)) is None
+    # both sizes: world rank 3 of 2 x 2 is stage 1's tensor rank 1
+    combined = init_group(RuntimeConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
+                          init=lambda **kw: _Group(4, 3))
+    assert (combined.mode, combined.pipeline_rank, combined.tensor_rank) == ("tensor+pipeline", 1, 1)
+    with pytest.raises(DistributedConfigurationError, match="needs a group of 4 ranks, but mlx.launch started 2"):
+        init_group(RuntimeConfig(tensor_parallel_size=2, pipeline_parallel_size=2), init=lambda **kw: _Group(2))
 
 
 def test_heads_not_divisible_by_the_group_are_refused():
@@ -237,3 +284,28 @@ def test_pipeline_split_is_checked_against_the_layers(monkeypatch):
     monkeypatch.setenv("FERRUM_PIPELINE_SPLIT", "3,x")
     with pytest.raises(ConfigurationError, match="FERRUM_PIPELINE_SPLIT"):
         RuntimeConfig()
+
+
+def test_pipeline_micro_batches_split_a_step_by_tokens():
+    from mlx_ferrum.distributed.pipeline import PipelineStage
+
+    stage = PipelineStage(0, 2, 0, 2, False, None, micro_batches=2, micro_batch_min_tokens=1)
+    assert stage.overlaps
+    assert stage.split([1] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stage.split([30, 1, 1, 1]) == [[0], [1, 2, 3]]  # balanced by tokens, never an empty group
+    assert stage.split([1, 1, 30]) == [[0, 1], [2]]
+    assert stage.split([5]) == [[0]]
+    stage.micro_batches = 3
+    assert stage.split([1] * 7) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert sorted(i for group in stage.split([3, 9, 1, 4, 4]) for i in group) == list(range(5))
+    stage.micro_batches = 1
+    assert stage.split([1] * 4) == [[0, 1, 2, 3]]
+    # by default a micro-batch needs 32 tokens: a decode step of 8 sequences stays whole
+    stage = PipelineStage(0, 2, 0, 2, False, None, micro_batches=2)
+    assert stage.split([1] * 8) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert stage.split([32] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stage.split([40, 20, 1]) == [[0, 1, 2]]  # 61 tokens: one group of 32 would be left short
+    # the combined mode's sums take every rank: no overlap, no split
+    assert not PipelineStage(0, 2, 0, 2, False, None, tensor_parallel_size=2).overlaps
+    with pytest.raises(ConfigurationError, match="pipeline_micro_batches"):
+        RuntimeConfig(pipeline_micro_batches=0)

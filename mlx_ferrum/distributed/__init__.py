@@ -29,7 +29,8 @@ def load_sharded(path_or_repo_id: Union[str, os.PathLike], parallel: ParallelGro
     Tensor parallel: every layer is split (:func:`~mlx_ferrum.distributed.sharding.shard_model`)
     before the weights are materialized. Pipeline parallel: only this rank's layers are
     built, and only the safetensors shards holding them are read
-    (:func:`~mlx_ferrum.distributed.pipeline.load_pipeline_stage`).
+    (:func:`~mlx_ferrum.distributed.pipeline.load_pipeline_stage`). Both: this rank's
+    stage, with its layers split across the stage's tensor ranks.
 
     Raises:
         ShardingError: the model cannot be split into ``parallel.size`` parts.

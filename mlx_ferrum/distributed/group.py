@@ -64,6 +64,16 @@ class ParallelGroup:
         return self.rank == 0
 
     @property
+    def pipeline_rank(self) -> int:
+        """This rank's pipeline stage: ``rank // tensor_parallel_size``."""
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's place within its stage's tensor split: ``rank % tensor_parallel_size``."""
+        return self.rank % self.tensor_parallel_size
+
+    @property
     def mode(self) -> str:
         """``"tensor"``, ``"pipeline"`` or ``"tensor+pipeline"``."""
         modes = [m for m, n in (("tensor", self.tensor_parallel_size), ("pipeline", self.pipeline_parallel_size))
@@ -90,9 +100,8 @@ def init_group(config: RuntimeConfig, init: Optional[Callable[..., Any]] = None)
     Raises:
         DistributedConfigurationError: no backend came up (the process was not started
             by ``mlx.launch``; the message gives the launch command), the group's size is
-            not ``tensor_parallel_size * pipeline_parallel_size``, both sizes are above 1
-            (combined tensor and pipeline parallelism is not implemented), or the process
-            is one rank of a launched group while both sizes are 1.
+            not ``tensor_parallel_size * pipeline_parallel_size``, or the process is one
+            rank of a launched group while both sizes are 1.
     """
     init = init if init is not None else mx.distributed.init
     want = config.world_size
@@ -106,11 +115,6 @@ def init_group(config: RuntimeConfig, init: Optional[Callable[..., Any]] = None)
                 "(FERRUM_TENSOR_PARALLEL_SIZE / FERRUM_PIPELINE_PARALLEL_SIZE) with N the number of ranks"
             )
         return None
-    if config.tensor_parallel_size > 1 and config.pipeline_parallel_size > 1:
-        raise DistributedConfigurationError(
-            f"{sizes}: combining tensor and pipeline parallelism is not implemented; use one of them "
-            f"(--tensor-parallel-size {want} or --pipeline-parallel-size {want})"
-        )
     try:
         group = init(strict=True, backend=config.distributed_backend)
     except Exception as exc:  # MLX raises RuntimeError / ValueError when no backend is up

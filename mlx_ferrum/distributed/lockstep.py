@@ -168,10 +168,14 @@ class LockstepEngine(Engine):
     def __init__(self, model, tokenizer, config: RuntimeConfig, parallel: ParallelGroup,
                  heartbeat_s: float = HEARTBEAT_S, watchdog: bool = True, exit_on_peer_loss: bool = True):
         check_lockstep_config(config)
-        if getattr(model, "pipeline_stage", None) is not None and not config.enforce_eager:
-            # a pipeline stage evaluates each pass's logits while building it
-            # (pipeline._finish_pass), which a compiled trace cannot do
-            config = dataclasses.replace(config, enforce_eager=True)
+        stage = getattr(model, "pipeline_stage", None)
+        if stage is not None:
+            stage.micro_batches = config.pipeline_micro_batches
+            stage.split_steps = 0
+            if not config.enforce_eager:
+                # a pipeline stage evaluates each pass's logits while building it
+                # (pipeline._finish_pass), which a compiled trace cannot do
+                config = dataclasses.replace(config, enforce_eager=True)
         super().__init__(model, tokenizer, config)
         self.parallel = parallel
         self.exit_on_peer_loss = exit_on_peer_loss
@@ -400,5 +404,6 @@ class LockstepEngine(Engine):
             "lockstep_collectives": self.broadcaster.collectives,
             "heartbeats": self.heartbeats,
             "lockstep_steps": self.steps_run,
+            "pipeline_micro_batched_steps": getattr(getattr(self.model, "pipeline_stage", None), "split_steps", 0),
         })
         return out

@@ -13,8 +13,26 @@ for a tied head, the embedding matrix). A forward pass on rank ``r``:
   the same tokens everywhere.
 
 So a pass costs ``P - 1`` send/recv pairs of ``[tokens, hidden]`` and one ``all_sum`` of
-the logits rows. Stages run one after the other within a step (no micro-batches in
-flight yet): pipeline parallelism here is for fitting a model, not for speed.
+the logits rows. Within an engine step the runner splits the sequences into
+micro-batches (:meth:`PipelineStage.split`, ``RuntimeConfig.pipeline_micro_batches``)
+and the logits sums wait until every micro-batch is built
+(:meth:`PipelineStage.deferring`), so stage ``r`` computes micro-batch ``k + 1`` while
+stage ``r + 1`` computes micro-batch ``k``.
+
+Combined with tensor parallelism (``tensor_parallel_size * pipeline_parallel_size``
+ranks; world rank ``w`` is stage ``w // T``, tensor rank ``w % T``): each stage's layers
+are split across its ``T`` ranks as in :mod:`~mlx_ferrum.distributed.sharding`. MLX's
+ring backend has no sub-groups (``Group.split`` raises "[ring] Group split not
+supported.") and its ``send`` reaches only the two ring neighbours, so a stage cannot
+sum over its own ranks alone; instead every sum runs over the whole group and the
+ranks of the other stages add zeros, which leaves each sum exact. Every rank therefore
+runs one collective sequence per pass: for each stage, two ``all_sum`` per layer, then
+(between stages) a boundary ``all_sum`` in which the ending stage's tensor rank 0 hands
+its activations to every rank; then the logits ``all_sum`` (only the last stage's tensor
+rank 0 adds its logits). Each zero contribution depends on the collective before it,
+so every rank issues them in the same order. The cost: every rank takes part in every
+layer's two sums (``2 L + P`` ``all_sum`` per pass instead of ``2 L / P``), and the
+stages still run one after the other.
 
 Loading reads only the tensors of the rank's layers, and with a
 ``model.safetensors.index.json`` opens only the shards that hold them. The KV cache
@@ -29,6 +47,7 @@ every registered family.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -39,6 +58,9 @@ import mlx.nn as nn
 
 from ..errors import ShardingError
 from .group import ParallelGroup
+
+#: the fewest new tokens a micro-batch gets (see :meth:`PipelineStage.split`)
+MICRO_BATCH_MIN_TOKENS = 32
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -87,6 +109,18 @@ def _finish_pass(logits: mx.array) -> mx.array:
     return logits
 
 
+def _sum_or_defer(local: mx.array, stage: Optional["PipelineStage"]) -> mx.array:
+    """A pass's logits: ``local`` (this rank's logits, or zeros) summed across ranks now;
+    or, while ``stage`` defers (micro-batches in flight), ``local`` evaluated as it is, so
+    that this rank's sends happen now and the sums wait for the end of the step
+    (:meth:`PipelineStage.sum_logits`)."""
+    if stage is not None and stage.deferred:
+        mx.eval(local)
+        return local
+    group = stage.group if stage is not None else None
+    return _finish_pass(mx.distributed.all_sum(local, group=group))
+
+
 class _Receive:
     """Mixin of a stage's first layer: its input comes from the previous rank."""
 
@@ -101,6 +135,59 @@ class _Send:
     def __call__(self, x, meta):
         h = super().__call__(x, meta)
         return mx.distributed.send(h, self.pipeline_dst, group=self.pipeline_group)
+
+
+def _zeros_after(h: mx.array) -> mx.array:
+    """Zeros shaped like ``h`` that depend on ``h`` (so they are built after it)."""
+    return mx.depends(mx.zeros_like(h), h)
+
+
+def _other_stage_layers(h: mx.array, num_layers: int, group) -> mx.array:
+    """Another stage's ``num_layers`` layers as seen from this rank: the two ``all_sum`` of
+    each, with zeros (the other stage's ranks contribute the partial sums); ``h`` comes
+    back unchanged, after them. Each sum depends on the one before, so every rank runs
+    the group's collectives in one order."""
+    for _ in range(2 * num_layers):
+        h = mx.depends(h, mx.distributed.all_sum(_zeros_after(h), group=group))
+    return h
+
+
+def _hand_off(h: mx.array, contributor: int, world_rank: int, group) -> mx.array:
+    """A stage boundary: ``all_sum`` of the activations of world rank ``contributor`` (the
+    tensor rank 0 of the stage that ends; its tensor ranks hold identical activations)
+    with zeros from every other rank, so every rank gets the next stage's input."""
+    value = h if world_rank == contributor else _zeros_after(h)
+    return mx.distributed.all_sum(value, group=group)
+
+
+class _CombinedEnter:
+    """Mixin of a stage's first layer in combined tensor + pipeline parallelism: before it,
+    the earlier stages' layer sums (with zeros) and their boundaries, the last of which
+    brings this stage's input."""
+
+    def __call__(self, x, meta):
+        tensor, group = self.pipeline_tensor_size, self.pipeline_group
+        for stage, count in enumerate(self.pipeline_counts[: self.pipeline_rank]):
+            x = _other_stage_layers(x, count, group)
+            x = _hand_off(x, stage * tensor, self.pipeline_world_rank, group)
+        return super().__call__(x, meta)
+
+
+class _CombinedExit:
+    """Mixin of a stage's last layer in combined tensor + pipeline parallelism: after it,
+    this stage's boundary (its tensor rank 0 hands the activations to every rank), then
+    the later stages' layer sums (with zeros) and boundaries."""
+
+    def __call__(self, x, meta):
+        h = super().__call__(x, meta)
+        tensor, group, rank = self.pipeline_tensor_size, self.pipeline_group, self.pipeline_world_rank
+        last = len(self.pipeline_counts) - 1
+        h = _hand_off(h, self.pipeline_rank * tensor, rank, group)
+        for stage in range(self.pipeline_rank + 1, last + 1):
+            h = _other_stage_layers(h, self.pipeline_counts[stage], group)
+            if stage < last:
+                h = _hand_off(h, stage * tensor, rank, group)
+        return h
 
 
 class _Placeholder:
@@ -121,7 +208,9 @@ class _SummedHead:
         return self._pipeline_sum(super().as_linear(h))
 
     def _pipeline_sum(self, logits):
-        return _finish_pass(mx.distributed.all_sum(logits, group=self.pipeline_group))
+        if not getattr(self, "pipeline_contributes", True):
+            logits = _zeros_after(logits)  # a tensor rank > 0 of the last stage: rank 0's logits count once
+        return _sum_or_defer(logits, self.pipeline_owner)
 
 
 class _ZeroHead:
@@ -130,7 +219,7 @@ class _ZeroHead:
 
     def as_linear(self, h):
         zeros = mx.depends(mx.zeros((*h.shape[:-1], self.pipeline_vocab), dtype=self.pipeline_dtype), h)
-        return _finish_pass(mx.distributed.all_sum(zeros, group=self.pipeline_group))
+        return _sum_or_defer(zeros, self.pipeline_owner)
 
 
 class ZeroHead(nn.Module):
@@ -143,17 +232,19 @@ class ZeroHead(nn.Module):
         group: the ``mx.distributed`` group.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, group):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, group, owner: Optional["PipelineStage"] = None):
         super().__init__()
         self.vocab_size, self.hidden_size, self.dtype, self.group = vocab_size, hidden_size, dtype, group
+        self.pipeline_owner = owner
 
     def __call__(self, h: mx.array) -> mx.array:
         return self.as_linear(h)
 
     def as_linear(self, h: mx.array) -> mx.array:
-        """``[..., hidden] -> [..., vocab_size]`` (one ``all_sum``)."""
+        """``[..., hidden] -> [..., vocab_size]`` (one ``all_sum``, or deferred: see
+        :meth:`PipelineStage.deferring`)."""
         zeros = mx.depends(mx.zeros((*h.shape[:-1], self.vocab_size), dtype=self.dtype), h)
-        return _finish_pass(mx.distributed.all_sum(zeros, group=self.group))
+        return _sum_or_defer(zeros, self.pipeline_owner)
 
 
 class ZeroEmbedding(ZeroHead):
@@ -184,7 +275,12 @@ class PipelineStage:
 
     Attributes:
         rank, size: the pipeline rank and size. start, end: the layers ``[start, end)``.
-        tied: the model ties its head to the embedding. group: the ``mx.distributed`` group.
+        tied: the model ties its head to the embedding. group: the ``mx.distributed`` group
+            (all ranks).
+        tensor_parallel_size, tensor_rank: combined tensor + pipeline parallelism: this
+            stage's layers are also split across ``tensor_parallel_size`` ranks (world ranks
+            ``rank * tensor_parallel_size + tensor_rank``); 1 and 0 for pipeline only.
+        counts: layers per stage (all stages), for the combined mode's collective sequence.
     """
 
     rank: int
@@ -193,6 +289,77 @@ class PipelineStage:
     end: int
     tied: bool
     group: Any
+    tensor_parallel_size: int = 1
+    tensor_rank: int = 0
+    counts: Optional[list] = None
+    micro_batches: int = 1
+    micro_batch_min_tokens: int = MICRO_BATCH_MIN_TOKENS
+    deferred: bool = False
+    #: steps :meth:`split` cut into more than one micro-batch (a statistic)
+    split_steps: int = 0
+
+    @property
+    def overlaps(self) -> bool:
+        """True when passes can be in flight on several stages at once: pipeline only (the
+        combined mode's sums take every rank, so no stage runs ahead)."""
+        return self.size > 1 and not self.combined
+
+    def split(self, token_counts: list[int]) -> list[list[int]]:
+        """The micro-batches of one step: item indices in consecutive groups of about equal
+        token counts (each group non-empty), as many as ``micro_batches`` allows while
+        every group keeps at least ``micro_batch_min_tokens`` tokens.
+
+        The floor is why decode steps of a few sequences stay whole: a decode row's cost
+        is reading the weights, which every micro-batch reads again, so splitting them
+        only adds passes (measured: ``benchmarks/bench_parallel.py``, docs/benchmarks.md),
+        while prompt tokens are bound by arithmetic, which the stages then share.
+
+        Args:
+            token_counts: new tokens of each item of the step, in order.
+        """
+        total = sum(token_counts)
+        groups = max(1, min(self.micro_batches, len(token_counts), total // max(1, self.micro_batch_min_tokens)))
+        out: list[list[int]] = [[]]
+        seen = 0
+        for index, count in enumerate(token_counts):
+            left_items = len(token_counts) - index
+            need_groups = groups - len(out)
+            if out[-1] and need_groups > 0 and (seen >= total * len(out) / groups or left_items <= need_groups):
+                out.append([])
+            out[-1].append(index)
+            seen += count
+        self.split_steps += len(out) > 1
+        return out
+
+    @contextlib.contextmanager
+    def deferring(self):
+        """Within: the output head evaluates this rank's part of each pass (its sends go
+        out) and returns it unsummed; :meth:`sum_logits` then sums the passes in build
+        order. So stage ``r`` computes pass ``k + 1`` while stage ``r + 1`` computes pass
+        ``k`` (GPipe's micro-batches: Huang et al., "GPipe: Efficient Training of Giant
+        Neural Networks using Pipeline Parallelism", 2019), and every rank still runs its
+        sends, receives and sums in one order (each evaluated in turn, see
+        :func:`_finish_pass`)."""
+        self.deferred = True
+        try:
+            yield self
+        finally:
+            self.deferred = False
+
+    def sum_logits(self, pieces: list[mx.array]) -> list[mx.array]:
+        """Sum each deferred pass's logits across ranks, in build order (empty ones stay
+        as they are: every rank holds the same shapes), each evaluated before the next."""
+        return [piece if piece.size == 0 else _finish_pass(mx.distributed.all_sum(piece, group=self.group))
+                for piece in pieces]
+
+    @property
+    def combined(self) -> bool:
+        """True when the stage's layers are split across tensor ranks too."""
+        return self.tensor_parallel_size > 1
+
+    @property
+    def world_rank(self) -> int:
+        return self.rank * self.tensor_parallel_size + self.tensor_rank
 
     @property
     def first(self) -> bool:
@@ -220,37 +387,45 @@ class PipelineStage:
 
         dtype = model_dtype_from(weights) or model_dtype(model)
         args = model.args
-        common = dict(pipeline_group=self.group)
+        common = dict(pipeline_group=self.group, pipeline_owner=self)
         backbone = model.model
         layers = list(backbone.layers[self.start : self.end])
         for index, layer in enumerate(layers):
             for sub in layer.modules():
                 if hasattr(sub, "layer_idx"):
                     sub.layer_idx = index
-        if not self.first:
-            _retype(layers[0], _Receive, pipeline_src=self.rank - 1, **common)
-        if not self.last:
-            _retype(layers[-1], _Send, pipeline_dst=self.rank + 1, **common)
+        if self.combined:
+            combined = dict(pipeline_rank=self.rank, pipeline_tensor_size=self.tensor_parallel_size,
+                            pipeline_world_rank=self.world_rank, pipeline_counts=list(self.counts), **common)
+            if not self.first:
+                _retype(layers[0], _CombinedEnter, **combined)
+            if not self.last:
+                _retype(layers[-1], _CombinedExit, **combined)
+        else:
+            if not self.first:
+                _retype(layers[0], _Receive, pipeline_src=self.rank - 1, **common)
+            if not self.last:
+                _retype(layers[-1], _Send, pipeline_dst=self.rank + 1, **common)
         backbone.layers = layers
         if not self.last and "norm" in backbone:
             backbone.norm = PassThrough()  # its output only feeds the zero head
         embed = backbone.embed_tokens
         if self.tied:
             if self.last:
-                _retype(embed, _SummedHead, **common)
+                _retype(embed, _SummedHead, pipeline_contributes=self.tensor_rank == 0, **common)
                 if not self.first:
                     _retype(embed, _Placeholder, pipeline_hidden=args.hidden_size, pipeline_dtype=dtype)
             elif self.first:
                 _retype(embed, _ZeroHead, pipeline_vocab=args.vocab_size, pipeline_dtype=dtype, **common)
             else:
-                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group)
+                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group, self)
         else:
             if not self.first:
-                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group)
+                backbone.embed_tokens = ZeroEmbedding(args.vocab_size, args.hidden_size, dtype, self.group, self)
             if self.last:
-                _retype(model.lm_head, _SummedHead, **common)
+                _retype(model.lm_head, _SummedHead, pipeline_contributes=self.tensor_rank == 0, **common)
             else:
-                model.lm_head = ZeroHead(args.vocab_size, args.hidden_size, dtype, self.group)
+                model.lm_head = ZeroHead(args.vocab_size, args.hidden_size, dtype, self.group, self)
         model.args = _local_args(args, self.start, self.end)
         if getattr(backbone, "args", None) is args:
             backbone.args = model.args
@@ -288,6 +463,9 @@ def load_pipeline_stage(path_or_repo_id: Union[str, os.PathLike], parallel: Para
                         split: Optional[str] = None):
     """Load rank ``parallel.rank``'s pipeline stage of a checkpoint: ``(model, folder)``.
 
+    With both sizes above 1, world rank ``w`` holds stage ``w // tensor_parallel_size``,
+    split for tensor rank ``w % tensor_parallel_size`` (the module doc's combined mode).
+
     Raises:
         ShardingError: see :func:`parse_split`.
         ModelLoadError (and subclasses): as :func:`~mlx_ferrum.models.loader.load_model`.
@@ -299,11 +477,21 @@ def load_pipeline_stage(path_or_repo_id: Union[str, os.PathLike], parallel: Para
     config = load_config(folder)
     args = family(config.get("model_type")).ModelArgs.from_dict(config)
     split = split if split is not None else parallel.pipeline_split
-    counts = parse_split(split, args.num_hidden_layers, parallel.size)
-    start = sum(counts[: parallel.rank])
-    stage = PipelineStage(parallel.rank, parallel.size, start, start + counts[parallel.rank],
-                          bool(getattr(args, "tie_word_embeddings", False)), parallel.group)
-    model, _config, folder = load_model(folder, dtype=dtype, stage=stage)
+    tensor = parallel.tensor_parallel_size
+    stages = parallel.pipeline_parallel_size
+    counts = parse_split(split, args.num_hidden_layers, stages)
+    rank, tensor_rank = divmod(parallel.rank, tensor)
+    start = sum(counts[:rank])
+    stage = PipelineStage(rank, stages, start, start + counts[rank], bool(getattr(args, "tie_word_embeddings", False)),
+                          parallel.group, tensor, tensor_rank, counts)
+    shard = None
+    if tensor > 1:
+        from .sharding import SliceGroup, check_shardable, shard_model
+
+        check_shardable(args, tensor)  # before any tensor is read
+        shard = lambda m: shard_model(m, SliceGroup(tensor, tensor_rank), sum_group=parallel.group,  # noqa: E731
+                                      vocabulary=False)
+    model, _config, folder = load_model(folder, dtype=dtype, stage=stage, shard=shard)
     if dtype is not None:
         from ..models.loader import _resolve_dtype
 

@@ -38,7 +38,14 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_inplace, shard_linear
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+    shard_inplace,
+    shard_linear,
+)
 from mlx.utils import tree_flatten
 
 from ..errors import ShardingError
@@ -201,7 +208,39 @@ def _shard_dense_mlp(mlp: nn.Module, group) -> None:
     mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
 
 
-def shard_model(model: nn.Module, group) -> nn.Module:
+class SliceGroup:
+    """The ``size()`` / ``rank()`` of a group that only decides how weights are sliced.
+
+    Combined tensor + pipeline parallelism slices a stage's layers by the tensor rank
+    within the stage, while its sums run over the whole group (see
+    :mod:`~mlx_ferrum.distributed.pipeline`): MLX's ring backend has no sub-groups.
+
+    Args:
+        size, rank: the tensor-parallel size and this rank's place in it.
+    """
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+_COLLECTIVE_LAYERS = (AllToShardedLinear, ShardedToAllLinear, QuantizedAllToShardedLinear,
+                      QuantizedShardedToAllLinear)
+
+
+def _sum_over(module: nn.Module, group) -> None:
+    """Point every sharded linear layer (and MoE sum) under ``module`` at ``group``."""
+    for sub in module.modules():
+        if isinstance(sub, _COLLECTIVE_LAYERS + (SumAcrossRanks,)):
+            object.__setattr__(sub, "group", group)
+
+
+def shard_model(model: nn.Module, group, sum_group=None, vocabulary: bool = True) -> nn.Module:
     """Split ``model`` (any registered family) across ``group`` for tensor parallelism, in place.
 
     Call it on a loaded model before its parameters are evaluated (``load_model`` does,
@@ -212,6 +251,10 @@ def shard_model(model: nn.Module, group) -> nn.Module:
             ``n_heads``, ``n_kv_heads``) and ``mlp`` (gate/up/down, or an MoE block with
             ``experts``).
         group: the ``mx.distributed`` group; its size is the tensor-parallel size.
+        sum_group: the group the sums run over, when it is not ``group`` (combined tensor +
+            pipeline parallelism: ``group`` is then a :class:`SliceGroup` and the other
+            stages' ranks add zeros).
+        vocabulary: split the embedding and head by vocabulary rows when possible.
 
     Returns:
         ``model``, with ``model.args`` replaced by a copy holding the per-rank head counts.
@@ -230,7 +273,9 @@ def shard_model(model: nn.Module, group) -> nn.Module:
             layer.mlp = _shard_moe(layer.mlp, group, rank)
         else:
             _shard_dense_mlp(layer.mlp, group)
-    model.vocabulary_parallel = _shard_vocabulary(model, group, rank, size)
+        if sum_group is not None:
+            _sum_over(layer, sum_group)
+    model.vocabulary_parallel = vocabulary and _shard_vocabulary(model, group, rank, size)
     model.args = dataclasses.replace(
         args,
         num_attention_heads=args.num_attention_heads // size,

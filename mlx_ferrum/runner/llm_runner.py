@@ -23,6 +23,8 @@ the adapter :class:`~mlx_ferrum.executor.LlmExecutor`.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import threading
 from typing import Hashable, Optional, Sequence
@@ -379,18 +381,41 @@ class LlmRunner:
 
     def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
         """One code path for both layouts: the store places the tokens and says how
-        many passes they take (paged: one packed pass; contiguous: one per token count)."""
-        # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix caching
-        # hashes its block once set_token_ids() brings the id
-        passes, undo = self.store.prepare(
-            [(w.cache_id, self._cache_key_ids(w, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens))
-             for w in work],
-            as_decode=[self._as_decode(w) for w in work])
+        many passes they take (paged: one packed pass; contiguous: one per token count).
+
+        A pipeline stage (``model.pipeline_stage``, :mod:`mlx_ferrum.distributed.pipeline`)
+        that can overlap splits the step into micro-batches, each placed by the store on
+        its own, and sums the passes' logits across ranks only once all are built, so
+        the stages work on different micro-batches at the same time."""
+        stage = getattr(self.model, "pipeline_stage", None)
+        overlap = stage is not None and stage.overlaps
+        groups = stage.split([len(w.tokens) for w in work]) if overlap else [list(range(len(work)))]
         pieces: list[mx.array] = []
         owner: list[int] = []  # work index of each returned logits row, in piece order
+        undos: list = []
+
+        def undo() -> None:
+            for one in reversed(undos):
+                one()
+
         try:
-            for kv_pass in passes:
-                pieces.append(self._run_pass(work, kv_pass, prev, owner))
+            with stage.deferring() if overlap else contextlib.nullcontext():
+                for indices in groups:
+                    part = [work[i] for i in indices]
+                    # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix
+                    # caching hashes its block once set_token_ids() brings the id
+                    passes, part_undo = self.store.prepare(
+                        [(w.cache_id,
+                          self._cache_key_ids(w, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens))
+                         for w in part],
+                        as_decode=[self._as_decode(w) for w in part])
+                    undos.append(part_undo)
+                    for kv_pass in passes:
+                        part_owner: list[int] = []
+                        pieces.append(self._run_pass(part, kv_pass, prev, part_owner))
+                        owner.extend(indices[j] for j in part_owner)
+                if overlap:
+                    pieces = stage.sum_logits(pieces)
         except BaseException:  # Ctrl-C too: never leave slots appended twice
             undo()
             self.schedule_kv_state()

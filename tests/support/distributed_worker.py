@@ -54,7 +54,10 @@ def _run(spec: dict, result: dict) -> None:
 
     loader._load_safetensors = recording
     sizes = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
-    sizes[f"{spec['mode']}_parallel_size"] = spec["size"]
+    if "sizes" in spec:
+        sizes.update(spec["sizes"])
+    else:
+        sizes[f"{spec['mode']}_parallel_size"] = spec["size"]
     group = init_group(RuntimeConfig(distributed_backend="ring", distributed_timeout=spec.get("timeout", 60),
                                      pipeline_split=spec.get("pipeline_split"), **sizes))
     result["world_size"] = group.size
@@ -78,8 +81,13 @@ def _run(spec: dict, result: dict) -> None:
     for case in spec.get("cases", []):
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
                                max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"),
-                               kv_cache_dtype=case.get("kv_cache_dtype"), **sizes)
+                               kv_cache_dtype=case.get("kv_cache_dtype"),
+                               pipeline_micro_batches=case.get("pipeline_micro_batches"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
+        if getattr(model, "pipeline_stage", None) is not None:
+            from mlx_ferrum.distributed.pipeline import MICRO_BATCH_MIN_TOKENS
+
+            model.pipeline_stage.micro_batch_min_tokens = case.get("micro_batch_min_tokens") or MICRO_BATCH_MIN_TOKENS
         params = [SamplingParams(**p) for p in case["params"]]
         tokens: dict[str, list[int]] = {}
         if group.is_driver:
@@ -103,6 +111,7 @@ def _run(spec: dict, result: dict) -> None:
             "broadcasts": stats["lockstep_broadcasts"], "collectives": stats["lockstep_collectives"],
             "heartbeats": stats["heartbeats"], "num_preemptions": stats["num_preemptions"],
             "spec_proposed_tokens": stats["spec_proposed_tokens"], "spec_accepted_tokens": stats["spec_accepted_tokens"],
+            "micro_batched_steps": stats["pipeline_micro_batched_steps"],
         })
 
 
