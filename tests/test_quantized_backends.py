@@ -100,7 +100,7 @@ def test_every_step_equals_attention_over_the_stored_kv(llama, layout, kind, com
     last = {k: o for k, o in zip(["a", "b", "c", "d"], out[:2] + [out[4]] + [out[3]])}
     for _ in range(4):
         for k, o in last.items():
-            np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, seqs[k], kind), atol=2e-5,
+            np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, seqs[k], kind), atol=1e-4,
                                        rtol=1e-4, err_msg=f"sequence {k} at {len(seqs[k])} tokens")
         for k, o in last.items():
             seqs[k] = seqs[k] + [int(mx.argmax(o[-1]))]
@@ -125,7 +125,7 @@ def test_layer_groups_and_windows_read_only_their_own_blocks(gemma3, kind):
     out = dict(zip(seqs, runner.run([SeqWork(k, v) for k, v in seqs.items()])))
     for _ in range(8):
         for k, o in out.items():
-            np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(gemma3, seqs[k], kind), atol=2e-5,
+            np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(gemma3, seqs[k], kind), atol=1e-4,
                                        rtol=1e-4)
             seqs[k] = seqs[k] + [int(mx.argmax(o[-1]))]
         out = dict(zip(seqs, runner.run([SeqWork(k, [seqs[k][-1]]) for k in seqs])))
@@ -174,8 +174,8 @@ def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llam
     assert mh.LAUNCHES["paged_attention_decode"] > before["paged_attention_decode"]
     assert mh.LAUNCHES["paged_prefill_attention"] > before["paged_prefill_attention"]
     for p, o, s in zip(prompts, out, step):
-        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind), atol=2e-5, rtol=1e-4)
-        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], kind), atol=2e-5,
+        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], kind), atol=1e-4,
                                    rtol=1e-4)
 
 
