@@ -175,6 +175,12 @@ def paged_prefill_attention(
     )
 
 
+def _quantized_args(kv_cache_dtype: str, k_scales, v_scales, k_biases, v_biases) -> dict:
+    # the keyword arguments the metal functions (and their shape checks) take for code pools
+    return dict(kv_cache_dtype=kv_cache_dtype, k_scales=k_scales, v_scales=v_scales,
+                k_biases=k_biases, v_biases=v_biases)
+
+
 def _rotated_query(q: mx.array, keys_rotated: bool) -> mx.array:
     # the kernels take queries in the keys' basis: the pool stores keys rotated
     return quantized_reference.rotate(q, q.shape[-1]) if keys_rotated else q
@@ -216,8 +222,7 @@ def quantized_paged_attention_decode(
         KernelError: malformed quantized arrays on the kernel path.
     """
     if metal_path_enabled(metal_kernels):
-        quantized = dict(kv_cache_dtype=kv_cache_dtype, k_scales=k_scales, v_scales=v_scales,
-                         k_biases=k_biases, v_biases=v_biases)
+        quantized = _quantized_args(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
         reason = metal.decode_unsupported_reason(q, k_codes, v_codes, block_tables, context_lens, **quantized)
         if reason is None:
             return metal.paged_attention_decode(
@@ -264,8 +269,7 @@ def quantized_paged_prefill_attention(
         KernelError: malformed quantized arrays on the kernel path.
     """
     if metal_path_enabled(metal_kernels):
-        quantized = dict(kv_cache_dtype=kv_cache_dtype, k_scales=k_scales, v_scales=v_scales,
-                         k_biases=k_biases, v_biases=v_biases)
+        quantized = _quantized_args(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
         ctx = list(host_context_lens) if host_context_lens is not None else context_lens.tolist()
         qsl = list(host_query_start_loc) if host_query_start_loc is not None else query_start_loc.tolist()
         reason = metal.prefill_unsupported_reason(q, k_codes, v_codes, block_tables, ctx, qsl, **quantized)

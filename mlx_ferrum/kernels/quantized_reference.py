@@ -49,7 +49,7 @@ import numpy as np
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import ConfigurationError
-from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index, varlen_prefill_over_blocks
+from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index, softmax_base2, varlen_prefill_over_blocks
 
 #: The largest group size along ``head_dim`` (head_dim 64, 128, 256 use it).
 KV_GROUP_SIZE = 64
@@ -351,14 +351,7 @@ def attention_over_codes(
         scores = part if scores is None else scores + part
     if valid is not None:
         scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
-    m = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
-        m = mx.maximum(m, sink)
-    p = mx.power(2.0, scores - m)
-    denom = p.sum(axis=-1, keepdims=True)  # [S, KVH, g, 1]
-    if sinks is not None:
-        denom = denom + mx.power(2.0, sink - m)
+    p, denom = softmax_base2(scores, sinks, kvh, g)
     v_s = per_token(v_scales)
     v_b = per_token(v_biases) if affine else None
     outs = []

@@ -75,6 +75,29 @@ def decode_index(block_tables: mx.array, context_lens: mx.array, num_kv_heads: i
     return DecodeIndex(block_rows(block_tables, num_kv_heads), valid)
 
 
+def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int, group: int) -> tuple[mx.array, mx.array]:
+    """Unnormalised base-2 softmax of GQA-grouped decode scores (already scaled by
+    ``log2(e)``), with the attention sinks' logits in the denominator.
+
+    Args:
+        scores: ``[S, KVH, group, T]`` float32, masked positions ``-inf``.
+        sinks: ``[num_heads]`` natural-log sink logits, or None.
+
+    Returns:
+        ``(p [S, KVH, group, T], denom [S, KVH, group, 1])``: the attention is ``(p @ v) / denom``.
+    """
+    m = scores.max(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = (sinks.astype(mx.float32) * _LOG2_E).reshape(1, num_kv_heads, group, 1)
+        m = mx.maximum(m, sink)
+    p = mx.power(2.0, scores - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + mx.power(2.0, sink - m)
+    return p, denom
+
+
 def paged_attention_decode(
     q: mx.array,
     k_pool: mx.array,
@@ -145,14 +168,7 @@ def paged_attention_decode(
     if window is not None:
         valid = valid & (mx.arange(nb * bs)[None] >= context_lens[:, None] - window)
     scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
-    m = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
-        m = mx.maximum(m, sink)
-    p = mx.power(2.0, scores - m)
-    denom = p.sum(axis=-1, keepdims=True)  # [S, KVH, g, 1]
-    if sinks is not None:
-        denom = denom + mx.power(2.0, sink - m)
+    p, denom = softmax_base2(scores, sinks, kvh, g)
     out = (p @ values) / denom  # [S, KVH, g, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
