@@ -339,3 +339,27 @@ def test_a_draft_past_the_grammar_leaves_the_matcher_unchanged(stories):
     assert matcher.error is None
     matcher.accept(x)
     assert matcher.done
+
+
+def test_a_failure_cutting_one_draft_leaves_the_other_rows_alone(stories, monkeypatch):
+    """A grammar that raises while its draft is cut costs that row its draft only: every
+    request still gives its non-speculative output, and no block is left behind."""
+    from mlx_ferrum.engine.structured import GrammarMatcher
+
+    prompts, params = _draftable_requests()
+    plain = _engine(stories, "synchronous-paged").generate(prompts, params)
+    real = GrammarMatcher.allowed_prefix
+    calls = []
+
+    def flaky(self, token_ids, stop_ids=()):
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("injected")
+        return real(self, token_ids, stop_ids)
+
+    monkeypatch.setattr(GrammarMatcher, "allowed_prefix", flaky)
+    eng = _engine(stories, "speculative-ngram")
+    outs = eng.generate(prompts, params)
+    assert len(calls) >= 3
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert eng.executor.manager.num_in_use == 0 and not eng.executor.manager.seqs

@@ -613,7 +613,10 @@ class Engine:
                 if drafts:
                     found = self._proposer.propose([r for _, r in drafts])
                     for (i, request), proposal in zip(drafts, found):
-                        proposal, rejected = _grammar_allowed(items[i].seq, proposal)
+                        try:
+                            proposal, rejected = _grammar_allowed(items[i].seq, proposal)
+                        except Exception:  # noqa: BLE001 - this row only: it decodes without a draft
+                            proposal, rejected = Proposal([]), len(proposal.token_ids)
                         if proposal.token_ids:
                             proposals[i] = proposal
                         else:
