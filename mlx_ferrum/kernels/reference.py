@@ -11,11 +11,11 @@ Model Serving with PagedAttention", SOSP 2023):
 - ``context_lens``: ``[num_seqs]`` int32, tokens stored for each sequence, the new
   tokens included (they are written to the pool before attention runs).
 
-Decode gathers each sequence's blocks and takes scores block by block in the pool's
-layout, in float32; prefill gathers each sequence's blocks into a dense
-``[num_kv_heads, T, head_dim]`` view and calls ``mx.fast.scaled_dot_product_attention``
-(which handles GQA and accumulates in float32) with a causal mask. Both are exact up
-to the dtype's rounding of the gathered values.
+Decode gathers each sequence's blocks into a dense ``[num_kv_heads, T, head_dim]`` view
+and takes the scores in float32; prefill does the same for groups of sequences padded
+to a common length (:func:`prefill_groups`), with a causal mask. Both use a base-2
+softmax (:func:`softmax_base2`) and are exact up to the dtype's rounding of the
+gathered values.
 """
 
 from __future__ import annotations
@@ -265,11 +265,11 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
     gather and a dequantize). ``ctx`` / ``qsl``: host context lengths and query start
     offsets. Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype.
 
-    Segments are grouped by :func:`prefill_groups`: a group of one runs one
-    ``mx.fast.scaled_dot_product_attention`` over its own blocks (with a window, from
-    the first block the window reaches); a larger group runs one call over its
-    segments padded to the group's longest query and context, with a mask per segment
-    that is the causal (and window) mask of its own positions. Padded query rows repeat
+    Segments are grouped by :func:`prefill_groups`: a group of one attends over its own
+    blocks (with a window, from the first block the window reaches); a larger group
+    runs one call over its segments padded to the group's longest query and context,
+    with a mask per segment that is the causal (and window) mask of its own positions.
+    Both use :func:`_masked_attention_base2`. Padded query rows repeat
     a real row and are dropped; padded keys are masked, which is exact because pools stay
     finite (see :func:`write_kv_slots`). The call count per layer is then the number of
     groups, not of sequences: on MLX's CPU backend each call costs about ten graph ops.
@@ -278,15 +278,14 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
     groups = prefill_groups(qlens, ctx, block_size)
     if not groups:
         return mx.zeros_like(q)
-    extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
     outs = []
     for group in groups:
         if len(group) == 1:
             outs.append(_prefill_one(q, gather, block_size, block_tables, ctx[group[0]], qsl[group[0]],
-                                     qlens[group[0]], group[0], scale, window, extra))
+                                     qlens[group[0]], group[0], scale, window, sinks))
         else:
             outs.append(_prefill_padded(q, gather, block_size, block_tables, [ctx[i] for i in group],
-                                        [qsl[i] for i in group], [qlens[i] for i in group], group, scale, window, extra))
+                                        [qsl[i] for i in group], [qlens[i] for i in group], group, scale, window, sinks))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     packed = [i for group in groups for i in group]
     if packed != sorted(packed):
@@ -300,7 +299,7 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
     return out
 
 
-def _prefill_one(q, gather, block_size, block_tables, clen, q0, qlen, seq, scale, window, extra) -> mx.array:
+def _prefill_one(q, gather, block_size, block_tables, clen, q0, qlen, seq, scale, window, sinks) -> mx.array:
     """One segment's causal attention over its own blocks: ``[qlen, H, D]``."""
     nb = -(-clen // block_size)
     # with a window, blocks wholly before the first query's window are skipped
@@ -315,12 +314,11 @@ def _prefill_one(q, gather, block_size, block_tables, clen, q0, qlen, seq, scale
     allowed = kpos <= qpos  # [qlen, clen - start]
     if window is not None:
         allowed = allowed & (kpos > qpos - window)
-    mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
-    o = mx.fast.scaled_dot_product_attention(qi, keys, values, scale=scale, mask=mask, **extra)
+    o = _masked_attention_base2(qi, keys, values, allowed[None, None], scale, sinks)
     return mx.swapaxes(o[0], 0, 1)  # [qlen, H, D]
 
 
-def _prefill_padded(q, gather, block_size, block_tables, ctx, starts, qlens, seqs, scale, window, extra) -> mx.array:
+def _prefill_padded(q, gather, block_size, block_tables, ctx, starts, qlens, seqs, scale, window, sinks) -> mx.array:
     """Several segments in one padded call; rows of segment after segment, ``[sum(qlens), H, D]``."""
     num = len(seqs)
     qmax = max(qlens)
@@ -337,7 +335,7 @@ def _prefill_padded(q, gather, block_size, block_tables, ctx, starts, qlens, seq
     allowed = kpos <= qpos  # [S, qmax, T]
     if window is not None:
         allowed = allowed & (kpos > qpos - window)
-    o = _masked_attention_base2(qb, keys, values, allowed[:, None], scale, extra.get("sinks"))
+    o = _masked_attention_base2(qb, keys, values, allowed[:, None], scale, sinks)
     o = o.swapaxes(1, 2).reshape(num * qmax, num_heads, head_dim)
     keep = (np.arange(num)[:, None] * qmax + j)[j < qlen_np]
     return o[mx.array(keep.astype(np.int32))]
