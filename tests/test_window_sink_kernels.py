@@ -129,3 +129,11 @@ def test_prefill_groups_bound_the_padding():
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4, 6]  # every non-empty segment once
     assert [0] in groups  # the long chunk is not padded out to the tails, nor they to it
     assert [1, 2, 3, 4, 6] == sorted(next(g for g in groups if 2 in g))  # the five tails share one call
+
+
+def test_prefill_groups_cap_the_scores_of_one_call():
+    qlens, ctx = [300] * 8, [340] * 8
+    groups = reference.prefill_groups(qlens, ctx, 16, num_heads=8)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    for g in groups:
+        assert len(g) * 300 * 352 * 8 <= reference.PAD_MAX_SCORES or len(g) == 1

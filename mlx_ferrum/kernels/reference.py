@@ -225,16 +225,22 @@ def paged_prefill_attention(
 #: costs about ten graph ops (~0.3 ms), a padded score about 5 ns (its product, mask and
 #: exponential), so a segment joins a padded group while that adds fewer than this.
 PAD_SLACK = 64 * 1024
+#: Most score elements (heads included) of one padded call, 2 MB of float32: past a
+#: few MB the score, mask and exponential passes stream from memory instead of cache
+#: (one call over 31 chunks of 340 tokens, 30 M scores, ran 3x slower than a call per
+#: chunk; caps of 0.25-4 M scores measured best at 0.5 M on stories260K waves).
+PAD_MAX_SCORES = 1 << 19
 
 
-def prefill_groups(qlens: Sequence[int], ctx: Sequence[int], block_size: int) -> list[list[int]]:
+def prefill_groups(qlens: Sequence[int], ctx: Sequence[int], block_size: int, num_heads: int = 1) -> list[list[int]]:
     """Indices of the non-empty segments ``i`` (``qlens[i] > 0``) split into groups that
     one padded attention call each serves.
 
     A group's padded score matrix is ``len(group) * max_qlen * max_blocks * block_size``
     elements. Segments are taken longest query first; one joins the current group when
     the padded matrix grows by at most :data:`PAD_SLACK` elements more than the segment
-    alone would cost in a call of its own. Many short prompt tails (a shared system
+    alone would cost in a call of its own, and while the group's scores over all
+    ``num_heads`` stay within :data:`PAD_MAX_SCORES`. Many short prompt tails (a shared system
     prompt served from the prefix cache) then take one call per layer instead of one
     each, while a long chunk beside them is not padded out to every row.
     """
@@ -246,7 +252,7 @@ def prefill_groups(qlens: Sequence[int], ctx: Sequence[int], block_size: int) ->
         if groups:
             size = len(groups[-1])
             grown = (size + 1) * max(qmax, qlens[i]) * max(tmax, t)
-            if grown - size * qmax * tmax - qlens[i] * t <= PAD_SLACK:
+            if grown - size * qmax * tmax - qlens[i] * t <= PAD_SLACK and grown * num_heads <= PAD_MAX_SCORES:
                 groups[-1].append(i)
                 qmax, tmax = max(qmax, qlens[i]), max(tmax, t)
                 continue
@@ -275,7 +281,7 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
     groups, not of sequences: on MLX's CPU backend each call costs about ten graph ops.
     """
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(ctx))]
-    groups = prefill_groups(qlens, ctx, block_size)
+    groups = prefill_groups(qlens, ctx, block_size, q.shape[1])
     if not groups:
         return mx.zeros_like(q)
     outs = []
