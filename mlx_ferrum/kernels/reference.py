@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .exp2 import exp2
+
 _NEG_INF = float("-inf")
 _LOG2_E = 1.4426950408889634  # log2(e): exp(x) == 2 ** (x * log2(e))
 
@@ -94,10 +96,10 @@ def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int
     if sinks is not None:
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape((1, num_kv_heads, group) + (1,) * (scores.ndim - 3))
         m = mx.maximum(m, sink)
-    p = mx.power(2.0, scores - m)
+    p = exp2(scores - m)
     denom = p.sum(axis=-1, keepdims=True)
     if sink is not None:
-        denom = denom + mx.power(2.0, sink - m)
+        denom = denom + exp2(sink - m)
     return p, denom
 
 

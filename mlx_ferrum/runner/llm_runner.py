@@ -38,6 +38,7 @@ from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
 from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
+from ..kernels.exp2 import fusing as exp2_fusing
 from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata, paged_metadata
@@ -627,7 +628,12 @@ class LlmRunner:
 
         The complete metadata (:func:`~mlx_ferrum.layers.backends.paged_metadata`: pool
         indices, decode indices, RoPE tables) is built here from the traced inputs, before
-        the model runs, so every replay derives it from that step's arrays."""
+        the model runs, so every replay derives it from that step's arrays. The softmaxes'
+        ``2 ** x`` are traced as fusable arithmetic (:func:`~mlx_ferrum.kernels.exp2.fusing`)."""
+        with exp2_fusing():
+            return self._decode_graph_body(input_ids, arrays, pool_arrays)
+
+    def _decode_graph_body(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
         pool = self.pool.with_arrays(pool_arrays)
         store = self.store
         meta = paged_metadata(

@@ -1,0 +1,40 @@
+"""The softmaxes' ``2 ** x`` (``mlx_ferrum.kernels.exp2``) against numpy in float64."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_ferrum.kernels import exp2 as exp2_module
+from mlx_ferrum.kernels.exp2 import exp2, fusing
+
+
+def _inputs() -> np.ndarray:
+    return np.concatenate([np.linspace(-130.0, 130.0, 100_001),
+                           [-np.inf, np.inf, 0.0, -0.5, 0.5, -126.0, -127.0, 127.0]]).astype(np.float32)
+
+
+def test_fused_arithmetic_matches_float64_within_float32_rounding():
+    x = _inputs()
+    with fusing():
+        y = np.array(mx.compile(exp2)(mx.array(x)))
+    ref = 2.0 ** x.astype(np.float64)
+    normal = (x >= -126) & (x <= 127)
+    assert np.max(np.abs(y[normal] - ref[normal]) / ref[normal]) < 3e-7
+    assert np.all(y[x < -126.5] == 0.0)  # -inf included: a masked score weighs nothing
+    assert np.all(np.isposinf(y[x > 127.5]))
+    assert y[x == 0.0][0] == 1.0
+
+
+def test_outside_a_fusing_block_it_is_mx_power():
+    x = mx.array(_inputs()[::7])
+    assert np.array_equal(np.array(exp2(x)), np.array(mx.power(2.0, x)), equal_nan=True)
+
+
+def test_large_inputs_keep_mx_power_even_when_fusing(monkeypatch):
+    monkeypatch.setattr(exp2_module, "MAX_FUSED_SIZE", 10)
+    x = mx.array(np.linspace(-5, 0, 11, dtype=np.float32))
+    with fusing():
+        assert np.array_equal(np.array(exp2(x)), np.array(mx.power(2.0, x)))
+        assert not np.array_equal(np.array(exp2(x[:10])), np.array(mx.power(2.0, x[:10])))
+    assert not getattr(exp2_module._local, "fusing", False)  # the block restores the flag
