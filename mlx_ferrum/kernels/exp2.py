@@ -56,6 +56,11 @@ def fusing() -> Iterator[None]:
         _local.fusing = before
 
 
+def is_fusing() -> bool:
+    """True inside :func:`fusing` on this thread."""
+    return getattr(_local, "fusing", False)
+
+
 def _exp2_graph(x: mx.array) -> mx.array:
     clipped = mx.minimum(mx.maximum(x, -127.0), 128.0)
     whole = mx.round(clipped)
