@@ -137,3 +137,21 @@ def test_prefill_groups_cap_the_scores_of_one_call():
     assert sorted(i for g in groups for i in g) == list(range(8))
     for g in groups:
         assert len(g) * 300 * 352 * 8 <= reference.PAD_MAX_SCORES or len(g) == 1
+
+
+def test_masked_attention_branches_agree(monkeypatch):
+    # the CPU backend's base-2 softmax and the fused SDPA that GPUs run, on one masked
+    # grouped-query problem with sinks (the fused call also runs on the CPU backend)
+    rng = np.random.default_rng(5)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((3, 8, 5, 16), (3, 2, 20, 16), (3, 2, 20, 16)))
+    allowed = rng.random((3, 1, 5, 20)) < 0.7
+    allowed[..., 0] = True
+    sinks = mx.array(rng.standard_normal(8).astype(np.float32))
+    cpu = reference._masked_attention(q, k, v, mx.array(allowed), 0.25, sinks)
+
+    class _Gpu:
+        type = "gpu"
+
+    monkeypatch.setattr(reference.mx, "default_device", lambda: _Gpu())
+    fused = reference._masked_attention(q, k, v, mx.array(allowed), 0.25, sinks)
+    assert np.abs(np.array(cpu) - np.array(fused)).max() < 1e-5

@@ -277,7 +277,8 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
     blocks (with a window, from the first block the window reaches); a larger group
     runs one call over its segments padded to the group's longest query and context,
     with a mask per segment that is the causal (and window) mask of its own positions.
-    Both use :func:`_masked_attention_base2`. Padded query rows repeat
+    Both end in :func:`_masked_attention` (base-2 softmax on the CPU backend, the fused
+    SDPA on GPUs). Padded query rows repeat
     a real row and are dropped; padded keys are masked, which is exact because pools stay
     finite (see :func:`write_kv_slots`). The call count per layer is then the number of
     groups, not of sequences: on MLX's CPU backend each call costs about ten graph ops.
@@ -322,7 +323,7 @@ def _prefill_one(q, gather, block_size, block_tables, clen, q0, qlen, seq, scale
     allowed = kpos <= qpos  # [qlen, clen - start]
     if window is not None:
         allowed = allowed & (kpos > qpos - window)
-    o = _masked_attention_base2(qi, keys, values, allowed[None, None], scale, sinks)
+    o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks)
     return mx.swapaxes(o[0], 0, 1)  # [qlen, H, D]
 
 
@@ -343,10 +344,23 @@ def _prefill_padded(q, gather, block_size, block_tables, ctx, starts, qlens, seq
     allowed = kpos <= qpos  # [S, qmax, T]
     if window is not None:
         allowed = allowed & (kpos > qpos - window)
-    o = _masked_attention_base2(qb, keys, values, allowed[:, None], scale, sinks)
+    o = _masked_attention(qb, keys, values, allowed[:, None], scale, sinks)
     o = o.swapaxes(1, 2).reshape(num * qmax, num_heads, head_dim)
     keep = (np.arange(num)[:, None] * qmax + j)[j < qlen_np]
     return o[mx.array(keep.astype(np.int32))]
+
+
+def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, allowed: mx.array, scale: float,
+                      sinks: Optional[mx.array]) -> mx.array:
+    """Masked grouped-query attention, ``[S, H, Q, D]`` in q's dtype: on MLX's CPU backend
+    :func:`_masked_attention_base2`; elsewhere the fused
+    ``mx.fast.scaled_dot_product_attention`` (a GPU's flash kernel, matrix units on Metal).
+    ``allowed`` ``[S, 1, Q, T]`` bool."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return _masked_attention_base2(q, keys, values, allowed, scale, sinks)
+    mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
+    extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, **extra)
 
 
 def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allowed: mx.array, scale: float,
