@@ -13,9 +13,10 @@ Model Serving with PagedAttention", SOSP 2023):
 
 Decode gathers each sequence's blocks into a dense ``[num_kv_heads, T, head_dim]`` view
 and takes the scores in float32; prefill does the same for groups of sequences padded
-to a common length (:func:`prefill_groups`), with a causal mask. Both use a base-2
-softmax (:func:`softmax_base2`) and are exact up to the dtype's rounding of the
-gathered values.
+to a common length (:func:`prefill_groups`), with a causal mask. Both take a base-2
+softmax (:func:`softmax_base2`; off the CPU backend prefill calls the fused
+``mx.fast.scaled_dot_product_attention``) and are exact up to the dtype's rounding of
+the gathered values.
 """
 
 from __future__ import annotations
@@ -278,9 +279,8 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
     runs one call over its segments padded to the group's longest query and context,
     with a mask per segment that is the causal (and window) mask of its own positions.
     Both end in :func:`_masked_attention` (base-2 softmax on the CPU backend, the fused
-    SDPA on GPUs). Padded query rows repeat
-    a real row and are dropped; padded keys are masked, which is exact because pools stay
-    finite (see :func:`write_kv_slots`). The call count per layer is then the number of
+    SDPA on GPUs). Padded query rows repeat a real row and are dropped; padded keys are
+    masked, which is exact because pools stay finite (see :func:`write_kv_slots`). The call count per layer is then the number of
     groups, not of sequences: on MLX's CPU backend each call costs about ten graph ops.
     """
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(ctx))]
