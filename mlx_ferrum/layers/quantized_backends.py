@@ -160,14 +160,15 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         row's slots up to the longest (codes, not floats) and masking past its length.
         Prefill passes read the dequantized rows (:meth:`read`).
         """
-        if self.rotate_keys:
-            q = rotate(q, q.shape[-1])
         if q.shape[2] != 1:
+            if self.rotate_keys:
+                q = rotate(q, q.shape[-1])
             return super().attend(layer, q, k, v, meta, scale, window, sinks)
         return self._decode(layer, q, meta, scale, window, sinks)
 
     def _decode(self, layer, q, meta, scale, window, sinks) -> mx.array:
-        """One query per row ``q`` ``[B, H, 1, D]`` (rotated) over the rows' codes -> ``[B, H, 1, D]``.
+        """One query per row ``q`` ``[B, H, 1, D]`` (not rotated: the compiled attention
+        rotates it, one fused graph with the rest) over the rows' codes -> ``[B, H, 1, D]``.
 
         Every row's slots ``first .. first + span - 1`` are read, ``span`` rounded up to a
         multiple of :data:`DECODE_READ_GRANULE` so that consecutive steps share the shape of
@@ -199,17 +200,21 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         return attend(q[:, :, 0, :], heads, context, sinks)[:, :, None, :]
 
     def _compiled_attention(self, scale: float, window, shape: tuple, heads: list, sinks):
-        """``mx.compile`` of :func:`attention_over_codes` with its mask for this scale and
-        window (fused elementwise chains instead of op-by-op dispatch in an uncompiled
-        contiguous step), over ``heads``: lists of stored arrays, each for a consecutive
+        """``mx.compile`` of the queries' rotation (when the keys are rotated) and
+        :func:`attention_over_codes` with its mask for this scale and window (fused
+        elementwise chains instead of op-by-op dispatch in an uncompiled contiguous
+        step), over ``heads``: lists of stored arrays, each for a consecutive
         part of the KV heads (the query heads split alike). Its traces are dropped once
         :data:`MAX_DECODE_TRACES` input shapes were seen, so a long run holds a bounded number."""
         key = (scale, window, sinks is None)
+        rotate_keys = self.rotate_keys
         entry = self._compiled.get(key)
         shapes = (tuple(shape), len(heads), tuple(heads[0][0].shape))
         if entry is None or (shapes not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
 
             def attend(q, heads, context, sinks):
+                if rotate_keys:
+                    q = rotate(q, q.shape[-1])
                 positions = mx.arange(heads[0][0].shape[2])[None, :]
                 valid = positions < context
                 if window is not None:
