@@ -94,15 +94,12 @@ def test_prefill_window_and_sinks(window, use_sinks):
     assert np.abs(np.array(out) - np.stack(expected)).max() < 1e-4
 
 
+
 @pytest.mark.parametrize("window,use_sinks", [(None, False), (7, True)])
-def test_prefill_groups_of_padded_segments_match_the_definition(window, use_sinks, monkeypatch):
-    # one long chunk and many short tails over cached prefixes, in an order that is not
-    # the groups' (longest query first): several padded calls, rows put back in packed order
+def test_prefill_of_many_segments_matches_the_definition(window, use_sinks):
+    # one long chunk and several short tails over cached prefixes, in one packed pass
     lens = [9, 40, 23, 64, 11, 37, 5]
     qlens = [2, 3, 23, 60, 1, 4, 5]
-    monkeypatch.setattr(reference, "PAD_SLACK", 200)  # this small case would fit one call
-    groups = reference.prefill_groups(qlens, lens, BS)
-    assert len(groups) > 1 and max(len(g) for g in groups) > 1
     rng, k_pool, v_pool, table, dense = _setup(lens, seed=3)
     q = rng.standard_normal((sum(qlens), H, D)).astype(np.float32)
     sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
@@ -110,34 +107,11 @@ def test_prefill_groups_of_padded_segments_match_the_definition(window, use_sink
     qsl = np.concatenate([[0], np.cumsum(qlens)]).tolist()
     expected = [_dense(q[qsl[i] + j], *dense[i], n - ql + j, window, sinks, scale)
                 for i, (n, ql) in enumerate(zip(lens, qlens)) for j in range(ql)]
-    calls = []
-    for name in ("_prefill_one", "_prefill_padded"):
-        real = getattr(reference, name)
-        monkeypatch.setattr(reference, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     out = reference.paged_prefill_attention(
         mx.array(q), mx.array(k_pool), mx.array(v_pool), mx.array(table), mx.array(lens, dtype=mx.int32),
         mx.array(qsl, dtype=mx.int32), scale, window=window, sinks=None if sinks is None else mx.array(sinks),
     )
     assert np.abs(np.array(out) - np.stack(expected)).max() < 1e-4
-    assert len(calls) == len(groups)  # one call per group, not per segment
-
-
-def test_prefill_groups_bound_the_padding():
-    qlens = [512, 20, 25, 18, 30, 0, 22]
-    ctx = [512, 340, 345, 338, 350, 100, 342]
-    groups = reference.prefill_groups(qlens, ctx, 16)
-    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4, 6]  # every non-empty segment once
-    assert [0] in groups  # the long chunk is not padded out to the tails, nor they to it
-    assert [1, 2, 3, 4, 6] == sorted(next(g for g in groups if 2 in g))  # the five tails share one call
-
-
-def test_prefill_groups_cap_the_scores_of_one_call():
-    qlens, ctx = [300] * 8, [340] * 8
-    groups = reference.prefill_groups(qlens, ctx, 16, num_heads=8)
-    assert sorted(i for g in groups for i in g) == list(range(8))
-    for g in groups:
-        assert len(g) * 300 * 352 * 8 <= reference.PAD_MAX_SCORES or len(g) == 1
-
 
 def test_masked_attention_branches_agree(monkeypatch):
     # the CPU backend's base-2 softmax and the fused SDPA that GPUs run, on one masked

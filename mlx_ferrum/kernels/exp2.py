@@ -1,12 +1,12 @@
 """``2 ** x`` for the softmaxes of the CPU attention paths, as arithmetic that a
 compiled step fuses into one vectorised loop.
 
-On MLX's CPU backend ``mx.power(2.0, x)`` costs about 4.7 ns per element and
-``mx.exp`` 11.6 ns (measured on 90 K and 2.25 M float32 scores, AMD EPYC, MLX 0.32),
-and the softmax's exponentials are the largest single cost of attention there at small
-``head_dim`` (0.43 of 1.31 ms for one stories260K decode layer at 32 sequences of 352
-keys). Inside ``mx.compile`` the graph of :func:`_exp2_graph` runs at about 2 ns per
-element:
+On MLX's CPU backend ``mx.exp`` costs 12-17 ns per float32 element and
+``mx.power(2.0, x)`` about 4.9 ns, and the softmax's exponentials are the largest
+elementwise cost of attention there at small ``head_dim``. Inside ``mx.compile`` the
+graph of :func:`_exp2_graph` runs at about 3 ns per element, and a stories260K decode
+step over 32 sequences of 340 tokens ran 1.07-1.21x faster with it
+(``benchmarks/bench_cpu_attention.py`` measures all three). The method:
 
 - range reduction ``x = n + f`` with ``n = round(x)`` and ``f`` in ``[-1/2, 1/2]``;
 - ``2 ** f`` by its Taylor polynomial of degree 6 (``sum (f ln 2)^k / k!``; the
@@ -36,9 +36,10 @@ import mlx.core as mx
 
 #: Taylor coefficients (ln 2)^k / k! of 2 ** f, k = 1 .. 6
 _COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(1, 7))
-#: Largest input that takes the fused arithmetic: from 2**19 + 1 elements on, MLX 0.32's
-#: CPU backend ran the same fused kernel 7x slower per element (7.6 against 1.1 ms at
-#: 2**19), while ``mx.power`` stays at 4.9 ns per element, so larger inputs use it.
+#: Largest input that takes the fused arithmetic: from about 2**20 elements on, MLX
+#: 0.32's CPU backend ran the fused kernel 1.5x (2**20) to 3.5x (2**22) slower per
+#: element than ``mx.power``, which keeps its speed, so larger inputs use it
+#: (``benchmarks/bench_cpu_attention.py`` times both at this size and 8x past it).
 MAX_FUSED_SIZE = 1 << 19
 
 _local = threading.local()

@@ -12,11 +12,10 @@ Model Serving with PagedAttention", SOSP 2023):
   tokens included (they are written to the pool before attention runs).
 
 Decode gathers each sequence's blocks into a dense ``[num_kv_heads, T, head_dim]`` view
-and takes the scores in float32; prefill does the same for groups of sequences padded
-to a common length (:func:`prefill_groups`), with a causal mask. Both take a base-2
-softmax (:func:`softmax_base2`; off the CPU backend prefill calls the fused
-``mx.fast.scaled_dot_product_attention``) and are exact up to the dtype's rounding of
-the gathered values.
+and takes the scores in float32; prefill does the same per sequence, with a causal
+mask. Both take a base-2 softmax (:func:`softmax_base2`; off the CPU backend prefill
+calls the fused ``mx.fast.scaled_dot_product_attention``) and are exact up to the
+dtype's rounding of the gathered values.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from .exp2 import exp2
 
@@ -224,130 +222,46 @@ def paged_prefill_attention(
                                       k_pool.shape[2], block_tables, ctx, qsl, scale, window, sinks)
 
 
-#: Padded score elements one more attention call is worth: on MLX's CPU backend a call
-#: costs about ten graph ops (~0.3 ms), a padded score about 5 ns (its product, mask and
-#: exponential), so a segment joins a padded group while that adds fewer than this.
-PAD_SLACK = 64 * 1024
-#: Most score elements (heads included) of one padded call, 2 MB of float32: past a
-#: few MB the score, mask and exponential passes stream from memory instead of cache
-#: (one call over 31 chunks of 340 tokens, 30 M scores, ran 3x slower than a call per
-#: chunk; caps of 0.25-4 M scores measured best at 0.5 M on stories260K waves).
-PAD_MAX_SCORES = 1 << 19
-
-
-def prefill_groups(qlens: Sequence[int], ctx: Sequence[int], block_size: int, num_heads: int = 1) -> list[list[int]]:
-    """Indices of the non-empty segments ``i`` (``qlens[i] > 0``) split into groups that
-    one padded attention call each serves.
-
-    A group's padded score matrix is ``len(group) * max_qlen * max_blocks * block_size``
-    elements. Segments are taken longest query first; one joins the current group when
-    the padded matrix grows by at most :data:`PAD_SLACK` elements more than the segment
-    alone would cost in a call of its own, and while the group's scores over all
-    ``num_heads`` stay within :data:`PAD_MAX_SCORES`. Many short prompt tails (a shared system
-    prompt served from the prefix cache) then take one call per layer instead of one
-    each, while a long chunk beside them is not padded out to every row.
-    """
-    order = sorted((i for i, n in enumerate(qlens) if n > 0), key=lambda i: (-qlens[i], -ctx[i]))
-    groups: list[list[int]] = []
-    qmax = tmax = 0
-    for i in order:
-        t = -(-ctx[i] // block_size) * block_size
-        if groups:
-            size = len(groups[-1])
-            grown = (size + 1) * max(qmax, qlens[i]) * max(tmax, t)
-            if grown - size * qmax * tmax - qlens[i] * t <= PAD_SLACK and grown * num_heads <= PAD_MAX_SCORES:
-                groups[-1].append(i)
-                qmax, tmax = max(qmax, qlens[i]), max(tmax, t)
-                continue
-        groups.append([i])
-        qmax, tmax = qlens[i], t
-    return groups
-
-
 def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_tables: mx.array, ctx: Sequence[int],
                                qsl: Sequence[int], scale: float, window: Optional[int] = None,
                                sinks: Optional[mx.array] = None) -> mx.array:
-    """The varlen causal prefill shared by the float and the quantized references.
+    """The varlen causal prefill loop shared by the float and the quantized references.
 
-    ``gather(tables)`` returns the keys and values of the blocks ``tables`` ``[..., nb]``
-    names, ``[..., KVH, nb * block_size, D]`` (float pools: a gather; quantized pools: a
-    gather and a dequantize). ``ctx`` / ``qsl``: host context lengths and query start
-    offsets. Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    ``gather(table)`` returns one sequence's keys and values ``[KVH, len(table) *
+    block_size, D]`` from the blocks ``table`` names (float pools: a gather; quantized
+    pools: a gather and a dequantize). ``ctx`` / ``qsl``: host context lengths and query
+    start offsets. Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype.
 
-    Segments are grouped by :func:`prefill_groups`: a group of one attends over its own
-    blocks (with a window, from the first block the window reaches); a larger group
-    runs one call over its segments padded to the group's longest query and context,
-    with a mask per segment that is the causal (and window) mask of its own positions.
-    Both end in :func:`_masked_attention` (base-2 softmax on the CPU backend, the fused
-    SDPA on GPUs). Padded query rows repeat a real row and are dropped; padded keys are
-    masked, which is exact because pools stay finite (see :func:`write_kv_slots`). The call count per layer is then the number of
-    groups, not of sequences: on MLX's CPU backend each call costs about ten graph ops.
+    Each sequence attends over its own blocks (with a window, from the first block the
+    window reaches) through :func:`_masked_attention`. Padding several sequences into
+    one call was measured too (32 prompt tails over a 340-token cached prefix,
+    stories260K): no faster at up to 0.25 M scores per call and 20 % slower at 0.5 M, as
+    the padded score passes leave the cache, so each sequence keeps its own call.
     """
-    qlens = [qsl[i + 1] - qsl[i] for i in range(len(ctx))]
-    groups = prefill_groups(qlens, ctx, block_size, q.shape[1])
-    if not groups:
-        return mx.zeros_like(q)
     outs = []
-    for group in groups:
-        if len(group) == 1:
-            outs.append(_prefill_one(q, gather, block_size, block_tables, ctx[group[0]], qsl[group[0]],
-                                     qlens[group[0]], group[0], scale, window, sinks))
-        else:
-            outs.append(_prefill_padded(q, gather, block_size, block_tables, [ctx[i] for i in group],
-                                        [qsl[i] for i in group], [qlens[i] for i in group], group, scale, window, sinks))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    packed = [i for group in groups for i in group]
-    if packed != sorted(packed):
-        # rows came out group by group: put them back in packed (query_start_loc) order
-        where = np.empty(qsl[len(ctx)] - qsl[0], dtype=np.int32)
-        row = 0
-        for i in packed:
-            where[qsl[i] - qsl[0] : qsl[i] - qsl[0] + qlens[i]] = np.arange(row, row + qlens[i])
-            row += qlens[i]
-        out = out[mx.array(where)]
-    return out
-
-
-def _prefill_one(q, gather, block_size, block_tables, clen, q0, qlen, seq, scale, window, sinks) -> mx.array:
-    """One segment's causal attention over its own blocks: ``[qlen, H, D]``."""
-    nb = -(-clen // block_size)
-    # with a window, blocks wholly before the first query's window are skipped
-    first = max(0, clen - qlen - window + 1) // block_size if window is not None else 0
-    keys, values = gather(block_tables[seq, first:nb])
-    start = first * block_size
-    keys = keys[None, :, : clen - start]  # [1, KVH, clen - start, D]
-    values = values[None, :, : clen - start]
-    qi = mx.swapaxes(q[q0 : q0 + qlen], 0, 1)[None]  # [1, H, qlen, D]
-    qpos = mx.arange(clen - qlen, clen)[:, None]
-    kpos = mx.arange(start, clen)[None, :]
-    allowed = kpos <= qpos  # [qlen, clen - start]
-    if window is not None:
-        allowed = allowed & (kpos > qpos - window)
-    o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks)
-    return mx.swapaxes(o[0], 0, 1)  # [qlen, H, D]
-
-
-def _prefill_padded(q, gather, block_size, block_tables, ctx, starts, qlens, seqs, scale, window, sinks) -> mx.array:
-    """Several segments in one padded call; rows of segment after segment, ``[sum(qlens), H, D]``."""
-    num = len(seqs)
-    qmax = max(qlens)
-    nb = max(-(-c // block_size) for c in ctx)
-    _, num_heads, head_dim = q.shape
-    j = np.arange(qmax)[None, :]
-    qlen_np = np.asarray(qlens)[:, None]
-    # a padded query row repeats the segment's last row (its output is dropped)
-    rows = np.asarray(starts)[:, None] + np.minimum(j, qlen_np - 1)
-    qb = q[mx.array(rows.reshape(-1).astype(np.int32))].reshape(num, qmax, num_heads, head_dim).swapaxes(1, 2)
-    keys, values = gather(block_tables[mx.array(np.asarray(seqs, dtype=np.int32)), :nb])  # [S, KVH, nb*bs, D]
-    qpos = mx.array((np.asarray(ctx)[:, None] - qlen_np + np.minimum(j, qlen_np - 1)).astype(np.int32))[:, :, None]
-    kpos = mx.arange(nb * block_size, dtype=mx.int32)[None, None, :]
-    allowed = kpos <= qpos  # [S, qmax, T]
-    if window is not None:
-        allowed = allowed & (kpos > qpos - window)
-    o = _masked_attention(qb, keys, values, allowed[:, None], scale, sinks)
-    o = o.swapaxes(1, 2).reshape(num * qmax, num_heads, head_dim)
-    keep = (np.arange(num)[:, None] * qmax + j)[j < qlen_np]
-    return o[mx.array(keep.astype(np.int32))]
+    for i, clen in enumerate(ctx):
+        q0, q1 = qsl[i], qsl[i + 1]
+        qlen = q1 - q0
+        if qlen == 0:
+            continue
+        nb = -(-clen // block_size)
+        # with a window, blocks wholly before the first query's window are skipped
+        first = max(0, clen - qlen - window + 1) // block_size if window is not None else 0
+        keys, values = gather(block_tables[i, first:nb])
+        start = first * block_size
+        keys = keys[None, :, : clen - start]  # [1, KVH, clen - start, D]
+        values = values[None, :, : clen - start]
+        qi = mx.swapaxes(q[q0:q1], 0, 1)[None]  # [1, H, qlen, D]
+        qpos = mx.arange(clen - qlen, clen)[:, None]
+        kpos = mx.arange(start, clen)[None, :]
+        allowed = kpos <= qpos  # [qlen, clen - start]
+        if window is not None:
+            allowed = allowed & (kpos > qpos - window)
+        o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks)
+        outs.append(mx.swapaxes(o[0], 0, 1))  # [qlen, H, D]
+    if not outs:
+        return mx.zeros_like(q)
+    return mx.concatenate(outs, axis=0)
 
 
 def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, allowed: mx.array, scale: float,
@@ -355,7 +269,11 @@ def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, allowed: mx
     """Masked grouped-query attention, ``[S, H, Q, D]`` in q's dtype: on MLX's CPU backend
     :func:`_masked_attention_base2`; elsewhere the fused
     ``mx.fast.scaled_dot_product_attention`` (a GPU's flash kernel, matrix units on Metal).
-    ``allowed`` ``[S, 1, Q, T]`` bool."""
+    ``allowed`` ``[S, 1, Q, T]`` bool.
+
+    The CPU backend's fused call is itself an unfused composition computing ``exp``:
+    there the base-2 softmax prefilled a wave of 32 prompt tails faster
+    (``benchmarks/bench_cpu_attention.py`` measures both)."""
     if mx.default_device().type == mx.DeviceType.cpu:
         return _masked_attention_base2(q, keys, values, allowed, scale, sinks)
     mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
@@ -369,10 +287,9 @@ def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allow
 
     ``q`` ``[S, H, Q, D]``, ``keys`` / ``values`` ``[S, KVH, T, D]``, ``allowed``
     ``[S, 1, Q, T]`` bool -> ``[S, H, Q, D]`` in q's dtype. The same arithmetic as the
-    decode reference (:func:`softmax_base2`): ``2**x`` costs 4.3 ns per element on MLX's
-    CPU backend against 11.6 ns for ``exp`` (measured on 2.25 M scores), and the
-    softmax's exponentials, not the products, dominate prompt-tail attention at small
-    ``head_dim``.
+    decode reference (:func:`softmax_base2`): ``2**x`` costs a third of ``exp`` on MLX's
+    CPU backend, and the softmax's exponentials, not the products, dominate prompt-tail
+    attention at small ``head_dim`` (``benchmarks/bench_cpu_attention.py``).
     """
     num, num_heads, qlen, head_dim = q.shape
     kvh = keys.shape[1]

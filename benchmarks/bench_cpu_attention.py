@@ -1,0 +1,193 @@
+"""Attention on MLX's CPU backend: the softmax's exponential, grouped prefill, the decode step.
+
+Three measurements behind choices in ``mlx_ferrum/kernels`` (each side alternates with
+its baseline in the same process, medians over the repeats):
+
+1. ``2 ** x`` per element: ``mx.exp``, ``mx.power(2.0, x)`` and the fused arithmetic of
+   ``kernels.exp2`` inside ``mx.compile``, on decode-sized (90 K) scores.
+2. A wave of prompt tails: N requests sharing a prefix-cached system prompt (the chat
+   workload of ``bench_serving.py``) arrive at once; the step that prefills their
+   uncached tails, with the reference prefill's base-2 softmax (the default) against
+   ``mx.fast.scaled_dot_product_attention``, which computes ``exp`` on this backend.
+3. A decode step of the compiled paged step over N sequences of C tokens, with the
+   fused ``2 ** x`` (the default) against ``mx.power`` (``kernels.exp2.fusing`` made a no-op).
+
+Run from the repository root::
+
+    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import mlx_ferrum as mf  # noqa: E402
+from common import print_header, print_table  # noqa: E402
+from mlx_ferrum.kernels import exp2 as exp2_module  # noqa: E402
+from mlx_ferrum.kernels import reference  # noqa: E402
+from mlx_ferrum.runner.protocol import SeqWork  # noqa: E402
+import mlx_ferrum.runner.llm_runner as llm_runner  # noqa: E402
+
+
+def _per_call_ms(fn, repeats: int, calls: int = 50) -> float:
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            mx.eval(fn())
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times)
+
+
+def bench_exponential(repeats: int) -> list[list]:
+    scores = mx.random.uniform(-30.0, 0.0, (32, 4, 2, 352))
+    mx.eval(scores)
+
+    def fused(x):
+        with exp2_module.fusing():
+            return exp2_module.exp2(x)
+
+    sides = {"mx.exp": mx.compile(mx.exp), "mx.power(2, x)": mx.compile(lambda x: mx.power(2.0, x)),
+             "kernels.exp2 (fused)": mx.compile(fused)}
+    rows = []
+    for name, fn in sides.items():
+        ms = _per_call_ms(lambda: fn(scores), repeats)
+        rows.append([name, scores.size, f"{ms:.3f}", f"{ms * 1e6 / scores.size:.2f}"])
+    # the size past which kernels.exp2 falls back to mx.power (MAX_FUSED_SIZE)
+    graph = mx.compile(exp2_module._exp2_graph)
+    for size in (exp2_module.MAX_FUSED_SIZE, 8 * exp2_module.MAX_FUSED_SIZE):
+        x = mx.random.uniform(-30.0, 0.0, (size,))
+        mx.eval(x)
+        for name, fn in (("fused arithmetic", graph), ("mx.power(2, x)", sides["mx.power(2, x)"])):
+            ms = _per_call_ms(lambda: fn(x), repeats, calls=10)
+            rows.append([name, size, f"{ms:.3f}", f"{ms * 1e6 / size:.2f}"])
+    return rows
+
+
+def _chat_prompt(question: str) -> str:
+    from bench_serving import CHAT_SYSTEM_TEXT
+    return CHAT_SYSTEM_TEXT + "\n\nUser: " + question + "\nAssistant:"
+
+
+def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
+    from bench_serving import chat_questions
+    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged"))
+    questions = chat_questions(requests * (2 * repeats + 2) + 8)
+    params = mf.SamplingParams(max_tokens=8, temperature=0.0)
+    engine.generate([_chat_prompt(q) for q in questions[-8:]], params)  # caches the system prompt
+    used = 0
+
+    def wave() -> float:
+        nonlocal used
+        ids = [engine.add_request(_chat_prompt(q), params) for q in questions[used : used + requests]]
+        used += requests
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    def fused_sdpa(q, keys, values, allowed, scale, sinks):
+        mask = mx.where(allowed, 0.0, float("-inf")).astype(q.dtype)
+        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, **extra)
+
+    wave()
+    base2, fused = [], []
+    default = reference._masked_attention_base2
+    for _ in range(repeats):
+        base2.append(wave())
+        reference._masked_attention_base2 = fused_sdpa
+        try:
+            fused.append(wave())
+        finally:
+            reference._masked_attention_base2 = default
+    b, f = statistics.median(base2) * 1e3, statistics.median(fused) * 1e3
+    ratios = sorted(y / x for x, y in zip(base2, fused))
+    return [[f"{requests} tails, base-2 softmax (default)", f"{b:.1f}", ""],
+            [f"{requests} tails, mx.fast.scaled_dot_product_attention", f"{f:.1f}",
+             f"{f / b:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+
+
+def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
+    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    ids = [f"seq{i}" for i in range(requests)]
+    mx.eval(runner.forward([SeqWork(c, rng.integers(1, 500, context).tolist()) for c in ids], None)[0])
+
+    def step() -> None:
+        mx.eval(runner.forward([SeqWork(c, [int(rng.integers(1, 500))]) for c in ids], None)[0])
+        for c in ids:
+            runner.trim_cache(c, context)
+
+    def timed(steps: int = 20) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps * 1e3
+
+    fused, power = [], []
+    for _ in range(repeats):
+        runner._compiled_decode = {}  # retrace with the fused 2**x
+        step()
+        fused.append(timed())
+        runner._compiled_decode = {}
+        with _power_only():
+            step()  # the trace of this step takes mx.power
+        power.append(timed())
+    f, p = statistics.median(fused), statistics.median(power)
+    ratios = sorted(b / a for a, b in zip(fused, power))
+    return [[f"{requests} x {context} tokens, fused 2**x (default)", f"{f:.2f}", ""],
+            [f"{requests} x {context} tokens, mx.power", f"{p:.2f}",
+             f"{p / f:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+
+
+@contextlib.contextmanager
+def _power_only():
+    real = llm_runner.exp2_fusing
+    llm_runner.exp2_fusing = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        llm_runner.exp2_fusing = real
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--context", type=int, default=340, help="cached tokens per sequence in the decode step")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    print_header("CPU attention: 2**x, grouped prefill, decode step",
+                 {"model": args.model, "requests": args.requests, "context": args.context, "repeats": args.repeats})
+    model, tokenizer = mf.load(args.model)
+    print("\n1. 2**x, compiled: decode-sized scores, then at kernels.exp2.MAX_FUSED_SIZE and 8x past it")
+    print_table(["function", "elements", "ms per call", "ns per element"], bench_exponential(args.repeats))
+    print("\n2. the step that prefills a wave of prompt tails (prefix-cached system prompt)")
+    print_table(["step", "ms", "vs default"], bench_wave(model, tokenizer, args.requests, args.repeats))
+    print("\n3. one compiled paged decode step")
+    print_table(["step", "ms", "vs default"],
+                bench_decode_step(model, tokenizer, args.requests, args.context, args.repeats))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
