@@ -14,7 +14,7 @@ its baseline in the same process, medians over the repeats):
 
 Run from the repository root::
 
-    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7]
+    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7] [--quick]
 """
 
 from __future__ import annotations
@@ -175,7 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--context", type=int, default=340, help="cached tokens per sequence in the decode step")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 4 requests of 64 tokens, 1 repeat")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.context, args.repeats = 4, 64, 1
     print_header("CPU attention: 2**x, grouped prefill, decode step",
                  {"model": args.model, "requests": args.requests, "context": args.context, "repeats": args.repeats})
     model, tokenizer = mf.load(args.model)
