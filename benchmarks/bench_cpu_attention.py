@@ -11,6 +11,10 @@ its baseline in the same process, medians over the repeats):
    ``mx.fast.scaled_dot_product_attention``, which computes ``exp`` on this backend.
 3. A decode step of the compiled paged step over N sequences of C tokens, with the
    fused ``2 ** x`` (the default) against ``mx.power`` (``kernels.exp2.fusing`` made a no-op).
+4. Where an ``Engine.step`` goes at 8 and N requests (32-token prompts, 128 greedy tokens
+   each): time blocked in ``mx.async_eval`` (the device working: on the CPU backend it
+   returns once at most 10 of the step's tasks are queued), in ``runner.forward`` (the
+   pass's metadata and graph) and in the rest (scheduling, sampling setup, output).
 
 Run from the repository root::
 
@@ -159,6 +163,49 @@ def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: in
              f"{p / f:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
 
 
+def bench_step_split(model, tokenizer, levels: list[int], repeats: int) -> list[list]:
+    import mlx_ferrum.engine.engine as engine_module
+    rows = []
+    for requests in levels:
+        engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged"))
+        rng = np.random.default_rng(requests)
+        prompts = [rng.integers(5, 500, 32).tolist() for _ in range(requests)]
+        params = mf.SamplingParams(max_tokens=128, temperature=0.0)
+        engine.generate(prompts, params)
+        totals = {"eval": [], "forward": [], "step": []}
+        for _ in range(repeats):
+            spent = {"eval": 0.0, "forward": 0.0}
+            real_async, real_forward = engine_module.mx.async_eval, engine.runner.forward
+
+            def timed(name, fn):
+                def wrapper(*a, **k):
+                    start = time.perf_counter()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        spent[name] += time.perf_counter() - start
+                return wrapper
+
+            engine_module.mx.async_eval = timed("eval", real_async)
+            engine.runner.forward = timed("forward", real_forward)
+            try:
+                steps = engine.num_steps
+                start = time.perf_counter()
+                engine.generate(prompts, params)
+                wall = time.perf_counter() - start
+            finally:
+                engine_module.mx.async_eval = real_async
+                engine.runner.forward = real_forward
+            n = engine.num_steps - steps
+            totals["step"].append(wall / n * 1e3)
+            totals["eval"].append(spent["eval"] / n * 1e3)
+            totals["forward"].append(spent["forward"] / n * 1e3)
+        step, wait, build = (statistics.median(totals[k]) for k in ("step", "eval", "forward"))
+        rows.append([requests, f"{step:.2f}", f"{wait:.2f}", f"{build:.2f}", f"{step - wait - build:.2f}",
+                     f"{(step - wait) / step:.0%}"])
+    return rows
+
+
 @contextlib.contextmanager
 def _power_only():
     real = llm_runner.exp2_fusing
@@ -189,6 +236,9 @@ def main(argv=None) -> int:
     print("\n3. one compiled paged decode step")
     print_table(["step", "ms", "vs default"],
                 bench_decode_step(model, tokenizer, args.requests, args.context, args.repeats))
+    print("\n4. where an Engine.step goes (ms per step, medians)")
+    print_table(["requests", "step", "blocked in async_eval", "runner.forward", "rest", "host share"],
+                bench_step_split(model, tokenizer, sorted({min(8, args.requests), args.requests}), args.repeats))
     return 0
 
 
