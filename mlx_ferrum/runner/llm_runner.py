@@ -36,9 +36,9 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
+from ..kernels.exp2 import fusing as exp2_fusing
 from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
-from ..kernels.exp2 import fusing as exp2_fusing
 from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata, paged_metadata
