@@ -370,12 +370,7 @@ def fit_history(tokenizer, messages: list, capacity: int, reserve: int, use_temp
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; stats to stderr (rank 0 of a parallel run; the
     other ranks run its steps)."""
-    config = _config(args)
-    run = _Parallel(args, config)
-    if run.follower:
-        return run.follow()
-    with run:
-        return _generate(args, run.model, run.tokenizer, config, run.engine)
+    return _run_with_parallelism(args, _generate)
 
 
 def _generate(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
@@ -437,12 +432,18 @@ def cmd_chat(args) -> int:
     A reply may use the rest of the context unless ``--max-tokens`` is given; a reply
     that ends for lack of room (either limit) gets a marker on stderr saying so.
     """
+    return _run_with_parallelism(args, _chat)
+
+
+def _run_with_parallelism(args, body) -> int:
+    """Load per ``args`` (a parallel group when asked) and run ``body(args, model,
+    tokenizer, config, engine)`` on rank 0; the other ranks follow its steps."""
     config = _config(args)
     run = _Parallel(args, config)
     if run.follower:
         return run.follow()
     with run:
-        return _chat(args, run.model, run.tokenizer, config, run.engine)
+        return body(args, run.model, run.tokenizer, config, run.engine)
 
 
 def _chat(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
