@@ -81,23 +81,24 @@ def bench_exponential(repeats: int) -> list[list]:
     return rows
 
 
-def _chat_prompt(question: str) -> str:
+def _chat_prompt(question: str, wave: int) -> str:
     from bench_serving import CHAT_SYSTEM_TEXT
-    return CHAT_SYSTEM_TEXT + "\n\nUser: " + question + "\nAssistant:"
+    # the wave number keeps every wave's tails uncached and of the same lengths
+    return CHAT_SYSTEM_TEXT + f"\n\nUser: [{wave:04d}] " + question + "\nAssistant:"
 
 
 def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
     from bench_serving import chat_questions
     engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged"))
-    questions = chat_questions(requests * (2 * repeats + 2) + 8)
+    questions = chat_questions(requests)
     params = mf.SamplingParams(max_tokens=8, temperature=0.0)
-    engine.generate([_chat_prompt(q) for q in questions[-8:]], params)  # caches the system prompt
+    engine.generate([_chat_prompt(q, 9999) for q in questions[:8]], params)  # caches the system prompt
     used = 0
 
     def wave() -> float:
         nonlocal used
-        ids = [engine.add_request(_chat_prompt(q), params) for q in questions[used : used + requests]]
-        used += requests
+        ids = [engine.add_request(_chat_prompt(q, used), params) for q in questions]
+        used += 1
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
@@ -115,13 +116,20 @@ def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
     wave()
     base2, fused = [], []
     default = reference._masked_attention_base2
-    for _ in range(repeats):
-        base2.append(wave())
+    def fused_wave() -> float:
         reference._masked_attention_base2 = fused_sdpa
         try:
-            fused.append(wave())
+            return wave()
         finally:
             reference._masked_attention_base2 = default
+
+    for repeat in range(repeats):  # sides alternate which goes first
+        if repeat % 2:
+            fused.append(fused_wave())
+            base2.append(wave())
+        else:
+            base2.append(wave())
+            fused.append(fused_wave())
     b, f = statistics.median(base2) * 1e3, statistics.median(fused) * 1e3
     ratios = sorted(y / x for x, y in zip(base2, fused))
     return [[f"{requests} tails, base-2 softmax (default)", f"{b:.1f}", ""],
@@ -147,15 +155,25 @@ def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: in
             step()
         return (time.perf_counter() - start) / steps * 1e3
 
-    fused, power = [], []
-    for _ in range(repeats):
+    def fused_side() -> float:
         runner._compiled_decode = {}  # retrace with the fused 2**x
         step()
-        fused.append(timed())
+        return timed()
+
+    def power_side() -> float:
         runner._compiled_decode = {}
         with _power_only():
             step()  # the trace of this step takes mx.power
-        power.append(timed())
+        return timed()
+
+    fused, power = [], []
+    for repeat in range(repeats):  # sides alternate which goes first
+        if repeat % 2:
+            power.append(power_side())
+            fused.append(fused_side())
+        else:
+            fused.append(fused_side())
+            power.append(power_side())
     f, p = statistics.median(fused), statistics.median(power)
     ratios = sorted(b / a for a, b in zip(fused, power))
     return [[f"{requests} x {context} tokens, fused 2**x (default)", f"{f:.2f}", ""],
