@@ -5,7 +5,7 @@ On MLX's CPU backend ``mx.exp`` costs 12-17 ns per float32 element and
 ``mx.power(2.0, x)`` about 4.9 ns, and the softmax's exponentials are the largest
 elementwise cost of attention there at small ``head_dim``. Inside ``mx.compile`` the
 graph of :func:`_exp2_graph` runs at about 3 ns per element, and a stories260K decode
-step over 32 sequences of 340 tokens ran 1.07-1.21x faster with it
+step over 32 sequences of 340 tokens ran 1.09-1.21x faster with it (medians of four runs)
 (``benchmarks/bench_cpu_attention.py`` measures all three). The method:
 
 - range reduction ``x = n + f`` with ``n = round(x)`` and ``f`` in ``[-1/2, 1/2]``;
