@@ -81,6 +81,15 @@ def bench_exponential(repeats: int) -> list[list]:
     return rows
 
 
+def _alternate(default, alternative, repeats: int) -> tuple[list[float], list[float]]:
+    """``repeats`` timings of each side, the side that runs first alternating."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for repeat in range(repeats):
+        for side in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+            times[side].append((default, alternative)[side]())
+    return times
+
+
 def _chat_prompt(question: str, wave: int) -> str:
     from bench_serving import CHAT_SYSTEM_TEXT
     # the wave number keeps every wave's tails uncached and of the same lengths
@@ -114,7 +123,6 @@ def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, **extra)
 
     wave()
-    base2, fused = [], []
     default = reference._masked_attention_base2
     def fused_wave() -> float:
         reference._masked_attention_base2 = fused_sdpa
@@ -123,13 +131,7 @@ def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
         finally:
             reference._masked_attention_base2 = default
 
-    for repeat in range(repeats):  # sides alternate which goes first
-        if repeat % 2:
-            fused.append(fused_wave())
-            base2.append(wave())
-        else:
-            base2.append(wave())
-            fused.append(fused_wave())
+    base2, fused = _alternate(wave, fused_wave, repeats)
     b, f = statistics.median(base2) * 1e3, statistics.median(fused) * 1e3
     ratios = sorted(y / x for x, y in zip(base2, fused))
     return [[f"{requests} tails, base-2 softmax (default)", f"{b:.1f}", ""],
@@ -166,14 +168,7 @@ def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: in
             step()  # the trace of this step takes mx.power
         return timed()
 
-    fused, power = [], []
-    for repeat in range(repeats):  # sides alternate which goes first
-        if repeat % 2:
-            power.append(power_side())
-            fused.append(fused_side())
-        else:
-            fused.append(fused_side())
-            power.append(power_side())
+    fused, power = _alternate(fused_side, power_side, repeats)
     f, p = statistics.median(fused), statistics.median(power)
     ratios = sorted(b / a for a, b in zip(fused, power))
     return [[f"{requests} x {context} tokens, fused 2**x (default)", f"{f:.2f}", ""],
