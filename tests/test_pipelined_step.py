@@ -132,6 +132,45 @@ def test_abort_while_a_token_is_in_flight(model, layout):
     assert_no_leak(eng)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_abort_between_scheduling_and_the_forward_pass_touches_no_other_request(model, layout):
+    """Another thread may abort a request after the step scheduled it and before the
+    step built its tokens; the abort takes back the token still in flight, so the row
+    is dropped, and the rest of the batch runs on as if the request never existed."""
+    reqs = requests(6, seed=8)
+    reqs = [(p, SamplingParams(**{**sp.__dict__, "max_tokens": 24})) for p, sp in reqs]
+    _, reference = run_all(model, config(layout, False), reqs)
+    eng = Engine(model, None, config(layout, True))
+    ids = [eng.add_request(p, sp) for p, sp in reqs]
+    real_schedule = eng._schedule
+    aborted = []
+
+    def schedule(outputs):
+        items = real_schedule(outputs)
+        if not aborted and eng.num_steps >= 5:
+            in_flight = [it.seq.request_id for it in items if it.seq.output_ids and it.seq.output_ids[-1] == -1]
+            if in_flight:
+                aborted.append(in_flight[0])
+                eng.abort(in_flight[0])  # as another thread would, between the two locked sections
+        return items
+
+    eng._schedule = schedule
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert aborted, "no request was scheduled with its token in flight"
+    for rid, (ref_ids, ref_reason) in zip(ids, reference):
+        out = final[rid]
+        if rid in aborted:
+            assert out.finish_reason == "abort" and out.error is None
+            assert out.token_ids == ref_ids[: len(out.token_ids)]
+        else:
+            assert (out.token_ids, out.finish_reason, out.error) == (ref_ids, ref_reason, None)
+    assert_no_leak(eng)
+
+
 def test_repetition_penalty_rows_fall_back_to_a_synchronous_step(model):
     reqs = [([1, 2, 3, 4], SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)),
             ([5, 6], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
@@ -236,6 +275,48 @@ def test_pipelined_equals_synchronous_in_every_mode(model, layout, mode):
         assert [pipelined[i] for i in greedy] == [plain[i] for i in greedy]
     assert_no_leak(eng_p)
     assert_no_leak(eng_s)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_abort_while_drafts_are_proposed_frees_the_request_once_the_step_is_done(model, pipelined):
+    """The proposer runs outside the engine's lock: a request aborted meanwhile keeps its
+    draft state until the step is done (the step still reads it), then loses all of it,
+    and the other requests' tokens are those of a run without the abort."""
+    reqs = requests(6, seed=12)
+    reqs = [(p, SamplingParams(**{**sp.__dict__, "max_tokens": 20, "temperature": 0.0})) for p, sp in reqs]
+    cfg = config("paged", pipelined, speculative="ngram", speculative_disable_by_batch_size=1 << 20,
+                 speculative_min_acceptance=0.0)
+    _, reference = run_all(model, cfg, reqs)
+    eng = Engine(model, None, cfg)
+    ids = [eng.add_request(p, sp) for p, sp in reqs]
+    real_propose = eng._proposer.propose
+    aborted = []
+
+    def propose(requests_):
+        found = real_propose(requests_)
+        if not aborted and eng.num_steps >= 3:
+            # prefer a request that found no draft: its back-off record is written after this
+            pick = next((r for r, f in zip(requests_, found) if not f.token_ids), requests_[0])
+            aborted.append(pick.request_id)
+            eng.abort(pick.request_id)
+        return found
+
+    eng._proposer.propose = propose
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert aborted, "no draft was proposed"
+    for rid, (ref_ids, ref_reason) in zip(ids, reference):
+        out = final[rid]
+        if rid in aborted:
+            assert out.finish_reason == "abort"
+            assert out.token_ids == ref_ids[: len(out.token_ids)]
+        else:
+            assert (out.token_ids, out.finish_reason, out.error) == (ref_ids, ref_reason, None)
+    assert not eng._policy._records, "a finished request's speculation record was left behind"
+    assert_no_leak(eng)
 
 
 def test_prefix_cache_hits_on_the_pipelined_step_equal_no_cache(model):

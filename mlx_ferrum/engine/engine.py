@@ -83,6 +83,15 @@ def _grammar_allowed(seq: Sequence, proposal: Proposal) -> tuple[Proposal, int]:
     return Proposal(proposal.token_ids[:allowed], probs), proposed
 
 
+def _live_items(items: list, proposals: dict) -> tuple[list, dict]:
+    """``items`` without the rows whose request finished since it was scheduled, and
+    ``proposals`` (keyed by item index) re-keyed to the kept rows."""
+    live = [i for i, it in enumerate(items) if not it.seq.finished]
+    if len(live) == len(items):
+        return items, proposals
+    return [items[i] for i in live], {j: proposals[i] for j, i in enumerate(live) if i in proposals}
+
+
 def _non_finite_error() -> str:
     """The ``error`` text of a request whose logits held NaN or Inf."""
     return f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
@@ -420,24 +429,29 @@ class Engine:
         self.scheduler.remove(seq)
         self._release_lora_of(seq)
         if seq.request_id in self._in_flight:
+            # the step being built still reads its cache and its draft state
             self._deferred_release.append(seq.request_id)
         else:
-            self.runner.release_cache(seq.request_id)
+            self._release_request(seq.request_id)
         self._seqs.pop(seq.request_id, None)
-        if self._proposer is not None:
-            self._proposer.release(seq.request_id)
-            self._policy.release(seq.request_id)
         m = seq.metrics
         if m.ttft is not None:
             self._ttft.add(m.ttft)
         self._itl.extend(m.inter_token_latencies)
 
+    def _release_request(self, request_id: str) -> None:
+        """Free a finished request's KV cache, draft cache and speculation record."""
+        self.runner.release_cache(request_id)
+        if self._proposer is not None:
+            self._proposer.release(request_id)
+            self._policy.release(request_id)
+
     def _end_flight(self) -> None:
-        """The step left the runner: free the caches of requests aborted meanwhile."""
+        """The step left the runner: free what requests aborted meanwhile held."""
         with self._lock:
             self._in_flight = set()
             for rid in self._deferred_release:
-                self.runner.release_cache(rid)
+                self._release_request(rid)
             self._deferred_release = []
 
     def _fail_step(self, items, exc: BaseException) -> list[RequestOutput]:
@@ -622,8 +636,14 @@ class Engine:
                         else:
                             self._policy.record(request.request_id, rejected, 0, self.num_steps)
                 with self._lock:
+                    # an abort since scheduling took the request's in-flight token back
+                    # (see _finish): its row no longer has the tokens it was planned with
+                    items, proposals = _live_items(items, proposals)
                     work = self._build_work(items, proposals)
-                launched, verified = self._launch(items, work, proposals, outputs)
+                if work:
+                    launched, verified = self._launch(items, work, proposals, outputs)
+                else:
+                    self._end_flight()
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
                 # the pass's KV writes may be left lazy, bound to this thread: see step()
                 self.runner.schedule_kv_state()
