@@ -9,8 +9,10 @@ its baseline in the same process, medians over the repeats):
    workload of ``bench_serving.py``) arrive at once; the step that prefills their
    uncached tails, with the reference prefill's base-2 softmax (the default) against
    ``mx.fast.scaled_dot_product_attention``, which computes ``exp`` on this backend.
-3. A decode step of the compiled paged step over N sequences of C tokens, with the
-   fused ``2 ** x`` (the default) against ``mx.power`` (``kernels.exp2.fusing`` made a no-op).
+3. A decode step of the compiled paged step over 1, 4 and N sequences of C tokens, with
+   the fused ``2 ** x`` (forced at every size) against ``mx.power`` (``kernels.exp2.fusing``
+   made a no-op); the default fuses only scores of at least ``kernels.exp2.MIN_FUSED_SIZE``
+   elements, and the table says which side it takes at each size.
 4. Where an ``Engine.step`` goes at 8 and N requests (32-token prompts, 128 greedy tokens
    each): time blocked in ``mx.async_eval`` (the device working: on the CPU backend it
    returns once at most 10 of the step's tasks are queued), in ``runner.forward`` (the
@@ -139,7 +141,13 @@ def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
              f"{f / b:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
 
 
-def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
+def bench_decode_step(model, tokenizer, shapes: list[tuple[int, int]], repeats: int) -> list[list]:
+    """Rows of :func:`_decode_step_rows` for each ``(requests, context)`` shape."""
+    return [row for requests, context in shapes
+            for row in _decode_step_rows(model, tokenizer, requests, context, repeats)]
+
+
+def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
     engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
     runner = engine.runner
     rng = np.random.default_rng(0)
@@ -158,8 +166,13 @@ def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: in
         return (time.perf_counter() - start) / steps * 1e3
 
     def fused_side() -> float:
-        runner._compiled_decode = {}  # retrace with the fused 2**x
-        step()
+        runner._compiled_decode = {}  # retrace with the fused 2**x, whatever the size
+        real = exp2_module.MIN_FUSED_SIZE
+        exp2_module.MIN_FUSED_SIZE = 0
+        try:
+            step()
+        finally:
+            exp2_module.MIN_FUSED_SIZE = real
         return timed()
 
     def power_side() -> float:
@@ -171,9 +184,12 @@ def bench_decode_step(model, tokenizer, requests: int, context: int, repeats: in
     fused, power = _alternate(fused_side, power_side, repeats)
     f, p = statistics.median(fused), statistics.median(power)
     ratios = sorted(b / a for a, b in zip(fused, power))
-    return [[f"{requests} x {context} tokens, fused 2**x (default)", f"{f:.2f}", ""],
+    # the scores' size decides which one the default takes (kernels.exp2.MIN_FUSED_SIZE)
+    scores = requests * model.args.num_attention_heads * context
+    default = "fused" if scores >= exp2_module.MIN_FUSED_SIZE else "mx.power"
+    return [[f"{requests} x {context} tokens (~{scores} scores), fused 2**x", f"{f:.2f}", "", default],
             [f"{requests} x {context} tokens, mx.power", f"{p:.2f}",
-             f"{p / f:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+             f"{p / f:.2f}x the fused time ({ratios[0]:.2f}-{ratios[-1]:.2f})", ""]]
 
 
 def bench_step_split(model, tokenizer, levels: list[int], repeats: int) -> list[list]:
@@ -246,9 +262,10 @@ def main(argv=None) -> int:
     print_table(["function", "elements", "ms per call", "ns per element"], bench_exponential(args.repeats))
     print("\n2. the step that prefills a wave of prompt tails (prefix-cached system prompt)")
     print_table(["step", "ms", "vs default"], bench_wave(model, tokenizer, args.requests, args.repeats))
-    print("\n3. one compiled paged decode step")
-    print_table(["step", "ms", "vs default"],
-                bench_decode_step(model, tokenizer, args.requests, args.context, args.repeats))
+    print("\n3. one compiled paged decode step, fused 2**x against mx.power at 1, 4 and N sequences")
+    shapes = [(n, args.context) for n in sorted({1, min(4, args.requests), args.requests})]
+    print_table(["step", "ms", "mx.power vs fused", "the default takes"],
+                bench_decode_step(model, tokenizer, shapes, args.repeats))
     print("\n4. where an Engine.step goes (ms per step, medians)")
     print_table(["requests", "step", "blocked in async_eval", "runner.forward", "rest", "host share"],
                 bench_step_split(model, tokenizer, sorted({min(8, args.requests), args.requests}), args.repeats))

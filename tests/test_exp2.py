@@ -33,8 +33,28 @@ def test_outside_a_fusing_block_it_is_mx_power():
 
 def test_large_inputs_keep_mx_power_even_when_fusing(monkeypatch):
     monkeypatch.setattr(exp2_module, "MAX_FUSED_SIZE", 10)
+    monkeypatch.setattr(exp2_module, "MIN_FUSED_SIZE", 1)
     x = mx.array(np.linspace(-5, 0, 11, dtype=np.float32))
     with fusing():
         assert np.array_equal(np.array(exp2(x)), np.array(mx.power(2.0, x)))
         assert not np.array_equal(np.array(exp2(x[:10])), np.array(mx.power(2.0, x[:10])))
     assert not getattr(exp2_module._local, "fusing", False)  # the block restores the flag
+
+
+def test_small_inputs_keep_mx_power_even_when_fusing(monkeypatch):
+    monkeypatch.setattr(exp2_module, "MIN_FUSED_SIZE", 10)
+    x = mx.array(np.linspace(-5, 0, 10, dtype=np.float32))
+    with fusing():
+        assert np.array_equal(np.array(exp2(x[:9])), np.array(mx.power(2.0, x[:9])))
+        assert not np.array_equal(np.array(exp2(x)), np.array(mx.power(2.0, x)))
+
+
+def test_the_default_sizes_fuse_decode_scores_of_batches_only():
+    """One sequence's decode scores stay ``mx.power``; 32 sequences of 340 tokens fuse."""
+    heads = 8
+    values = np.linspace(-30.0, 0.0, 32 * heads * 352, dtype=np.float32)
+    one = mx.array(values[: heads * 352].reshape(1, heads, 352))
+    batch = mx.array(values.reshape(32, heads, 352))
+    with fusing():
+        assert np.array_equal(np.array(exp2(one)), np.array(mx.power(2.0, one)))
+        assert not np.array_equal(np.array(exp2(batch)), np.array(mx.power(2.0, batch)))

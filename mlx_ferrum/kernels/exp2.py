@@ -22,7 +22,10 @@ anyway) and for ``-inf``; ``+inf`` from 127.5 up. Not for NaN inputs.
 Only a traced step gains from it: run eagerly, the graph is a dozen separate passes,
 and compiling it per call retraces for every new shape. So :func:`exp2` builds the
 graph only inside :func:`fusing` (the runner wraps its compiled decode step's trace
-in it) and is ``mx.power(2.0, x)`` everywhere else.
+in it) and is ``mx.power(2.0, x)`` everywhere else. Even traced, it pays only between
+:data:`MIN_FUSED_SIZE` and :data:`MAX_FUSED_SIZE` elements: below, the extra nodes of
+the graph cost more to dispatch than the arithmetic saves (small batches); above, MLX's
+fused kernel slows down.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ _COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(1, 7))
 #: element than ``mx.power``, which keeps its speed, so larger inputs use it
 #: (``benchmarks/bench_cpu_attention.py`` times both at this size and 8x past it).
 MAX_FUSED_SIZE = 1 << 19
+#: Smallest input that takes the fused arithmetic. Its graph is six nodes where
+#: ``mx.power`` is one, and at a few thousand elements each node's dispatch costs more
+#: than the arithmetic saves: stories260K engine runs of 1 and 4 requests (scores of
+#: about 1 K and 5 K elements) were 8-19 % faster with ``mx.power``, 8 and 32 requests
+#: at 160 tokens (10 K and 41 K) alike either way, 32 requests at 340 tokens (90 K)
+#: 1.10x faster fused (``benchmarks/bench_cpu_attention.py``, section 3, times both).
+MIN_FUSED_SIZE = 1 << 15
 
 _local = threading.local()
 
@@ -78,9 +88,9 @@ def _exp2_graph(x: mx.array) -> mx.array:
 def exp2(x: mx.array) -> mx.array:
     """``2 ** x`` elementwise for a float32 array ``x`` of any shape; float32 of x's shape.
 
-    Inside :func:`fusing`, and for at most :data:`MAX_FUSED_SIZE` elements, the
-    arithmetic of the module docstring; otherwise ``mx.power(2.0, x)``.
+    Inside :func:`fusing`, and for :data:`MIN_FUSED_SIZE` to :data:`MAX_FUSED_SIZE`
+    elements, the arithmetic of the module docstring; otherwise ``mx.power(2.0, x)``.
     """
-    if getattr(_local, "fusing", False) and x.size <= MAX_FUSED_SIZE:
+    if getattr(_local, "fusing", False) and MIN_FUSED_SIZE <= x.size <= MAX_FUSED_SIZE:
         return _exp2_graph(x)
     return mx.power(2.0, x)
