@@ -164,6 +164,37 @@ def test_rope_table_equals_the_fast_rope_of_every_kind(params):
     np.testing.assert_allclose(np.array(rope.apply_table(x, rope.table(positions))), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_rope_table_rotation_is_the_same_bits_as_a_product_and_as_copies(partial, monkeypatch):
+    """``apply_table`` turns small inputs with a constant +-1 matrix and large ones by
+    slicing the halves: both equal transformers' ``rotate_half`` formula in numpy, and
+    each other bit for bit, in float32 and bfloat16."""
+    from mlx_ferrum.layers import rope as rope_module
+
+    params = dict(rope_type="default", rope_theta=10000.0)
+    if partial:
+        params["partial_rotary_factor"] = 0.5
+    rope = rope_module.Rope(16, params, 256)
+    rng = np.random.default_rng(3)
+    positions = mx.array(rng.integers(0, 256, 9), dtype=mx.int32)
+    table = rope.table(positions)
+    for dtype in (mx.float32, mx.bfloat16):
+        x = mx.array(rng.normal(size=(9, 3, 16)).astype(np.float32)).astype(dtype)
+        monkeypatch.setattr(rope_module, "MAX_PRODUCT_ROTATION_SIZE", 1 << 30)
+        by_product = np.array(rope.apply_table(x, table).astype(mx.float32))
+        monkeypatch.setattr(rope_module, "MAX_PRODUCT_ROTATION_SIZE", 0)
+        by_copies = np.array(rope.apply_table(x, table).astype(mx.float32))
+        assert np.array_equal(by_product, by_copies)
+        d, half = rope.dims, rope.dims // 2
+        xs = np.array(x.astype(mx.float32)).astype(np.float64)
+        angles = np.array(positions)[:, None].astype(np.float64) * (1.0 / 10000.0 ** (np.arange(0, d, 2) / d))
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        x1, x2 = xs[..., :half], xs[..., half:d]
+        want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xs[..., d:]], axis=-1)
+        tolerance = 1e-5 if dtype == mx.float32 else 2e-2
+        np.testing.assert_allclose(by_product, want, rtol=tolerance, atol=tolerance)
+
+
 # ------------------------------------------------------ reference decode: per-pass index arrays
 from mlx_ferrum.kernels import reference  # noqa: E402
 
