@@ -261,3 +261,39 @@ def test_real_model_among_16_concurrent_requests(stories_path, stories_expected,
     assert outs[0].token_ids == exp["generated_ids"]
     assert outs[0].text == exp["completion_text"]
     assert eng.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_tokens=6),
+                                    SamplingParams(temperature=0.0, max_tokens=6),
+                                    SamplingParams(temperature=0.8, seed=5, max_tokens=6)],
+                         ids=["unseeded", "greedy", "seeded"])
+def test_adding_a_request_waits_for_no_device_work(model, params, monkeypatch):
+    """A server admits requests while a step is in flight: ``add_request`` must not
+    evaluate anything (an ``mx.eval`` there waits for the whole step on the device).
+    An unseeded request's key is drawn from MLX's generator when it is first sampled,
+    so ``mx.random.seed`` still makes it reproducible."""
+    import mlx.core as mx
+
+    eng = Engine(model, None, paged())
+    busy = eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.step()
+    evaluations = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluations.append(a), real_eval(*a))[1])
+    rid = eng.add_request([5, 6, 7], params)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    assert not evaluations, "add_request evaluated arrays"
+    outputs = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert outputs[busy].finish_reason == "length" and outputs[rid].finish_reason in ("length", "stop")
+
+    def seeded_run():
+        mx.random.seed(21)
+        return Engine(model, None, paged()).generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=8,
+                                                                                 ignore_eos=True))[0].token_ids
+
+    assert seeded_run() == seeded_run()

@@ -480,10 +480,9 @@ def apply_min_p(logits: mx.array, min_p: RowParam) -> mx.array:
 
 
 def _random_key() -> mx.array:
-    """A PRNG key drawn from MLX's global generator (reproducible under ``mx.random.seed``)."""
-    key = mx.random.randint(0, 2**31 - 1, shape=(2,)).astype(mx.uint32)
-    mx.eval(key)
-    return key
+    """A PRNG key drawn from MLX's global generator (reproducible under ``mx.random.seed``),
+    left lazy: it is evaluated with the first step that samples from it."""
+    return mx.random.randint(0, 2**31 - 1, shape=(2,)).astype(mx.uint32)
 
 
 @dataclass
@@ -493,6 +492,10 @@ class SamplerState:
     - ``params``: its :class:`SamplingParams`.
     - ``key``: its PRNG key (``mx.random.key(seed)``, uint32 ``[2]``), split once per
       sampled step, so a seed gives the same tokens whatever else shares the batch.
+      Without a seed it is drawn from MLX's global generator on first use (a property),
+      that is on the thread that samples, inside a step: drawing it when the request
+      is added would need an ``mx.eval`` there (the key may be read on another thread),
+      which waits for the step in flight, once per admitted request.
     - ``history``: token ids seen so far (prompt, then each sampled token), read by the
       repetition penalty.
     - ``num_prompt_tokens``: how many leading ``history`` ids are the prompt (the
@@ -500,16 +503,28 @@ class SamplerState:
     """
 
     params: SamplingParams
-    key: mx.array
+    _key: Optional[mx.array] = field(default=None, repr=False)
     history: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> "SamplerState":
-        """A fresh state: key from ``params.seed`` (or MLX's global generator); history = prompt."""
-        key = mx.random.key(params.seed) if params.seed is not None else _random_key()
+        """A fresh state: key from ``params.seed`` (or, on first use, MLX's global
+        generator); history = prompt."""
+        key = mx.random.key(params.seed) if params.seed is not None else None
         history = [int(t) for t in prompt_ids]
-        return cls(params=params, key=key, history=history, num_prompt_tokens=len(history))
+        return cls(params=params, _key=key, history=history, num_prompt_tokens=len(history))
+
+    @property
+    def key(self) -> mx.array:
+        """The PRNG key, uint32 ``[2]`` (drawn now when the request has no seed and no key yet)."""
+        if self._key is None:
+            self._key = _random_key()
+        return self._key
+
+    @key.setter
+    def key(self, value: mx.array) -> None:
+        self._key = value
 
     def next_key(self) -> mx.array:
         """Split the key: keep one half, return the other for this step's draw."""
