@@ -177,7 +177,9 @@ class Rope(nn.Module):
         cos, sin = table
         rotated = x if self.dims == x.shape[-1] else x[..., : self.dims]
         if rotated.size <= MAX_PRODUCT_ROTATION_SIZE:
-            turned = rotated.astype(mx.float32) @ self._rotate_half
+            # as a 2-D product: a 3-D one adds a Flatten and an Unflatten node around it
+            flat = rotated.astype(mx.float32).reshape(-1, self.dims)
+            turned = (flat @ self._rotate_half).reshape(rotated.shape)
         else:
             half = self.dims // 2
             turned = mx.concatenate([-rotated[..., half:], rotated[..., :half]], axis=-1)
