@@ -297,3 +297,59 @@ def test_adding_a_request_waits_for_no_device_work(model, params, monkeypatch):
                                                                                  ignore_eos=True))[0].token_ids
 
     assert seeded_run() == seeded_run()
+
+
+def _shared_prefix_wave(seed, n=12, prefix_len=70):
+    r = random.Random(seed)
+    prefix = [r.randrange(97) for _ in range(prefix_len)]
+    return [prefix + [r.randrange(97) for _ in range(r.randint(1, 12))] for _ in range(n)]
+
+
+def test_a_wave_sharing_a_prefix_computes_it_once(model):
+    """Requests that arrive together with a long common prefix: the first computes it,
+    the others wait one step and take it from the prefix cache, so the prefix is
+    prefilled once instead of once per request, with the outputs of caching off."""
+    prompts = _shared_prefix_wave(1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    eng = Engine(model, None, paged(prefix_cache=True))
+    cached = eng.generate(prompts, params)
+    plain = Engine(model, None, paged(prefix_cache=False)).generate(prompts, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    block = 8
+    shared = 70 // block * block
+    # the shared blocks once, then every prompt's own tokens past them
+    assert eng.num_prefilled_tokens == shared + sum(len(p) - shared for p in prompts)
+    assert all(o.metrics.num_cached_tokens == shared for o in cached[1:])
+
+
+def test_a_request_without_the_shared_prefix_is_not_held_back(model):
+    prompts = _shared_prefix_wave(2, n=4)
+    other = [(5 + i) % 97 for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng = Engine(model, None, paged(prefix_cache=True))
+    ids = [eng.add_request(p, params) for p in prompts] + [eng.add_request(other, params)]
+    eng.step()
+    with eng._lock:
+        first_step = {rid for rid, seq in eng._seqs.items() if seq.num_computed > 0}
+    assert ids[0] in first_step and ids[-1] in first_step
+    assert not first_step & set(ids[1:-1]), "requests sharing the in-flight prefix ran it again"
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_a_request_waiting_for_a_prefix_runs_when_its_producer_is_aborted(model):
+    prompts = _shared_prefix_wave(3, n=3)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = Engine(model, None, paged(prefix_cache=False)).generate(prompts, params)
+    eng = Engine(model, None, paged(prefix_cache=True, prefill_chunk_size=16, max_num_batched_tokens=16))
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step()  # the first request computes its first chunk; the others wait for the rest
+    eng.abort(ids[0])
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final[ids[0]].finish_reason == "abort"
+    assert [final[i].token_ids for i in ids[1:]] == [o.token_ids for o in want[1:]]
+    assert not eng._seqs and not eng.scheduler.has_unfinished()

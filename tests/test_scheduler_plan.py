@@ -164,8 +164,12 @@ def _block_state(manager) -> tuple:
 
 def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 400):
     """Drive a scheduler like the engine (synchronous step) without a model; return
-    the per-step trace and counters."""
-    sched = scheduler_cls(config, manager, max_seq_len=200)
+    the per-step trace and counters. The read-only scheduler runs with the oracle's
+    admission (no waiting for a prefix in flight, a later policy tested in test_engine)."""
+    if scheduler_cls is Scheduler:
+        sched = scheduler_cls(config, manager, max_seq_len=200, wait_for_prefix_in_flight=False)
+    else:
+        sched = scheduler_cls(config, manager, max_seq_len=200)
     executor = HostExecutor(manager)
     seqs: dict[str, Sequence] = {}
     live: set[str] = set()

@@ -99,6 +99,19 @@ class SchedulerOutput:
         return sum(i.num_tokens for i in self.items)
 
 
+def _common_full_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """Tokens in the whole blocks of ``block_size`` that ``a`` and ``b`` share from their
+    start (a binary search over list-slice comparisons, which run in C)."""
+    low, high = 0, min(len(a), len(b)) // block_size
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[: mid * block_size] == b[: mid * block_size]:
+            low = mid
+        else:
+            high = mid - 1
+    return low * block_size
+
+
 class Scheduler:
     """FCFS scheduler with chunked prefill and preemption by recompute.
 
@@ -107,12 +120,17 @@ class Scheduler:
         manager: the executor's paged manager (only read), or None for the contiguous
             layout (no block accounting then: admission is bounded by ``max_num_seqs`` only).
         max_seq_len: most tokens per sequence.
+        wait_for_prefix_in_flight: with prefix caching, a waiting request whose prompt
+            shares blocks that a running sequence computes this step waits for them
+            (:meth:`_prefix_in_flight`) instead of computing them too.
     """
 
-    def __init__(self, config: RuntimeConfig, manager: Optional[LayerGroupKvManager], max_seq_len: int):
+    def __init__(self, config: RuntimeConfig, manager: Optional[LayerGroupKvManager], max_seq_len: int,
+                 wait_for_prefix_in_flight: bool = True):
         self.config = config
         self.manager = manager
         self.max_seq_len = max_seq_len
+        self.wait_for_prefix_in_flight = wait_for_prefix_in_flight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
@@ -207,6 +225,9 @@ class Scheduler:
             i += 1
 
         # admit waiting sequences, first come first served
+        prefilling = (self._prefilling() if self.wait_for_prefix_in_flight and self._plan is not None
+                      and self.manager.prefix_cache else None)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self._alone_cannot_fit(seq):
@@ -215,11 +236,15 @@ class Scheduler:
                 continue
             lookup = None
             plan = self._plan
+            tokens = None
             if (plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache
                     and seq.params.prompt_logprobs is None):  # cached blocks bring no logits to score
-                # counted as taken at once: the blocks it revives are no longer free
                 tokens = seq.prefix_key_ids()  # salted by its LoRA adapter: no KV shared across adapters
                 cached = plan.longest_cached_prefix(tokens)
+                if prefilling is not None and self._prefix_in_flight(tokens, cached, prefilling):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                # counted as taken at once: the blocks it revives are no longer free
                 plan.claim(seq.request_id, tokens, cached)
                 lookup = PrefixLookup(seq, cached, admitted=False)
                 out.prefix_lookups.append(lookup)
@@ -249,9 +274,40 @@ class Scheduler:
             self._reserve(seq, n)
             out.items.append(ScheduledItem(seq, n))
             budget -= n
+            if prefilling is not None and seq.remaining > 0:
+                prefilling.append((seq, tokens if tokens is not None else seq.prefix_key_ids()))
+        self.waiting.extendleft(reversed(deferred))  # first in the queue again, in their order
         if lookahead is not None:
             self._grant_lookahead(out, budget, lookahead)
         return out
+
+    def _prefilling(self) -> list[tuple[Sequence, list[int]]]:
+        """The running sequences whose prompt is not all computed, with their prefix-cache
+        token ids (see :meth:`_prefix_in_flight`)."""
+        return [(r, r.prefix_key_ids()) for r in self.running if r.num_computed < len(r.prompt_ids)]
+
+    def _prefix_in_flight(self, tokens: list[int], cached: int, prefilling: list) -> bool:
+        """True when a running sequence is about to compute full blocks that ``tokens``
+        share past their ``cached`` tokens, and those blocks are worth waiting a step for:
+        at least one block, and at least half of what the request would compute now.
+
+        Requests that arrive together with one long common prefix (a chat server's system
+        prompt, a burst of few-shot prompts) would otherwise each compute that prefix in
+        the same step, since none of it is cached yet; deferred, they find it cached a
+        step later and compute only their own tails. This is the prefix-aware admission
+        of SGLang's RadixAttention scheduler, reduced to waiting for an in-flight prefix;
+        the outputs do not change (a prefix-cache hit gives the same K/V). A deferred
+        request keeps its place at the head of the queue; the wait ends when the blocks
+        are computed, or when the sequence computing them is preempted or ends.
+        """
+        block = self.manager.block_size
+        best = 0
+        for running, ids in prefilling:
+            shared = _common_full_blocks(tokens, ids, block)
+            if shared > max(cached, running.num_computed):
+                best = max(best, shared)
+        gain = best - cached
+        return gain >= block and 2 * gain >= len(tokens) - cached
 
     def _grant_lookahead(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Sequence], int]) -> None:
         for item in out.items:
