@@ -99,19 +99,6 @@ class SchedulerOutput:
         return sum(i.num_tokens for i in self.items)
 
 
-def _common_full_blocks(a: list[int], b: list[int], block_size: int) -> int:
-    """Tokens in the whole blocks of ``block_size`` that ``a`` and ``b`` share from their
-    start (a binary search over list-slice comparisons, which run in C)."""
-    low, high = 0, min(len(a), len(b)) // block_size
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[: mid * block_size] == b[: mid * block_size]:
-            low = mid
-        else:
-            high = mid - 1
-    return low * block_size
-
-
 class Scheduler:
     """FCFS scheduler with chunked prefill and preemption by recompute.
 
@@ -301,13 +288,16 @@ class Scheduler:
         are computed, or when the sequence computing them is preempted or ends.
         """
         block = self.manager.block_size
-        best = 0
+        gain = max(block, -(-(len(tokens) - cached) // 2))
+        target = -(-(cached + gain) // block) * block  # the shared tokens that would pay
+        if target >= len(tokens):
+            return False  # the last token is never taken from the cache
+        head = tokens[cached:target]
         for running, ids in prefilling:
-            shared = _common_full_blocks(tokens, ids, block)
-            if shared > max(cached, running.num_computed):
-                best = max(best, shared)
-        gain = best - cached
-        return gain >= block and 2 * gain >= len(tokens) - cached
+            # one slice comparison rejects most candidates; the shared start is checked last
+            if running.num_computed < target and ids[cached:target] == head and ids[:cached] == tokens[:cached]:
+                return True
+        return False
 
     def _grant_lookahead(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Sequence], int]) -> None:
         for item in out.items:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .exp2 import exp2
+from .exp2 import exp2, exp2_eager
 
 _NEG_INF = float("-inf")
 _LOG2_E = 1.4426950408889634  # log2(e): exp(x) == 2 ** (x * log2(e))
@@ -77,7 +77,8 @@ def decode_index(block_tables: mx.array, context_lens: mx.array, num_kv_heads: i
     return DecodeIndex(block_rows(block_tables, num_kv_heads), valid)
 
 
-def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int, group: int) -> tuple[mx.array, mx.array]:
+def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int, group: int,
+                  eager: bool = False) -> tuple[mx.array, mx.array]:
     """Unnormalised base-2 softmax of GQA-grouped decode scores (already scaled by
     ``log2(e)``), with the attention sinks' logits in the denominator.
 
@@ -86,19 +87,22 @@ def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int
             row) float32, masked positions ``-inf``.
         sinks: ``[num_heads]`` natural-log sink logits, or None.
 
+        eager: the caller runs op by op, never inside a trace (:func:`~.exp2.exp2_eager`).
+
     Returns:
         ``(p, denom)`` shaped like ``scores`` and ``scores`` with a last axis of 1: the
         attention is ``(p @ v) / denom``.
     """
+    power = exp2_eager if eager else exp2
     m = scores.max(axis=-1, keepdims=True)
     sink = None
     if sinks is not None:
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape((1, num_kv_heads, group) + (1,) * (scores.ndim - 3))
         m = mx.maximum(m, sink)
-    p = exp2(scores - m)
+    p = power(scores - m)
     denom = p.sum(axis=-1, keepdims=True)
     if sink is not None:
-        denom = denom + exp2(sink - m)
+        denom = denom + power(sink - m)
     return p, denom
 
 
@@ -299,7 +303,7 @@ def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allow
     qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num, kvh, group * qlen, head_dim)
     scores = (qg @ keys.astype(f32).swapaxes(-1, -2)).reshape(num, kvh, group, qlen, -1)
     scores = mx.where(allowed[:, :, None], scores, _NEG_INF)
-    p, denom = softmax_base2(scores, sinks, kvh, group)
+    p, denom = softmax_base2(scores, sinks, kvh, group, eager=True)
     out = (p.reshape(num, kvh, group * qlen, -1) @ values.astype(f32)).reshape(num, kvh, group, qlen, head_dim)
     out = out / denom
     return out.reshape(num, num_heads, qlen, head_dim).astype(q.dtype)
