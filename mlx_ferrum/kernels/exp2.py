@@ -47,10 +47,10 @@ MAX_FUSED_SIZE = 1 << 19
 #: Smallest input that takes the fused arithmetic. Its graph is six nodes where
 #: ``mx.power`` is one, and at a few thousand elements each node's dispatch costs more
 #: than the arithmetic saves: stories260K engine runs of 1 and 4 requests (scores of
-#: about 1 K and 5 K elements) were 8-19 % faster with ``mx.power``, 8 and 32 requests
-#: at 160 tokens (10 K and 41 K) alike either way, 32 requests at 340 tokens (90 K)
-#: 1.10x faster fused (``benchmarks/bench_cpu_attention.py``, section 3, times both).
-MIN_FUSED_SIZE = 1 << 15
+#: about 1 K and 3 K elements) were 8-19 % faster with ``mx.power``, and one decode step
+#: over 1 x 340 tokens (2.7 K) 1.05x; 4 x 340 tokens (11 K) was 1.12x faster fused and
+#: 32 x 340 (87 K) 1.10-1.20x (``benchmarks/bench_cpu_attention.py``, section 3).
+MIN_FUSED_SIZE = 1 << 13
 #: Smallest input :func:`exp2_eager` computes with the compiled arithmetic: each call of a
 #: compiled function costs tens of microseconds, which only large inputs earn back.
 MIN_EAGER_FUSED_SIZE = 1 << 15
