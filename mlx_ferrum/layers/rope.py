@@ -70,8 +70,8 @@ def rope_parameters(config: dict[str, Any], layer_type: Optional[str] = None) ->
 
 #: Largest input (elements) whose rotate_half :meth:`Rope.apply_table` takes as a product
 #: with a constant matrix: one graph node where slicing and concatenating take three, which
-#: pays in a decode step (a few rows, dispatch-bound), while a prefill chunk's product
-#: costs more than the copies (512 tokens x 14 heads x 64: 4.7 ms against 1.4 ms, eager).
+#: pays in a decode step (a few rows, dispatch-bound), while for a prefill chunk the
+#: product's ``dims`` multiply-adds per element cost more than the copies' one move.
 #: Both give the same bits.
 MAX_PRODUCT_ROTATION_SIZE = 1 << 16
 
