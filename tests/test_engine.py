@@ -14,7 +14,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import PromptTooLongError, RequestError
-from tiny_models import tiny_model
+from tiny_models import finish_all, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +95,7 @@ def test_abort_frees_blocks_at_once_and_spares_the_others(model):
     assert held > 0
     eng.abort(ids[2])
     assert not mgr.has(ids[2]) and mgr.num_in_use == used_before - held
-    final = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
+    final = finish_all(eng)
     assert final[ids[2]].finish_reason == "abort"
     for rid, (p, sp) in zip(ids, reqs):
         if rid != ids[2]:
@@ -157,11 +153,7 @@ def test_chunked_prefill_mixes_with_decodes_and_matches_solo(model):
     for _ in range(3):
         eng.step()  # the short ones are decoding now
     lid = eng.add_request(long_prompt, sp)
-    final = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
+    final = finish_all(eng)
     mixed = [c for c in calls if 1 in c and 32 in c]
     assert len(mixed) >= 5, f"no step mixed a prefill chunk with decodes: {calls[:10]}"
     assert final[lid].token_ids == solo(model, long_prompt, sp).token_ids
@@ -345,11 +337,7 @@ def test_a_request_waiting_for_a_prefix_runs_when_its_producer_is_aborted(model)
     ids = [eng.add_request(p, params) for p in prompts]
     eng.step()  # the first request computes its first chunk; the others wait for the rest
     eng.abort(ids[0])
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = finish_all(eng)
     assert final[ids[0]].finish_reason == "abort"
     assert [final[i].token_ids for i in ids[1:]] == [o.token_ids for o in want[1:]]
     assert not eng._seqs and not eng.scheduler.has_unfinished()

@@ -15,7 +15,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.kernels import metal
-from tiny_models import tiny_model
+from tiny_models import finish_all, tiny_model
 
 LAYOUTS = ["paged", "contiguous"]
 
@@ -155,11 +155,7 @@ def test_abort_between_scheduling_and_the_forward_pass_touches_no_other_request(
         return items
 
     eng._schedule = schedule
-    final = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
+    final = finish_all(eng)
     assert aborted, "no request was scheduled with its token in flight"
     for rid, (ref_ids, ref_reason) in zip(ids, reference):
         out = final[rid]
@@ -302,11 +298,7 @@ def test_abort_while_drafts_are_proposed_frees_the_request_once_the_step_is_done
         return found
 
     eng._proposer.propose = propose
-    final = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                final[o.request_id] = o
+    final = finish_all(eng)
     assert aborted, "no draft was proposed"
     for rid, (ref_ids, ref_reason) in zip(ids, reference):
         out = final[rid]

@@ -34,3 +34,13 @@ def tiny_model(name: str = "llama", seed: int = 0, vocab_size: int = 97, max_pos
     model.update(tree_unflatten(params))
     mx.eval(model.parameters())
     return model
+
+
+def finish_all(eng):
+    """Step ``eng`` until no request is left; the final output of each request, by id."""
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
