@@ -8,7 +8,8 @@ First come, first served, in the style of vLLM's unified scheduler (and nano-vll
 - Then waiting sequences are admitted while there are sequence slots
   (``max_num_seqs``), token budget (``max_num_batched_tokens``) and free blocks. With
   prefix caching, an admitted sequence first takes the cached blocks of its prompt
-  (``SchedulerOutput.prefix_lookups``).
+  (``SchedulerOutput.prefix_lookups``), and one whose prompt shares blocks that a
+  running sequence computes in this step waits for them (``Scheduler._prefix_in_flight``).
 - Preemption by recompute: when the pool cannot grow a running sequence, the most
   recently admitted running sequence is preempted: its blocks are to be freed
   (``SchedulerOutput.preempted``) and it returns to the front of the waiting queue, to
