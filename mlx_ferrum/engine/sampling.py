@@ -485,7 +485,7 @@ def _random_key() -> mx.array:
     return mx.random.randint(0, 2**31 - 1, shape=(2,)).astype(mx.uint32)
 
 
-@dataclass
+@dataclass(init=False)
 class SamplerState:
     """One request's sampling state.
 
@@ -507,13 +507,20 @@ class SamplerState:
     history: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
 
+    def __init__(self, params: SamplingParams, key: Optional[mx.array] = None,
+                 history: Optional[list[int]] = None, num_prompt_tokens: int = 0):
+        self.params = params
+        self._key = key
+        self.history = [] if history is None else history
+        self.num_prompt_tokens = num_prompt_tokens
+
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> "SamplerState":
         """A fresh state: key from ``params.seed`` (or, on first use, MLX's global
         generator); history = prompt."""
         key = mx.random.key(params.seed) if params.seed is not None else None
         history = [int(t) for t in prompt_ids]
-        return cls(params=params, _key=key, history=history, num_prompt_tokens=len(history))
+        return cls(params=params, key=key, history=history, num_prompt_tokens=len(history))
 
     @property
     def key(self) -> mx.array:
