@@ -46,10 +46,10 @@ _COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(1, 7))
 MAX_FUSED_SIZE = 1 << 19
 #: Smallest input that takes the fused arithmetic. Its graph is six nodes where
 #: ``mx.power`` is one, and at a few thousand elements each node's dispatch costs more
-#: than the arithmetic saves: stories260K engine runs of 1 and 4 requests (scores of
-#: about 1 K and 3 K elements) were 8-19 % faster with ``mx.power``, and one decode step
-#: over 1 x 340 tokens (2.7 K) 1.05x; 4 x 340 tokens (11 K) was 1.12x faster fused and
-#: 32 x 340 (87 K) 1.10-1.20x (``benchmarks/bench_cpu_attention.py``, section 3).
+#: than the arithmetic saves: a stories260K decode step over 1 x 340 tokens (2.7 K
+#: scores) was 1.05x faster with ``mx.power``, over 4 x 340 tokens (11 K) 1.12x faster
+#: fused, over 32 x 340 (87 K) 1.10-1.20x faster fused
+#: (``benchmarks/bench_cpu_attention.py``, section 3; docs/benchmarks.md, sections 16-17).
 MIN_FUSED_SIZE = 1 << 13
 #: Smallest input :func:`exp2_eager` computes with the compiled arithmetic: each call of a
 #: compiled function costs tens of microseconds, which only large inputs earn back.
