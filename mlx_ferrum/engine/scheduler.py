@@ -213,8 +213,8 @@ class Scheduler:
             i += 1
 
         # admit waiting sequences, first come first served
-        prefilling = (self._prefilling() if self.wait_for_prefix_in_flight and self._plan is not None
-                      and self.manager.prefix_cache else None)
+        prefilling = (self._prefilling() if self.waiting and self.wait_for_prefix_in_flight
+                      and self._plan is not None and self.manager.prefix_cache else None)
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
