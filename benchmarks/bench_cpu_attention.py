@@ -119,7 +119,7 @@ def bench_wave(model, tokenizer, requests: int, repeats: int) -> list[list]:
             engine.step()
         return elapsed
 
-    def fused_sdpa(q, keys, values, allowed, scale, sinks):
+    def fused_sdpa(q, keys, values, allowed, scale, sinks, visible=0):
         mask = mx.where(allowed, 0.0, float("-inf")).astype(q.dtype)
         extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, **extra)

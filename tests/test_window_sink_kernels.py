@@ -129,3 +129,32 @@ def test_masked_attention_branches_agree(monkeypatch):
     monkeypatch.setattr(reference.mx, "default_device", lambda: _Gpu())
     fused = reference._masked_attention(q, k, v, mx.array(allowed), 0.25, sinks)
     assert np.abs(np.array(cpu) - np.array(fused)).max() < 1e-5
+
+
+@pytest.mark.parametrize("qlen", [1, 3, 12])  # score rows (group * qlen) under and over head_dim
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_cpu_prefill_skips_the_mask_of_visible_keys_and_sums_through_the_values(qlen, with_sinks):
+    # A prompt tail over its cached prefix: every query sees the first `visible` keys, and
+    # the CPU path neither masks them nor sums the scores separately when the rows
+    # outnumber head_dim (the denominator is the last column of p @ [V | 1]). Against the
+    # float64 definition; a wrong `visible` (keys past it left unmasked) would see the
+    # future and fail.
+    rng = np.random.default_rng(qlen)
+    tokens, visible = 40, 40 - qlen
+    q = rng.standard_normal((1, H, qlen, D)).astype(np.float32)
+    keys = rng.standard_normal((1, KVH, tokens, D)).astype(np.float32)
+    values = rng.standard_normal((1, KVH, tokens, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32) if with_sinks else None
+    qpos = np.arange(visible, tokens)
+    allowed = np.arange(tokens)[None, :] <= qpos[:, None]
+    out = reference._masked_attention_base2(
+        mx.array(q), mx.array(keys), mx.array(values), mx.array(allowed[None, None]), 0.3,
+        None if sinks is None else mx.array(sinks), visible)
+    expected = np.stack([_dense(q[0, :, i].astype(np.float64), keys[0].astype(np.float64),
+                                values[0].astype(np.float64), qpos[i], None, sinks, 0.3) for i in range(qlen)], axis=1)
+    assert np.abs(np.array(out[0]) - expected).max() < 1e-5
+    # the same problem with no keys declared visible takes the fully masked path
+    whole = reference._masked_attention_base2(
+        mx.array(q), mx.array(keys), mx.array(values), mx.array(allowed[None, None]), 0.3,
+        None if sinks is None else mx.array(sinks), 0)
+    assert np.abs(np.array(whole[0]) - expected).max() < 1e-5

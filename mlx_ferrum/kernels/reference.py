@@ -77,8 +77,7 @@ def decode_index(block_tables: mx.array, context_lens: mx.array, num_kv_heads: i
     return DecodeIndex(block_rows(block_tables, num_kv_heads), valid)
 
 
-def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int, group: int,
-                  eager: bool = False) -> tuple[mx.array, mx.array]:
+def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int, group: int) -> tuple[mx.array, mx.array]:
     """Unnormalised base-2 softmax of GQA-grouped decode scores (already scaled by
     ``log2(e)``), with the attention sinks' logits in the denominator.
 
@@ -87,22 +86,19 @@ def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int
             row) float32, masked positions ``-inf``.
         sinks: ``[num_heads]`` natural-log sink logits, or None.
 
-        eager: the caller runs op by op, never inside a trace (:func:`~.exp2.exp2_eager`).
-
     Returns:
         ``(p, denom)`` shaped like ``scores`` and ``scores`` with a last axis of 1: the
         attention is ``(p @ v) / denom``.
     """
-    power = exp2_eager if eager else exp2
     m = scores.max(axis=-1, keepdims=True)
     sink = None
     if sinks is not None:
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape((1, num_kv_heads, group) + (1,) * (scores.ndim - 3))
         m = mx.maximum(m, sink)
-    p = power(scores - m)
+    p = exp2(scores - m)
     denom = p.sum(axis=-1, keepdims=True)
     if sink is not None:
-        denom = denom + power(sink - m)
+        denom = denom + exp2(sink - m)
     return p, denom
 
 
@@ -261,7 +257,9 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
         allowed = kpos <= qpos  # [qlen, clen - start]
         if window is not None:
             allowed = allowed & (kpos > qpos - window)
-        o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks)
+        # without a window every query sees all the cached keys before the first query
+        visible = clen - qlen - start if window is None else 0
+        o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks, visible)
         outs.append(mx.swapaxes(o[0], 0, 1))  # [qlen, H, D]
     if not outs:
         return mx.zeros_like(q)
@@ -269,42 +267,81 @@ def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_table
 
 
 def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, allowed: mx.array, scale: float,
-                      sinks: Optional[mx.array]) -> mx.array:
+                      sinks: Optional[mx.array], visible: int = 0) -> mx.array:
     """Masked grouped-query attention, ``[S, H, Q, D]`` in q's dtype: on MLX's CPU backend
     :func:`_masked_attention_base2`; elsewhere the fused
     ``mx.fast.scaled_dot_product_attention`` (a GPU's flash kernel, matrix units on Metal).
-    ``allowed`` ``[S, 1, Q, T]`` bool.
+    ``allowed`` ``[S, 1, Q, T]`` bool; ``visible``: how many leading keys every query
+    sees (``allowed`` is all True there), which lets the CPU path skip their mask.
 
     The CPU backend's fused call is itself an unfused composition computing ``exp``:
     there the base-2 softmax prefilled a wave of 32 prompt tails faster
     (``benchmarks/bench_cpu_attention.py`` measures both)."""
     if mx.default_device().type == mx.DeviceType.cpu:
-        return _masked_attention_base2(q, keys, values, allowed, scale, sinks)
+        return _masked_attention_base2(q, keys, values, allowed, scale, sinks, visible)
     mask = mx.where(allowed, 0.0, _NEG_INF).astype(q.dtype)
     extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, **extra)
 
 
 def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allowed: mx.array, scale: float,
-                            sinks: Optional[mx.array]) -> mx.array:
+                            sinks: Optional[mx.array], visible: int = 0) -> mx.array:
     """Grouped-query attention with a boolean mask and a base-2 softmax, in float32.
 
     ``q`` ``[S, H, Q, D]``, ``keys`` / ``values`` ``[S, KVH, T, D]``, ``allowed``
-    ``[S, 1, Q, T]`` bool -> ``[S, H, Q, D]`` in q's dtype. The same arithmetic as the
-    decode reference (:func:`softmax_base2`): ``2**x`` costs a third of ``exp`` on MLX's
-    CPU backend, and the softmax's exponentials, not the products, dominate prompt-tail
-    attention at small ``head_dim`` (``benchmarks/bench_cpu_attention.py``).
+    ``[S, 1, Q, T]`` bool -> ``[S, H, Q, D]`` in q's dtype; ``visible``: the leading keys
+    that every query sees. The same arithmetic as the decode reference
+    (:func:`softmax_base2`): ``2**x`` costs a third of ``exp`` on MLX's CPU backend, and
+    the softmax's elementwise passes over the scores, not the products, dominate
+    prompt-tail attention at small ``head_dim`` (``benchmarks/bench_cpu_attention.py``).
+    So the passes are cut where the result allows:
+
+    - the scores of the ``visible`` keys are never masked (a prompt tail over its cached
+      prefix: most of its scores), only those of the keys after them;
+    - when the score rows outnumber ``head_dim``, the softmax's denominator comes out of
+      the value product, as the last column of ``p @ [V | 1]``, instead of a separate sum
+      over the scores (one BLAS call, and the values are the smaller operand).
     """
     num, num_heads, qlen, head_dim = q.shape
-    kvh = keys.shape[1]
+    kvh, tokens = keys.shape[1], keys.shape[2]
     group = num_heads // kvh
+    rows = group * qlen
     f32 = mx.float32
     # a query head's rows stay together: [S, KVH, group * Q, D] against its KV head
-    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num, kvh, group * qlen, head_dim)
-    scores = (qg @ keys.astype(f32).swapaxes(-1, -2)).reshape(num, kvh, group, qlen, -1)
-    scores = mx.where(allowed[:, :, None], scores, _NEG_INF)
-    p, denom = softmax_base2(scores, sinks, kvh, group, eager=True)
-    out = (p.reshape(num, kvh, group * qlen, -1) @ values.astype(f32)).reshape(num, kvh, group, qlen, head_dim)
+    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num, kvh, rows, head_dim)
+    keys_t = keys.astype(f32).swapaxes(-1, -2)
+    values = values.astype(f32)
+    visible = max(0, min(int(visible), tokens))
+    parts = []  # (scores [S, KVH, rows, n], the keys' first index, masked)
+    if visible:
+        parts.append((qg @ keys_t[..., :visible], 0))
+    if visible < tokens:
+        tail = (qg @ keys_t[..., visible:]).reshape(num, kvh, group, qlen, tokens - visible)
+        tail = mx.where(allowed[:, :, None, :, visible:], tail, _NEG_INF)
+        parts.append((tail.reshape(num, kvh, rows, tokens - visible), visible))
+    top = parts[0][0].max(axis=-1, keepdims=True)
+    for scores, _ in parts[1:]:
+        top = mx.maximum(top, scores.max(axis=-1, keepdims=True))
+    sink = None
+    if sinks is not None:
+        # [S, KVH, group * Q, 1]: each query head's sink logit on its rows
+        sink = mx.repeat((sinks.astype(f32) * _LOG2_E).reshape(1, kvh, group, 1), qlen, axis=2)
+        top = mx.maximum(top, sink)
+    with_sum = rows > head_dim
+    if with_sum:
+        values = mx.concatenate([values, mx.ones(values.shape[:-1] + (1,), f32)], axis=-1)
+    out = denom = None
+    for scores, first in parts:
+        p = exp2_eager(scores - top)
+        part = p @ values[..., first : first + scores.shape[-1], :]
+        out = part if out is None else out + part
+        if not with_sum:
+            total = p.sum(axis=-1, keepdims=True)
+            denom = total if denom is None else denom + total
+    if with_sum:
+        out, denom = out[..., :head_dim], out[..., head_dim:]
+    if sink is not None:
+        denom = denom + exp2_eager(sink - top)
     out = out / denom
     return out.reshape(num, num_heads, qlen, head_dim).astype(q.dtype)
 
