@@ -20,7 +20,7 @@ its baseline in the same process, medians over the repeats):
 
 Run from the repository root::
 
-    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7] [--quick]
+    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7] [--sections 1,2,3,4] [--quick]
 """
 
 from __future__ import annotations
@@ -252,23 +252,29 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=340, help="cached tokens per sequence in the decode step")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 requests of 64 tokens, 1 repeat")
+    ap.add_argument("--sections", default="1,2,3,4", help="which measurements to run, comma-separated (default: all)")
     args = ap.parse_args(argv)
+    sections = {int(x) for x in args.sections.split(",")}
     if args.quick:
         args.requests, args.context, args.repeats = 4, 64, 1
     print_header("CPU attention: 2**x, grouped prefill, decode step",
                  {"model": args.model, "requests": args.requests, "context": args.context, "repeats": args.repeats})
     model, tokenizer = mf.load(args.model)
-    print("\n1. 2**x, compiled: decode-sized scores, then at kernels.exp2.MAX_FUSED_SIZE and 8x past it")
-    print_table(["function", "elements", "ms per call", "ns per element"], bench_exponential(args.repeats))
-    print("\n2. the step that prefills a wave of prompt tails (prefix-cached system prompt)")
-    print_table(["step", "ms", "vs default"], bench_wave(model, tokenizer, args.requests, args.repeats))
-    print("\n3. one compiled paged decode step, fused 2**x against mx.power at 1, 4 and N sequences")
-    shapes = [(n, args.context) for n in sorted({1, min(4, args.requests), args.requests})]
-    print_table(["step", "ms", "mx.power vs fused", "the default takes"],
-                bench_decode_step(model, tokenizer, shapes, args.repeats))
-    print("\n4. where an Engine.step goes (ms per step, medians)")
-    print_table(["requests", "step", "blocked in async_eval", "runner.forward", "rest", "host share"],
-                bench_step_split(model, tokenizer, sorted({min(8, args.requests), args.requests}), args.repeats))
+    if 1 in sections:
+        print("\n1. 2**x, compiled: decode-sized scores, then at kernels.exp2.MAX_FUSED_SIZE and 8x past it")
+        print_table(["function", "elements", "ms per call", "ns per element"], bench_exponential(args.repeats))
+    if 2 in sections:
+        print("\n2. the step that prefills a wave of prompt tails (prefix-cached system prompt)")
+        print_table(["step", "ms", "vs default"], bench_wave(model, tokenizer, args.requests, args.repeats))
+    if 3 in sections:
+        print("\n3. one compiled paged decode step, fused 2**x against mx.power at 1, 4 and N sequences")
+        shapes = [(n, args.context) for n in sorted({1, min(4, args.requests), args.requests})]
+        print_table(["step", "ms", "mx.power vs fused", "the default takes"],
+                    bench_decode_step(model, tokenizer, shapes, args.repeats))
+    if 4 in sections:
+        print("\n4. where an Engine.step goes (ms per step, medians)")
+        print_table(["requests", "step", "blocked in async_eval", "runner.forward", "rest", "host share"],
+                    bench_step_split(model, tokenizer, sorted({min(8, args.requests), args.requests}), args.repeats))
     return 0
 
 

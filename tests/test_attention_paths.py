@@ -20,7 +20,8 @@ from mlx_ferrum.layers.attention import PagedAttentionBackend, PagedMetadata, pr
 
 from tiny_models import tiny_model
 
-SHAPES = [(2, 8, 4, 5, 9), (1, 4, 1, 7, 7), (3, 6, 6, 1, 10)]  # B, heads, kv heads, L_q, L_k
+# B, heads, kv heads, L_q, L_k; the last has over 2**15 scores, which take the compiled 2**x
+SHAPES = [(2, 8, 4, 5, 9), (1, 4, 1, 7, 7), (3, 6, 6, 1, 10), (1, 8, 2, 64, 80)]
 
 
 def _numpy_attention(q, k, v, scale, additive, sinks):
@@ -72,6 +73,20 @@ def test_sdpa_base2_equals_fused_sdpa_and_numpy(shape, mask_kind, with_sinks):
     np.testing.assert_allclose(np.array(got), np.array(fused), rtol=1e-5, atol=1e-6)
     expect = _numpy_attention(q, k, v, 0.3, ref_add, None if sinks is None else np.array(sinks))
     np.testing.assert_allclose(np.array(got), expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lq", [1, 6])  # score rows under and over head_dim
+def test_sdpa_base2_in_bfloat16_normalises_in_float32(lq):
+    # bfloat16 values: the denominator is summed from the float32 weights, not through a
+    # bfloat16 product (which would round a long row's sum), then the output divided
+    rng = np.random.default_rng(lq)
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((2, 4, lq, 8), (2, 2, 300, 8), (2, 2, 300, 8)))
+    got = sdpa_base2(*(mx.array(x).astype(mx.bfloat16) for x in (q, k, v)), 0.3, "causal")
+    assert got.dtype == mx.bfloat16
+    rounded = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) for x in (q, k, v)]
+    causal = np.where(np.arange(300)[None, :] <= np.arange(lq)[:, None] + 300 - lq, 0.0, -np.inf)
+    expect = _numpy_attention(*rounded, 0.3, causal, None)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), expect, rtol=2e-2, atol=1e-2)
 
 
 def _meta(context_lens, query_lens, num_decode):

@@ -11,6 +11,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..kernels.exp2 import exp2, exp2_eager, is_fusing
+
 _NEG_INF = float("-inf")
 
 _LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))
@@ -50,7 +52,8 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
     b, num_heads, lq, head_dim = q.shape
     num_kv_heads, lk = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    qg = (q * (scale * _LOG2_E)).reshape(b, num_kv_heads, group * lq, head_dim)
+    rows = group * lq
+    qg = (q * (scale * _LOG2_E)).reshape(b, num_kv_heads, rows, head_dim)
     scores = (qg @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(b, num_kv_heads, group, lq, lk)
     if isinstance(mask, str):
         allowed = mx.arange(lk)[None, :] <= (mx.arange(lq) + (lk - lq))[:, None]
@@ -63,16 +66,27 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
             scores = mx.where(mask, scores, _NEG_INF)
         else:
             scores = scores + mask.astype(mx.float32) * _LOG2_E
+    # op by op (a prefill, a contiguous step), 2**x as one compiled kernel; inside the
+    # runner's traced step, the arithmetic that its trace fuses
+    power = exp2 if is_fusing() else exp2_eager
     top = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape(1, num_kv_heads, group, 1, 1)
         top = mx.maximum(top, sink)
-    weights = mx.power(2.0, scores - top)
-    denom = weights.sum(axis=-1, keepdims=True)
+    weights = power(scores - top).reshape(b, num_kv_heads, rows, lk)
+    # The weights are normalised on the product, not before it (one pass over the scores
+    # fewer); with float32 values and more score rows than head_dim, the denominator is
+    # the last column of weights @ [V | 1] instead of a separate pass summing the scores.
+    if v.dtype == mx.float32 and rows > head_dim:
+        ones = mx.ones(v.shape[:-1] + (1,), dtype=v.dtype)
+        both = weights @ mx.concatenate([v, ones], axis=-1)
+        out, denom = both[..., :head_dim], both[..., head_dim:]
+    else:
+        denom = weights.sum(axis=-1, keepdims=True)
+        out = weights.astype(v.dtype) @ v
     if sinks is not None:
-        denom = denom + mx.power(2.0, sink - top)
-    weights = (weights / denom).astype(v.dtype).reshape(b, num_kv_heads, group * lq, lk)
-    return (weights @ v).reshape(b, num_heads, lq, head_dim).astype(q.dtype)
+        denom = denom + power(sink - top).reshape(b, num_kv_heads, rows, 1)
+    return (out / denom).reshape(b, num_heads, lq, head_dim).astype(q.dtype)
 
 
 def window_mask(qpos: mx.array, kpos: mx.array, window: Optional[int], dtype) -> mx.array:
