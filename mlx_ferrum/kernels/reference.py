@@ -312,7 +312,7 @@ def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allow
     keys_t = keys.astype(f32).swapaxes(-1, -2)
     values = values.astype(f32)
     visible = max(0, min(int(visible), tokens))
-    parts = []  # (scores [S, KVH, rows, n], the keys' first index, masked)
+    parts = []  # (scores [S, KVH, rows, n], the index of their first key)
     if visible:
         parts.append((qg @ keys_t[..., :visible], 0))
     if visible < tokens:
