@@ -158,3 +158,29 @@ def test_cpu_prefill_skips_the_mask_of_visible_keys_and_sums_through_the_values(
         mx.array(q), mx.array(keys), mx.array(values), mx.array(allowed[None, None]), 0.3,
         None if sinks is None else mx.array(sinks), 0)
     assert np.abs(np.array(whole[0]) - expected).max() < 1e-5
+
+
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_short_prefill_segments_share_padded_calls_and_match_the_definition(monkeypatch, use_sinks):
+    # A burst of short prompt chunks over short cached prefixes (a prefix-cache hit on a
+    # batch of short prompts) pads into shared calls; every query still sees exactly its
+    # own context. Fresh prompts, cached prefixes and one-token tails are mixed, with
+    # block tables of different widths (entries past a sequence's blocks are reused ids).
+    lens = [5, 32, 17, 16, 33, 9, 24, 2, 31]
+    qlens = [5, 16, 1, 16, 17, 3, 8, 2, 15]
+    rng, k_pool, v_pool, table, dense = _setup(lens, seed=7)
+    q = rng.standard_normal((sum(qlens), H, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
+    scale = D ** -0.5
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).tolist()
+    expected = [_dense(q[qsl[i] + j], *dense[i], n - ql + j, None, sinks, scale)
+                for i, (n, ql) in enumerate(zip(lens, qlens)) for j in range(ql)]
+    calls = []
+    real = reference._masked_attention
+    monkeypatch.setattr(reference, "_masked_attention", lambda qg, *a: calls.append(qg.shape[0]) or real(qg, *a))
+    out = reference.paged_prefill_attention(
+        mx.array(q), mx.array(k_pool), mx.array(v_pool), mx.array(table), mx.array(lens, dtype=mx.int32),
+        mx.array(qsl, dtype=mx.int32), scale, sinks=None if sinks is None else mx.array(sinks),
+    )
+    assert np.abs(np.array(out) - np.stack(expected)).max() < 1e-4
+    assert sum(calls) == len(lens) and len(calls) < len(lens), f"no sequences shared a call: {calls}"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .exp2 import exp2, exp2_eager
 
@@ -222,48 +223,114 @@ def paged_prefill_attention(
                                       k_pool.shape[2], block_tables, ctx, qsl, scale, window, sinks)
 
 
+#: Most padded scores (sequences x heads x queries x keys) that one call of the reference
+#: prefill takes for a group of sequences. Short sequences (a prompt chunk over a short
+#: cached prefix) are grouped up to it, since op by op each call costs more than its
+#: arithmetic; long ones (a prompt tail over a long prefix) are past it alone and keep a
+#: call each, as padding them together made the score passes leave the cache (no faster
+#: at 0.25 M scores a call, 20 % slower at 0.5 M: 32 tails of a 340-token prefix).
+PREFILL_GROUP_SCORES = 1 << 17
+
+
+def _prefill_groups(seqs: list, num_heads: int, window: Optional[int]) -> list[list]:
+    """Consecutive runs of ``seqs`` (``(row, q0, qlen, clen)``) that one padded call serves:
+    at most :data:`PREFILL_GROUP_SCORES` padded scores and at most twice the real ones.
+    With a window each sequence reads its own range of blocks, so each keeps its own call."""
+    if window is not None:
+        return [[x] for x in seqs]
+    groups: list[list] = []
+    for x in seqs:
+        group = groups[-1] if groups else None
+        if group is not None:
+            count = len(group) + 1
+            qmax = max(x[2], max(y[2] for y in group))
+            kmax = max(x[3], max(y[3] for y in group))
+            padded = count * num_heads * qmax * kmax
+            real = num_heads * (x[2] * x[3] + sum(y[2] * y[3] for y in group))
+            if padded <= PREFILL_GROUP_SCORES and padded <= 2 * real:
+                group.append(x)
+                continue
+        groups.append([x])
+    return groups
+
+
 def varlen_prefill_over_blocks(q: mx.array, gather, block_size: int, block_tables: mx.array, ctx: Sequence[int],
                                qsl: Sequence[int], scale: float, window: Optional[int] = None,
                                sinks: Optional[mx.array] = None) -> mx.array:
     """The varlen causal prefill loop shared by the float and the quantized references.
 
-    ``gather(table)`` returns one sequence's keys and values ``[KVH, len(table) *
-    block_size, D]`` from the blocks ``table`` names (float pools: a gather; quantized
-    pools: a gather and a dequantize). ``ctx`` / ``qsl``: host context lengths and query
-    start offsets. Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    ``gather(table)`` returns the keys and values ``[..., KVH, nb * block_size, D]`` of
+    the blocks ``table`` ``[..., nb]`` names (float pools: a gather; quantized pools: a
+    gather and a dequantize). ``ctx`` / ``qsl``: host context lengths and query start
+    offsets. Returns ``[num_tokens, num_heads, head_dim]`` in q's dtype.
 
     Each sequence attends over its own blocks (with a window, from the first block the
-    window reaches) through :func:`_masked_attention`. Padding several sequences into
-    one call was measured too (32 prompt tails over a 340-token cached prefix,
-    stories260K): no faster at up to 0.25 M scores per call and 20 % slower at 0.5 M, as
-    the padded score passes leave the cache, so each sequence keeps its own call.
+    window reaches) through :func:`_masked_attention`. Consecutive short sequences share
+    one call (:func:`_prefill_groups`): their queries and blocks are padded to the
+    group's longest, and each query's mask keeps it to its own context; the padded
+    queries' rows are dropped. Long sequences keep a call each (see
+    :data:`PREFILL_GROUP_SCORES`).
     """
-    outs = []
-    for i, clen in enumerate(ctx):
-        q0, q1 = qsl[i], qsl[i + 1]
-        qlen = q1 - q0
-        if qlen == 0:
-            continue
-        nb = -(-clen // block_size)
-        # with a window, blocks wholly before the first query's window are skipped
-        first = max(0, clen - qlen - window + 1) // block_size if window is not None else 0
-        keys, values = gather(block_tables[i, first:nb])
-        start = first * block_size
-        keys = keys[None, :, : clen - start]  # [1, KVH, clen - start, D]
-        values = values[None, :, : clen - start]
-        qi = mx.swapaxes(q[q0:q1], 0, 1)[None]  # [1, H, qlen, D]
-        qpos = mx.arange(clen - qlen, clen)[:, None]
-        kpos = mx.arange(start, clen)[None, :]
-        allowed = kpos <= qpos  # [qlen, clen - start]
-        if window is not None:
-            allowed = allowed & (kpos > qpos - window)
-        # without a window every query sees all the cached keys before the first query
-        visible = clen - qlen - start if window is None else 0
-        o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks, visible)
-        outs.append(mx.swapaxes(o[0], 0, 1))  # [qlen, H, D]
-    if not outs:
+    num_heads = q.shape[1]
+    seqs = [(i, qsl[i], qsl[i + 1] - qsl[i], clen) for i, clen in enumerate(ctx) if qsl[i + 1] > qsl[i]]
+    if not seqs:
         return mx.zeros_like(q)
-    return mx.concatenate(outs, axis=0)
+    outs = []
+    for group in _prefill_groups(seqs, num_heads, window):
+        if len(group) == 1:
+            outs.append(_prefill_one(q, gather, block_size, block_tables, *group[0], scale, window, sinks))
+        else:
+            outs.append(_prefill_group(q, gather, block_size, block_tables, group, scale, sinks))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _prefill_one(q: mx.array, gather, block_size: int, block_tables: mx.array, i: int, q0: int, qlen: int,
+                 clen: int, scale: float, window: Optional[int], sinks: Optional[mx.array]) -> mx.array:
+    """Sequence ``i``'s ``qlen`` queries (rows ``q0 ..`` of ``q``) over its blocks: ``[qlen, H, D]``."""
+    nb = -(-clen // block_size)
+    # with a window, blocks wholly before the first query's window are skipped
+    first = max(0, clen - qlen - window + 1) // block_size if window is not None else 0
+    keys, values = gather(block_tables[i, first:nb])
+    start = first * block_size
+    keys = keys[None, :, : clen - start]  # [1, KVH, clen - start, D]
+    values = values[None, :, : clen - start]
+    qi = mx.swapaxes(q[q0 : q0 + qlen], 0, 1)[None]  # [1, H, qlen, D]
+    qpos = mx.arange(clen - qlen, clen)[:, None]
+    kpos = mx.arange(start, clen)[None, :]
+    allowed = kpos <= qpos  # [qlen, clen - start]
+    if window is not None:
+        allowed = allowed & (kpos > qpos - window)
+    # without a window every query sees all the cached keys before the first query
+    visible = clen - qlen - start if window is None else 0
+    o = _masked_attention(qi, keys, values, allowed[None, None], scale, sinks, visible)
+    return mx.swapaxes(o[0], 0, 1)  # [qlen, H, D]
+
+
+def _prefill_group(q: mx.array, gather, block_size: int, block_tables: mx.array, group: list, scale: float,
+                   sinks: Optional[mx.array]) -> mx.array:
+    """One padded call for ``group`` (``(row, q0, qlen, clen)`` each, no window):
+    ``[sum of qlen, H, D]`` in the packed order of ``q``."""
+    qmax = max(x[2] for x in group)
+    kmax = max(x[3] for x in group)
+    nb = -(-kmax // block_size)
+    # a table's entries past a sequence's last block are valid block ids (any value in
+    # range): their slots are read and masked
+    keys, values = gather(block_tables[mx.array([x[0] for x in group], dtype=mx.int32), :nb])
+    keys, values = keys[:, :, :kmax], values[:, :, :kmax]  # [G, KVH, kmax, D]
+    # query j of a sequence with fewer than qmax queries repeats its last one (dropped below)
+    j = np.arange(qmax)[None, :]
+    qlen = np.array([x[2] for x in group])[:, None]
+    last = np.minimum(j, qlen - 1)
+    rows = np.array([x[1] for x in group])[:, None] + last  # [G, qmax] rows of q
+    qpos = np.array([x[3] for x in group])[:, None] - qlen + last  # their positions
+    qg = mx.swapaxes(q[mx.array(rows.astype(np.int32))], 1, 2)  # [G, H, qmax, D]
+    allowed = mx.arange(kmax)[None, None, :] <= mx.array(qpos.astype(np.int32))[:, :, None]  # [G, qmax, kmax]
+    visible = min(x[3] - x[2] for x in group)
+    o = _masked_attention(qg, keys, values, allowed[:, None], scale, sinks, visible)  # [G, H, qmax, D]
+    o = mx.swapaxes(o, 1, 2)  # [G, qmax, H, D]
+    o = o.reshape(len(group) * qmax, o.shape[2], o.shape[3])
+    keep = (np.arange(len(group))[:, None] * qmax + j)[j < qlen]
+    return o[mx.array(keep.astype(np.int32))]
 
 
 def _masked_attention(q: mx.array, keys: mx.array, values: mx.array, allowed: mx.array, scale: float,
