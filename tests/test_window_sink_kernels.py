@@ -54,6 +54,19 @@ def _setup(lens, seed=0):
     return rng, k_pool, v_pool, table, dense
 
 
+def _prefill_case(lens, qlens, seed, window, use_sinks):
+    """A packed prefill of sequences with ``lens`` tokens whose last ``qlens`` are queries:
+    ``(q, k_pool, v_pool, table, query start offsets, sinks, scale, expected rows)``."""
+    rng, k_pool, v_pool, table, dense = _setup(lens, seed=seed)
+    q = rng.standard_normal((sum(qlens), H, D)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
+    scale = D ** -0.5
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).tolist()
+    expected = [_dense(q[qsl[i] + j], *dense[i], n - ql + j, window, sinks, scale)
+                for i, (n, ql) in enumerate(zip(lens, qlens)) for j in range(ql)]
+    return q, k_pool, v_pool, table, qsl, sinks, scale, expected
+
+
 @pytest.mark.parametrize("window,use_sinks", [(None, True), (5, False), (11, True)])
 def test_decode_window_and_sinks(window, use_sinks):
     lens = [3, 17, 30]
@@ -100,13 +113,7 @@ def test_prefill_of_many_segments_matches_the_definition(window, use_sinks):
     # one long chunk and several short tails over cached prefixes, in one packed pass
     lens = [9, 40, 23, 64, 11, 37, 5]
     qlens = [2, 3, 23, 60, 1, 4, 5]
-    rng, k_pool, v_pool, table, dense = _setup(lens, seed=3)
-    q = rng.standard_normal((sum(qlens), H, D)).astype(np.float32)
-    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
-    scale = D ** -0.5
-    qsl = np.concatenate([[0], np.cumsum(qlens)]).tolist()
-    expected = [_dense(q[qsl[i] + j], *dense[i], n - ql + j, window, sinks, scale)
-                for i, (n, ql) in enumerate(zip(lens, qlens)) for j in range(ql)]
+    q, k_pool, v_pool, table, qsl, sinks, scale, expected = _prefill_case(lens, qlens, 3, window, use_sinks)
     out = reference.paged_prefill_attention(
         mx.array(q), mx.array(k_pool), mx.array(v_pool), mx.array(table), mx.array(lens, dtype=mx.int32),
         mx.array(qsl, dtype=mx.int32), scale, window=window, sinks=None if sinks is None else mx.array(sinks),
@@ -168,13 +175,7 @@ def test_short_prefill_segments_share_padded_calls_and_match_the_definition(monk
     # block tables of different widths (entries past a sequence's blocks are reused ids).
     lens = [5, 32, 17, 16, 33, 9, 24, 2, 31]
     qlens = [5, 16, 1, 16, 17, 3, 8, 2, 15]
-    rng, k_pool, v_pool, table, dense = _setup(lens, seed=7)
-    q = rng.standard_normal((sum(qlens), H, D)).astype(np.float32)
-    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
-    scale = D ** -0.5
-    qsl = np.concatenate([[0], np.cumsum(qlens)]).tolist()
-    expected = [_dense(q[qsl[i] + j], *dense[i], n - ql + j, None, sinks, scale)
-                for i, (n, ql) in enumerate(zip(lens, qlens)) for j in range(ql)]
+    q, k_pool, v_pool, table, qsl, sinks, scale, expected = _prefill_case(lens, qlens, 7, None, use_sinks)
     calls = []
     real = reference._masked_attention
     monkeypatch.setattr(reference, "_masked_attention", lambda qg, *a: calls.append(qg.shape[0]) or real(qg, *a))
