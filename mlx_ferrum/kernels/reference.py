@@ -103,6 +103,40 @@ def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int
     return p, denom
 
 
+def weighted_values(parts: list, values: mx.array) -> tuple[mx.array, mx.array]:
+    """``(sum_i p_i @ V_i, sum_i row sums of p_i)`` for unnormalised softmax weights split
+    over consecutive key ranges: the attention is ``out / denom``.
+
+    Args:
+        parts: ``(p, first)`` pairs, ``p`` ``[..., rows, n]`` float32 weights of the keys
+            ``first .. first + n - 1``.
+        values: ``[..., T, head_dim]``; the weights are cast to its dtype for the product.
+
+    Returns:
+        ``out`` ``[..., rows, head_dim]`` in the values' dtype and ``denom``
+        ``[..., rows, 1]``, summed in float32.
+
+    When the rows outnumber ``head_dim`` and the values are float32, the denominator is
+    the last column of ``p @ [V | 1]`` (one BLAS product, the values being the smaller
+    operand) instead of a pass summing the weights: on MLX's CPU backend the passes over
+    the scores, not the products, are the cost of prefill attention.
+    """
+    head_dim = values.shape[-1]
+    with_sum = values.dtype == mx.float32 and parts[0][0].shape[-2] > head_dim
+    if with_sum:
+        values = mx.concatenate([values, mx.ones(values.shape[:-1] + (1,), values.dtype)], axis=-1)
+    out = denom = None
+    for p, first in parts:
+        part = p.astype(values.dtype) @ values[..., first : first + p.shape[-1], :]
+        out = part if out is None else out + part
+        if not with_sum:
+            total = p.sum(axis=-1, keepdims=True)
+            denom = total if denom is None else denom + total
+    if with_sum:
+        out, denom = out[..., :head_dim], out[..., head_dim:]
+    return out, denom
+
+
 def paged_attention_decode(
     q: mx.array,
     k_pool: mx.array,
@@ -239,18 +273,18 @@ def _prefill_groups(seqs: list, num_heads: int, window: Optional[int]) -> list[l
     if window is not None:
         return [[x] for x in seqs]
     groups: list[list] = []
+    qmax = kmax = real = 0  # the last group's longest query run and context, its real scores
     for x in seqs:
-        group = groups[-1] if groups else None
-        if group is not None:
-            count = len(group) + 1
-            qmax = max(x[2], max(y[2] for y in group))
-            kmax = max(x[3], max(y[3] for y in group))
-            padded = count * num_heads * qmax * kmax
-            real = num_heads * (x[2] * x[3] + sum(y[2] * y[3] for y in group))
-            if padded <= PREFILL_GROUP_SCORES and padded <= 2 * real:
-                group.append(x)
+        _, _, qlen, clen = x
+        if groups:
+            q2, k2, r2 = max(qmax, qlen), max(kmax, clen), real + qlen * clen
+            padded = (len(groups[-1]) + 1) * q2 * k2
+            if padded * num_heads <= PREFILL_GROUP_SCORES and padded <= 2 * r2:
+                groups[-1].append(x)
+                qmax, kmax, real = q2, k2, r2
                 continue
         groups.append([x])
+        qmax, kmax, real = qlen, clen, qlen * clen
     return groups
 
 
@@ -366,8 +400,7 @@ def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allow
     - the scores of the ``visible`` keys are never masked (a prompt tail over its cached
       prefix: most of its scores), only those of the keys after them;
     - when the score rows outnumber ``head_dim``, the softmax's denominator comes out of
-      the value product, as the last column of ``p @ [V | 1]``, instead of a separate sum
-      over the scores (one BLAS call, and the values are the smaller operand).
+      the value product (:func:`weighted_values`).
     """
     num, num_heads, qlen, head_dim = q.shape
     kvh, tokens = keys.shape[1], keys.shape[2]
@@ -394,19 +427,7 @@ def _masked_attention_base2(q: mx.array, keys: mx.array, values: mx.array, allow
         # [S, KVH, group * Q, 1]: each query head's sink logit on its rows
         sink = mx.repeat((sinks.astype(f32) * _LOG2_E).reshape(1, kvh, group, 1), qlen, axis=2)
         top = mx.maximum(top, sink)
-    with_sum = rows > head_dim
-    if with_sum:
-        values = mx.concatenate([values, mx.ones(values.shape[:-1] + (1,), f32)], axis=-1)
-    out = denom = None
-    for scores, first in parts:
-        p = exp2_eager(scores - top)
-        part = p @ values[..., first : first + scores.shape[-1], :]
-        out = part if out is None else out + part
-        if not with_sum:
-            total = p.sum(axis=-1, keepdims=True)
-            denom = total if denom is None else denom + total
-    if with_sum:
-        out, denom = out[..., :head_dim], out[..., head_dim:]
+    out, denom = weighted_values([(exp2_eager(scores - top), first) for scores, first in parts], values)
     if sink is not None:
         denom = denom + exp2_eager(sink - top)
     out = out / denom

@@ -12,6 +12,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..kernels.exp2 import exp2, exp2_eager, is_fusing
+from ..kernels.reference import weighted_values
 
 _NEG_INF = float("-inf")
 
@@ -74,16 +75,8 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
         sink = (sinks.astype(mx.float32) * _LOG2_E).reshape(1, num_kv_heads, group, 1, 1)
         top = mx.maximum(top, sink)
     weights = power(scores - top).reshape(b, num_kv_heads, rows, lk)
-    # The weights are normalised on the product, not before it (one pass over the scores
-    # fewer); with float32 values and more score rows than head_dim, the denominator is
-    # the last column of weights @ [V | 1] instead of a separate pass summing the scores.
-    if v.dtype == mx.float32 and rows > head_dim:
-        ones = mx.ones(v.shape[:-1] + (1,), dtype=v.dtype)
-        both = weights @ mx.concatenate([v, ones], axis=-1)
-        out, denom = both[..., :head_dim], both[..., head_dim:]
-    else:
-        denom = weights.sum(axis=-1, keepdims=True)
-        out = weights.astype(v.dtype) @ v
+    # normalised on the product, not before it: one pass over the scores fewer
+    out, denom = weighted_values([(weights, 0)], v)
     if sinks is not None:
         denom = denom + power(sink - top).reshape(b, num_kv_heads, rows, 1)
     return (out / denom).reshape(b, num_heads, lq, head_dim).astype(q.dtype)
