@@ -97,3 +97,12 @@ def test_eager_arithmetic_runs_on_any_thread():
     worker.join()
     assert not errors, errors
     assert np.array_equal(results[0], results[1])
+
+
+def test_range_reduction_rounds_to_nearest_even_inside_a_compiled_kernel():
+    """``n = round(x)`` comes from adding and taking away 1.5 * 2**23 (so the compiled
+    kernel keeps it fused); numpy's ``rint`` (ties to even) is the reference, halves included."""
+    x = np.concatenate([np.arange(-127.0, 128.5, 0.5), np.linspace(-127.0, 128.0, 20_001)]).astype(np.float32)
+    _, bits = mx.compile(exp2_module._exp2_parts)(mx.array(x))
+    whole = (np.array(bits) >> 23) - 127
+    assert np.array_equal(whole, np.rint(x).astype(np.int32))

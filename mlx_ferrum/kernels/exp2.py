@@ -39,6 +39,9 @@ import mlx.core as mx
 
 #: Taylor coefficients (ln 2)^k / k! of 2 ** f, k = 1 .. 6
 _COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(1, 7))
+#: 1.5 * 2**23: float32's integers past 2**23 are spaced 1 apart, so ``(x + this) - this``
+#: is ``x`` rounded to the nearest integer for ``|x| < 2**22``
+_ROUNDER = 12582912.0
 #: Largest input that takes the fused arithmetic: from about 2**20 elements on, MLX
 #: 0.32's CPU backend ran the fused kernel 1.5x (2**20) to 3.5x (2**22) slower per
 #: element than ``mx.power``, which keeps its speed, so larger inputs use it
@@ -79,7 +82,10 @@ def _exp2_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     """``(2 ** f, the float32 bits of 2 ** n)`` for ``x = n + f``: every op elementwise
     and shape-independent (what ``mx.compile(shapeless=True)`` accepts)."""
     clipped = mx.minimum(mx.maximum(x, -127.0), 128.0)
-    whole = mx.round(clipped)
+    # round to nearest (ties to even, as mx.round) by adding and taking away 1.5 * 2**23:
+    # the sum's ulp is 1. MLX's CPU compiler does not fuse mx.round, which split the
+    # graph into three kernels, each a pass over the scores; this keeps it one.
+    whole = (clipped + _ROUNDER) - _ROUNDER
     frac = clipped - whole
     poly = _COEFFS[5]
     for c in reversed(_COEFFS[:5]):

@@ -53,6 +53,94 @@ def _gather(pool: mx.array, table: mx.array, rows: Optional[mx.array] = None) ->
     return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
 
 
+#: fewest decode rows that read a shared prefix once for all of them (:func:`plan_shared_prefix`)
+SHARED_PREFIX_MIN_ROWS = 4
+#: fewest shared blocks worth the extra graph nodes of reading them apart
+SHARED_PREFIX_MIN_BLOCKS = 4
+
+
+@dataclass
+class SharedPrefix:
+    """Blocks at the head of many decode rows' tables (a cached system prompt), which
+    :func:`paged_attention_decode` reads once for all of those rows: every row's queries
+    of a KV head meet the shared keys in one product, and each row gathers only its tail.
+
+    The arrays are numpy on the host (:func:`plan_shared_prefix`) and MLX arrays once
+    moved (:meth:`to_device`), or inputs of a compiled step.
+
+    Attributes:
+        table: ``[shared_blocks]`` int32 block ids, the same in every member row.
+        tails: ``[num_seqs, tail_blocks]`` int32 block ids of each row's own blocks: a
+            member's table after the shared blocks, another row's whole table;
+            unused entries are any valid block id (masked).
+        tail_starts: ``[num_seqs]`` int32 tokens before each row's tail:
+            ``shared_blocks * block_size`` for a member row, 0 for the others.
+    """
+
+    table: object
+    tails: object
+    tail_starts: object
+
+    def to_device(self) -> "SharedPrefix":
+        """The same plan as MLX int32 arrays."""
+        return SharedPrefix(mx.array(self.table), mx.array(self.tails), mx.array(self.tail_starts))
+
+
+def _floor_bucket(n: int) -> int:
+    """The largest size of the compiled step's buckets (sizes up to 8, then four per
+    octave) not above ``n``: a shared prefix a block longer reuses the same trace."""
+    if n <= 8:
+        return n
+    granule = 1 << (n.bit_length() - 3)
+    return n // granule * granule
+
+
+def plan_shared_prefix(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int,
+                       min_rows: int = SHARED_PREFIX_MIN_ROWS,
+                       min_blocks: int = SHARED_PREFIX_MIN_BLOCKS) -> Optional[SharedPrefix]:
+    """The :class:`SharedPrefix` of a decode batch, or None when too little is shared.
+
+    The member rows are those whose table starts with the most common first block (at
+    least ``min_rows`` of them and half the batch); the shared blocks are the leading
+    blocks all members hold, cut to blocks every member has filled before its current
+    token (so each member sees all of their keys) and rounded down to a trace bucket.
+    At least ``min_blocks`` must remain. Only for full-attention tables: a sliding
+    window's freed entries read as block 0 in every row.
+
+    Args:
+        block_tables: ``[num_seqs, max_blocks]`` int32 (host).
+        context_lens: ``[num_seqs]`` int32 tokens per row, the current one included.
+        block_size: tokens per block.
+
+    The idea is the shared-prefix ("cascade") attention of Juravsky et al., "Hydragen:
+    High-Throughput LLM Inference with Shared Prefixes" (2024) and FlashInfer's cascade
+    inference: the prefix's attention is one matrix product over all rows, merged with
+    each row's own attention through the softmax's running maximum and denominator.
+    """
+    num_seqs = block_tables.shape[0]
+    if num_seqs < min_rows or block_tables.shape[1] <= min_blocks:
+        return None
+    first = block_tables[:, 0]
+    ids, counts = np.unique(first, return_counts=True)
+    if counts.max() < max(min_rows, (num_seqs + 1) // 2):
+        return None
+    members = first == ids[counts.argmax()]
+    member_tables = block_tables[members]
+    differs = (member_tables != member_tables[0]).any(axis=0)
+    shared = int(differs.argmax()) if differs.any() else member_tables.shape[1]
+    shared = _floor_bucket(min(shared, (int(context_lens[members].min()) - 1) // block_size))
+    if shared < min_blocks:
+        return None
+    cols = block_tables.shape[1]
+    everyone = bool(members.all())
+    tails = np.zeros((num_seqs, cols - shared if everyone else cols), dtype=np.int32)
+    tails[members, : cols - shared] = block_tables[members, shared:]
+    if not everyone:
+        tails[~members] = block_tables[~members]
+    tail_starts = np.where(members, shared * block_size, 0).astype(np.int32)
+    return SharedPrefix(member_tables[0, :shared].astype(np.int32), tails, tail_starts)
+
+
 @dataclass
 class DecodeIndex:
     """Index arrays of :func:`paged_attention_decode`, built once per forward pass by
@@ -61,21 +149,34 @@ class DecodeIndex:
 
     Attributes:
         rows: ``[num_seqs, num_kv_heads, max_blocks]`` int32, :func:`block_rows` of the
-            block tables.
-        valid: ``[num_seqs, max_blocks * block_size]`` bool, key position < context length.
+            block tables (of the tails, with a shared prefix).
+        valid: ``[num_seqs, max_blocks * block_size]`` bool, key position < context length
+            (the tail's keys, with a shared prefix).
+        shared_rows: ``[num_kv_heads, shared_blocks]`` int32, :func:`block_rows` of a
+            :class:`SharedPrefix`'s blocks, or None.
+        members: ``[num_seqs]`` bool, the rows that read the shared blocks, or None.
     """
 
     rows: mx.array
     valid: mx.array
+    shared_rows: Optional[mx.array] = None
+    members: Optional[mx.array] = None
 
 
-def decode_index(block_tables: mx.array, context_lens: mx.array, num_kv_heads: int, block_size: int) -> DecodeIndex:
+def decode_index(block_tables: mx.array, context_lens: mx.array, num_kv_heads: int, block_size: int,
+                 shared: Optional[SharedPrefix] = None) -> DecodeIndex:
     """The :class:`DecodeIndex` of ``block_tables`` ``[num_seqs, max_blocks]`` and
     ``context_lens`` ``[num_seqs]`` (int32) for pools of ``num_kv_heads`` heads and
-    ``block_size`` tokens per block."""
-    tokens = block_tables.shape[1] * block_size
-    valid = mx.arange(tokens)[None] < context_lens[:, None]
-    return DecodeIndex(block_rows(block_tables, num_kv_heads), valid)
+    ``block_size`` tokens per block; with ``shared`` (MLX arrays), the index of its
+    shared blocks and of each row's tail instead."""
+    if shared is None:
+        tokens = block_tables.shape[1] * block_size
+        valid = mx.arange(tokens)[None] < context_lens[:, None]
+        return DecodeIndex(block_rows(block_tables, num_kv_heads), valid)
+    tokens = shared.tails.shape[1] * block_size
+    valid = (mx.arange(tokens)[None] + shared.tail_starts[:, None]) < context_lens[:, None]
+    return DecodeIndex(block_rows(shared.tails, num_kv_heads), valid,
+                       block_rows(shared.table, num_kv_heads), shared.tail_starts > 0)
 
 
 def softmax_base2(scores: mx.array, sinks: Optional[mx.array], num_kv_heads: int, group: int) -> tuple[mx.array, mx.array]:
@@ -199,6 +300,8 @@ def paged_attention_decode(
     f32 = mx.float32
     if index is None:
         index = decode_index(block_tables, context_lens, kvh, bs)
+    if index.shared_rows is not None:
+        return _decode_over_shared_prefix(q, k_pool, v_pool, index, scale, sinks)
     keys = _gather(k_pool, block_tables, index.rows).astype(f32)  # [S, KVH, T, D]
     values = _gather(v_pool, block_tables, index.rows).astype(f32)
     qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
@@ -209,6 +312,49 @@ def paged_attention_decode(
     scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
     p, denom = softmax_base2(scores, sinks, kvh, g)
     out = (p @ values) / denom  # [S, KVH, g, D]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def _decode_over_shared_prefix(q: mx.array, k_pool: mx.array, v_pool: mx.array, index: DecodeIndex, scale: float,
+                               sinks: Optional[mx.array]) -> mx.array:
+    """:func:`paged_attention_decode` with ``index.shared_rows``: the shared blocks are
+    gathered once and met by all rows' queries of a KV head in one product
+    (``[KVH, num_seqs * group, P]`` scores); each row's tail is attended as usual; the two
+    merge through one maximum and one denominator. Rows that are not members take no
+    weight from the shared blocks (their shift is ``+inf``, so ``2 ** (s - shift)`` is 0).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    kvh = k_pool.shape[1]
+    g = num_heads // kvh
+    f32 = mx.float32
+    qg = (q.astype(f32) * (scale * _LOG2_E)).reshape(num_seqs, kvh, g, head_dim)
+
+    def by_row(x: mx.array) -> mx.array:  # [KVH, S * g, n] -> [S, KVH, g, n]
+        return x.reshape(kvh, num_seqs, g, x.shape[-1]).transpose(1, 0, 2, 3)
+
+    def by_head(x: mx.array) -> mx.array:  # [S, KVH, g, n] -> [KVH, S * g, n]
+        return x.transpose(1, 0, 2, 3).reshape(kvh, num_seqs * g, x.shape[-1])
+
+    prefix_keys = _gather(k_pool, None, index.shared_rows).astype(f32)  # [KVH, P, D]
+    prefix_values = _gather(v_pool, None, index.shared_rows).astype(f32)
+    prefix_scores = by_head(qg) @ prefix_keys.swapaxes(-1, -2)  # [KVH, S * g, P]
+    keys = _gather(k_pool, None, index.rows).astype(f32)  # [S, KVH, T, D]
+    values = _gather(v_pool, None, index.rows).astype(f32)
+    scores = mx.where(index.valid[:, None, None, :], qg @ keys.swapaxes(-1, -2), _NEG_INF)  # [S, KVH, g, T]
+    members = index.members[:, None, None, None]
+    m = mx.maximum(scores.max(axis=-1, keepdims=True),
+                   mx.where(members, by_row(prefix_scores.max(axis=-1, keepdims=True)), _NEG_INF))
+    sink = None
+    if sinks is not None:
+        sink = (sinks.astype(f32) * _LOG2_E).reshape(1, kvh, g, 1)
+        m = mx.maximum(m, sink)
+    prefix_out, prefix_denom = weighted_values(
+        [(exp2(prefix_scores - by_head(mx.where(members, m, float("inf")))), 0)], prefix_values)
+    out, denom = weighted_values([(exp2(scores - m), 0)], values)
+    denom = denom + by_row(prefix_denom)
+    if sink is not None:
+        denom = denom + exp2(sink - m)
+    out = (out + by_row(prefix_out)) / denom
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 

@@ -23,7 +23,7 @@ masked inside attention), so no pad token is ever stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 import numpy as np
@@ -31,6 +31,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import KvCacheError, UnknownCacheError
+from ..kernels.reference import SHARED_PREFIX_MIN_ROWS
 from ..layers.backends import (
     AttentionBackend,
     ContiguousAttentionBackend,
@@ -57,6 +58,9 @@ class PagedPassInputs:
         host_context_lens, host_query_start_loc: the same as lists of ints.
         slot_mappings: per layer group, ``[T]`` int32.
         block_tables: per layer group, ``[num_rows, max_blocks]`` int32.
+        shared_prefixes: per layer group, the decode rows'
+            :class:`~mlx_ferrum.kernels.reference.SharedPrefix` (numpy) or None
+            (the backend's ``shared_prefix``); an empty list when no group has one.
     """
 
     positions: np.ndarray
@@ -67,6 +71,7 @@ class PagedPassInputs:
     host_query_start_loc: list
     slot_mappings: list
     block_tables: list
+    shared_prefixes: list = field(default_factory=list)
 
 
 @dataclass
@@ -284,6 +289,9 @@ class PagedKvStore:
         if len(row_item) != len(order):
             tables = [t[row_item] for t in tables]
         num_decode = int(np.sum(row_lens == 1))
+        shared = [self.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], mgr.block_size, self.metal_kernels)
+                  if window is None and num_decode >= SHARED_PREFIX_MIN_ROWS else None
+                  for t, window in zip(tables, mgr.group_windows)]
         inputs = PagedPassInputs(
             positions=positions.astype(np.int32),
             context_lens=np.asarray(ctx, dtype=np.int32),
@@ -293,6 +301,7 @@ class PagedKvStore:
             host_query_start_loc=qsl.tolist(),
             slot_mappings=[np.asarray(gs, dtype=np.int32) for gs in group_slots],
             block_tables=tables,
+            shared_prefixes=shared if any(x is not None for x in shared) else [],
         )
         decode_rows = num_decode if num_decode == int(item_qsl[-1]) else 0
         return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), inputs, packed=True,
@@ -307,6 +316,7 @@ class PagedKvStore:
             self.layer_groups, [mx.array(x) for x in f.slot_mappings], [mx.array(x) for x in f.block_tables],
             ropes=self.ropes, query_start_loc=mx.array(f.query_start_loc), host_context_lens=f.host_context_lens,
             host_query_start_loc=f.host_query_start_loc, metal_kernels=self.metal_kernels,
+            shared_prefixes=[None if x is None else x.to_device() for x in f.shared_prefixes],
         )
 
     @staticmethod

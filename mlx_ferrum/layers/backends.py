@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .. import kernels
 from ..kernels import metal, reference
@@ -186,6 +187,7 @@ def paged_metadata(
     host_context_lens: Optional[list] = None,
     host_query_start_loc: Optional[list] = None,
     metal_kernels: Optional[bool] = None,
+    shared_prefixes: Optional[list] = None,
 ) -> PagedMetadata:
     """A complete :class:`PagedMetadata`: the per-pass arrays every layer shares (pool
     index arrays, decode indices, Metal launch arrays, RoPE tables) are derived here,
@@ -208,18 +210,23 @@ def paged_metadata(
             ``table(positions)``; :class:`~mlx_ferrum.layers.rope.Rope`).
         query_start_loc, host_context_lens, host_query_start_loc, metal_kernels: see
             :class:`PagedMetadata`.
+        shared_prefixes: per group, the decode rows'
+            :class:`~mlx_ferrum.kernels.reference.SharedPrefix` (MLX arrays) or None
+            (:meth:`PagedAttentionBackend.shared_prefix`); None: none anywhere.
     """
     nd = num_decode_seqs
     num_kv_heads, block_size = pool.shape[1], pool.shape[2]
     launch = nd and backend.uses_metal_kernels and kernels.metal_path_enabled(metal_kernels)
     groups = []
-    for slots, tables in zip(slot_mappings, block_tables):
+    shared_prefixes = shared_prefixes or [None] * len(block_tables)
+    for slots, tables, shared in zip(slot_mappings, block_tables, shared_prefixes):
         groups.append(PagedGroupTables(
             slot_mapping=slots,
             block_tables=tables,
             # broadcast once per pass, so no layer's K or V write broadcasts them again
             slot_index=tuple(mx.broadcast_arrays(*pool.slot_indices(slots))),
-            decode_index=reference.decode_index(tables[:nd], context_lens[:nd], num_kv_heads, block_size) if nd else None,
+            decode_index=reference.decode_index(tables[:nd], context_lens[:nd], num_kv_heads, block_size, shared)
+            if nd else None,
             decode_launch=metal.decode_metadata(tables[:nd], context_lens[:nd], num_kv_heads, block_size)
             if launch else None,
         ))
@@ -399,6 +406,23 @@ class PagedAttentionBackend(AttentionBackend):
     """
 
     uses_metal_kernels = True
+
+    def shared_prefix(self, block_tables: np.ndarray, context_lens: np.ndarray, block_size: int,
+                      metal_kernels: Optional[bool] = None) -> Optional[reference.SharedPrefix]:
+        """The host plan by which the reference decode attention reads the blocks that
+        head many decode rows' tables once for all of them
+        (:func:`~mlx_ferrum.kernels.reference.plan_shared_prefix`), or None: too little
+        shared, or the Metal kernel runs (it reads each row's blocks in place).
+
+        Args:
+            block_tables: ``[num_decode_seqs, max_blocks]`` int32 of a full-attention group.
+            context_lens: ``[num_decode_seqs]`` int32.
+            block_size: tokens per block.
+            metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
+        """
+        if kernels.metal_path_enabled(metal_kernels):
+            return None
+        return reference.plan_shared_prefix(block_tables, context_lens, block_size)
 
     def rotate(self, rope, x: mx.array, meta) -> mx.array:
         """RoPE of packed tokens ``x`` ``[1, H, T, D]``: each token is rotated as a row of

@@ -83,6 +83,10 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
 
     # write: the inherited one calls pool.write, which quantizes (and rotates keys)
 
+    def shared_prefix(self, block_tables, context_lens, block_size: int, metal_kernels=None) -> None:
+        """None: the quantized reference reads each row's codes (no shared-prefix read)."""
+        return None
+
     def decode_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, scale: float,
                          window=None, sinks=None) -> mx.array:
         """Decode rows ``q`` ``[nd, H, D]`` -> ``[nd, H, D]`` over the quantized blocks

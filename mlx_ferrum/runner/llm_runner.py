@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
 from ..kernels.exp2 import fusing as exp2_fusing
+from ..kernels.reference import SharedPrefix
 from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.manager import UNKNOWN_TOKEN
@@ -85,6 +86,15 @@ def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> n
     out[: table.shape[0], : table.shape[1]] = table
     out[table.shape[0] :, 0] = scratch_block
     return out
+
+
+def _shared_prefixes(arrays: dict, num_groups: int) -> Optional[list]:
+    """Per group, the compiled step's :class:`~mlx_ferrum.kernels.reference.SharedPrefix`
+    inputs (``arrays["shared_prefixes"]``) or None."""
+    given = arrays.get("shared_prefixes")
+    if not given:
+        return None
+    return [SharedPrefix(*given[str(g)]) if str(g) in given else None for g in range(num_groups)]
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
@@ -569,6 +579,18 @@ class LlmRunner:
             "slot_mappings": [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f.slot_mappings],
             "block_tables": [mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f.block_tables],
         }
+        shared_shape = ()
+        if f.shared_prefixes:
+            # a group's shared blocks and each row's tail (reference.SharedPrefix), keyed by
+            # group: the groups that have one are part of the trace's key
+            arrays["shared_prefixes"] = {}
+            for g, plan in enumerate(f.shared_prefixes):
+                if plan is not None:
+                    tails = _pad_table(plan.tails, rows, shape_bucket(plan.tails.shape[1]), self._scratch_block)
+                    # pad rows read the shared blocks and no tail key (context_lens 1)
+                    starts = _pad_rows(plan.tail_starts, rows, int(plan.tail_starts.max()))
+                    arrays["shared_prefixes"][str(g)] = [mx.array(plan.table), mx.array(tails), mx.array(starts)]
+                    shared_shape += ((g, plan.table.shape[0], tails.shape[1]),)
         if self.lora is not None and any(work[i].lora_slot >= 0 for i in kv_pass.items):
             # one decode row per token: a draft laid out as several rows repeats its slot
             slots = np.full(rows, self.lora.none_slot, dtype=np.int32)
@@ -592,7 +614,7 @@ class LlmRunner:
             # ahead of the device (unmeasured here: no GPU on this machine).
             mx.eval(pool.arrays())
         try:
-            step = self._compiled_step((rows, cols, "lora_slots" in arrays))
+            step = self._compiled_step((rows, cols, "lora_slots" in arrays, shared_shape))
             logits, pool_arrays = step(input_ids, arrays, pool.arrays())
         except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
             if "compile" not in str(e) and "transformation" not in str(e):
@@ -615,6 +637,8 @@ class LlmRunner:
         key = threading.get_ident()
         if len(shape) > 2 and shape[2]:
             key = (key, "lora")
+        if len(shape) > 3 and shape[3]:
+            key = (key, tuple(g for g, _, _ in shape[3]))
         entry = self._compiled_decode.get(key)
         if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
             entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
@@ -639,7 +663,7 @@ class LlmRunner:
         meta = paged_metadata(
             store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
             store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=store.ropes,
-            metal_kernels=self._metal_kernels,
+            metal_kernels=self._metal_kernels, shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
         )
         meta.lora_slots = arrays.get("lora_slots")
         lora_weights = arrays.get("lora_weights")
