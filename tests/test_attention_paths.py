@@ -20,8 +20,10 @@ from mlx_ferrum.layers.attention import PagedAttentionBackend, PagedMetadata, pr
 
 from tiny_models import tiny_model
 
-# B, heads, kv heads, L_q, L_k; the last has over 2**15 scores, which take the compiled 2**x
-SHAPES = [(2, 8, 4, 5, 9), (1, 4, 1, 7, 7), (3, 6, 6, 1, 10), (1, 8, 2, 64, 80)]
+# B, heads, kv heads, L_q, L_k; (1, 8, 2, 64, 80) has over 2**15 scores, which take the
+# compiled 2**x; the last two over PREFILL_GROUP_SCORES, so a causal mask takes query tiles
+SHAPES = [(2, 8, 4, 5, 9), (1, 4, 1, 7, 7), (3, 6, 6, 1, 10), (1, 8, 2, 64, 80), (1, 8, 2, 150, 200),
+          (2, 4, 4, 130, 130)]
 
 
 def _numpy_attention(q, k, v, scale, additive, sinks):
@@ -246,3 +248,22 @@ def test_a_decode_pass_builds_its_index_once_for_every_layer(monkeypatch):
     built.clear()
     ex.run([SeqWork("a", [6]), SeqWork("b", [7])])
     assert model.args.num_hidden_layers > 1 and built == [(2, 1)]
+
+
+def test_a_long_causal_pass_takes_query_tiles_over_the_keys_each_tile_sees(monkeypatch):
+    """A fresh 300-token prompt: tiles of queries, each over the keys up to its last query
+    (so about half the square of scores), giving numpy's causal attention."""
+    from mlx_ferrum.kernels import reference
+
+    seen = []
+    real = reference._masked_attention_base2
+    monkeypatch.setattr(reference, "_masked_attention_base2",
+                        lambda q, k, *a: seen.append((q.shape[2], k.shape[2])) or real(q, k, *a))
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((1, 8, 300, 8), (1, 4, 300, 8), (1, 4, 300, 8)))
+    out = sdpa_base2(mx.array(q), mx.array(k), mx.array(v), 0.3, "causal")
+    causal = np.where(np.arange(300)[None, :] <= np.arange(300)[:, None], 0.0, -np.inf)
+    np.testing.assert_allclose(np.array(out), _numpy_attention(q, k, v, 0.3, causal, None), atol=2e-5)
+    assert len(seen) > 1 and sum(rows for rows, _ in seen) == 300
+    assert [keys for _, keys in seen] == sorted(keys for _, keys in seen) and seen[-1][1] == 300
+    assert sum(rows * keys for rows, keys in seen) < 0.7 * 300 * 300

@@ -12,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..kernels.exp2 import exp2, exp2_eager, is_fusing
-from ..kernels.reference import weighted_values
+from ..kernels.reference import PREFILL_GROUP_SCORES, causal_attention_base2, weighted_values
 
 _NEG_INF = float("-inf")
 
@@ -52,6 +52,9 @@ def sdpa_base2(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
     """
     b, num_heads, lq, head_dim = q.shape
     num_kv_heads, lk = k.shape[1], k.shape[2]
+    if isinstance(mask, str) and not is_fusing() and lq > 1 and b * num_heads * lq * lk > PREFILL_GROUP_SCORES:
+        # a long causal pass, op by op: tiles of queries skip the masked half of the scores
+        return causal_attention_base2(q, k, v, scale, sinks)
     group = num_heads // num_kv_heads
     rows = group * lq
     qg = (q * (scale * _LOG2_E)).reshape(b, num_kv_heads, rows, head_dim)
