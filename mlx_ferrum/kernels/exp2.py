@@ -9,13 +9,16 @@ step over 32 sequences of 340 tokens ran 1.09-1.21x faster with it (medians of f
 (``benchmarks/bench_cpu_attention.py`` measures all three). The method:
 
 - range reduction ``x = n + f`` with ``n = round(x)`` and ``f`` in ``[-1/2, 1/2]``;
-- ``2 ** f`` by its Taylor polynomial of degree 6 (``sum (f ln 2)^k / k!``; the
-  truncation error ``(ln 2 / 2)^7 / 7!`` is 1.2e-7, under float32's rounding);
+- ``2 ** f`` by a degree-6 polynomial fitted to it (least squares with relative weights
+  at Chebyshev nodes: truncation error 1.9e-9, far under float32's rounding), evaluated
+  by Estrin's scheme (Estrin, 1960): a graph three products deep instead of Horner's six,
+  which MLX's CPU compiler keeps in one kernel (Horner's chain was split into several,
+  each a pass over the scores: 3.7 against 2.3 ns per element);
 - ``2 ** n`` built directly as float32 bits (exponent field ``n + 127``), the classic
   Cody-Waite construction (Cody and Waite, *Software Manual for the Elementary
   Functions*, 1980).
 
-Maximum relative error 2.3e-7 against float64 over ``[-126, 127]``; exactly 0 below
+Maximum relative error 1.7e-7 against float64 over ``[-126, 127]``; exactly 0 below
 ``-126.5`` (past the normal range; softmax weights that small are 0 to float32's sums
 anyway) and for ``-inf``; ``+inf`` from 127.5 up. Not for NaN inputs.
 
@@ -31,14 +34,27 @@ fused kernel slows down.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from typing import Iterator
 
 import mlx.core as mx
+import numpy as np
 
-#: Taylor coefficients (ln 2)^k / k! of 2 ** f, k = 1 .. 6
-_COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(1, 7))
+
+
+def _fit_coefficients(degree: int = 6, nodes: int = 4000) -> tuple[float, ...]:
+    """Coefficients ``c_0 .. c_degree`` of the polynomial closest to ``2 ** f`` on
+    ``[-1/2, 1/2]`` in relative error, in the least-squares sense over Chebyshev nodes
+    (which comes within a small factor of the minimax polynomial)."""
+    f = 0.5 * np.cos(np.pi * (np.arange(nodes) + 0.5) / nodes)
+    target = np.exp2(f)
+    weighted = np.vander(f, degree + 1, increasing=True) / target[:, None]
+    coeffs, *_ = np.linalg.lstsq(weighted, np.ones(nodes), rcond=None)
+    return tuple(float(c) for c in coeffs)
+
+
+#: ``c_0 .. c_6`` of :func:`_fit_coefficients`
+_COEFFS = _fit_coefficients()
 #: 1.5 * 2**23: float32's integers past 2**23 are spaced 1 apart, so ``(x + this) - this``
 #: is ``x`` rounded to the nearest integer for ``|x| < 2**22``
 _ROUNDER = 12582912.0
@@ -90,10 +106,9 @@ def _exp2_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     # graph into three kernels, each a pass over the scores; this keeps it one.
     whole = (clipped + _ROUNDER) - _ROUNDER
     frac = clipped - whole
-    poly = _COEFFS[5]
-    for c in reversed(_COEFFS[:5]):
-        poly = poly * frac + c
-    poly = poly * frac + 1.0
+    c = _COEFFS
+    frac2 = frac * frac
+    poly = (c[0] + c[1] * frac) + frac2 * (c[2] + c[3] * frac) + (frac2 * frac2) * ((c[4] + c[5] * frac) + frac2 * c[6])
     # 2 ** whole: the float32 whose exponent field is whole + 127 (0 = zero, 255 = +inf);
     # no select for the ends: one cost 60 % more time than the whole function
     return poly, (whole.astype(mx.int32) + 127) << 23
