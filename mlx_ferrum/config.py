@@ -135,6 +135,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "max_num_seqs": ("FERRUM_PAGED_MAX_SEQS", _parse_int, 32),
     "prefill_chunk_size": ("FERRUM_CHUNKED_PREFILL", _parse_int, 512),
     "max_num_batched_tokens": ("FERRUM_MAX_BATCHED_TOKENS", _parse_int, 2048),
+    "max_num_prefill_seqs": ("FERRUM_MAX_NUM_PREFILL_SEQS", _parse_int, None),
     "prefix_cache": ("FERRUM_PREFIX_CACHE", _parse_bool, True),
     "metal_kernels": ("FERRUM_METAL_KERNELS", _parse_bool, True),
     "kv_memory_fraction": ("FERRUM_KV_MEMORY_FRACTION", _parse_float, 0.5),
@@ -169,6 +170,8 @@ FIELD_HELP: dict[str, str] = {
     "max_num_seqs": "most sequences per engine step",
     "prefill_chunk_size": "most prompt tokens per sequence per engine step",
     "max_num_batched_tokens": "token budget of one engine step",
+    "max_num_prefill_seqs": "most sequences that prefill in one engine step (a burst of prompts is prefilled a few "
+                            "at a time, so the first of them start sooner)",
     "prefix_cache": "share full prompt blocks across requests",
     "metal_kernels": "0 forces the pure-MLX attention path",
     "kv_memory_fraction": "share of free memory (minus weights) the paged pool may take when --max-num-blocks is unset",
@@ -291,6 +294,11 @@ class RuntimeConfig:
     - ``max_num_seqs`` (``FERRUM_PAGED_MAX_SEQS``, 32): max sequences per engine step.
     - ``prefill_chunk_size`` (``FERRUM_CHUNKED_PREFILL``, 512): max prompt tokens per sequence per step.
     - ``max_num_batched_tokens`` (``FERRUM_MAX_BATCHED_TOKENS``, 2048): token budget of one engine step.
+    - ``max_num_prefill_seqs`` (``FERRUM_MAX_NUM_PREFILL_SEQS``, None = no cap; ``mlx-ferrum
+      serve``: 4): most sequences with prompt tokens in one engine step. A burst of prompts
+      is then prefilled a few at a time between decode steps, so the first of them start
+      sooner (time to first token); mlx-lm's server caps prompts per prefill batch the
+      same way (``--prompt-concurrency``, 8).
     - ``prefix_cache`` (``FERRUM_PREFIX_CACHE``, 1): share full prompt blocks by hash (paged
       layout; on by default, as in vLLM V1; outputs are identical with it off).
     - ``metal_kernels`` (``FERRUM_METAL_KERNELS``, 1): 0 forces the pure-MLX reference attention.
@@ -362,6 +370,7 @@ class RuntimeConfig:
     max_num_seqs: Optional[int] = None
     prefill_chunk_size: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
+    max_num_prefill_seqs: Optional[int] = None
     prefix_cache: Optional[bool] = None
     metal_kernels: Optional[bool] = None
     kv_memory_fraction: Optional[float] = None
@@ -448,7 +457,7 @@ class RuntimeConfig:
             raise ConfigurationError(
                 f"{n('block_size')}={bs!r} is not valid: use a power of two from 8 to 128 (e.g. 16)"
             )
-        for name in ("max_num_blocks", "kv_capacity"):
+        for name in ("max_num_blocks", "kv_capacity", "max_num_prefill_seqs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigurationError(f"{n(name)}={v!r} is not valid: use a positive integer or leave it unset")

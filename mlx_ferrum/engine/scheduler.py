@@ -104,7 +104,8 @@ class Scheduler:
     """FCFS scheduler with chunked prefill and preemption by recompute.
 
     Args:
-        config: budgets (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_chunk_size``).
+        config: budgets (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_chunk_size``,
+            ``max_num_prefill_seqs``).
         manager: the executor's paged manager (only read), or None for the contiguous
             layout (no block accounting then: admission is bounded by ``max_num_seqs`` only).
         max_seq_len: most tokens per sequence.
@@ -216,7 +217,12 @@ class Scheduler:
         prefilling = (self._prefilling() if self.waiting and self.wait_for_prefix_in_flight
                       and self._plan is not None and self.manager.prefix_cache else None)
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # a cap on the sequences that prefill in this step: the running ones still in their
+        # prompt count against it (and always run), new ones are admitted below it
+        cap = self.config.max_num_prefill_seqs
+        prefills = sum(1 for it in out.items if it.seq.num_computed < len(it.seq.prompt_ids)) if cap else 0
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and (cap is None or prefills < cap)):
             seq = self.waiting[0]
             if self._alone_cannot_fit(seq):
                 self.waiting.popleft()
@@ -262,6 +268,7 @@ class Scheduler:
             self._reserve(seq, n)
             out.items.append(ScheduledItem(seq, n))
             budget -= n
+            prefills += 1
             if prefilling is not None and seq.remaining > 0:
                 prefilling.append((seq, tokens if tokens is not None else seq.prefix_key_ids()))
         self.waiting.extendleft(reversed(deferred))  # first in the queue again, in their order
