@@ -17,10 +17,17 @@ its baseline in the same process, medians over the repeats):
    each): time blocked in ``mx.async_eval`` (the device working: on the CPU backend it
    returns once at most 10 of the step's tasks are queued), in ``runner.forward`` (the
    pass's metadata and graph) and in the rest (scheduling, sampling setup, output).
+5. A compiled decode step over N sequences forked from one C-token sequence (so their
+   block tables begin with the same blocks, as behind a cached system prompt): the shared
+   blocks read once for all rows (``kernels.reference.plan_shared_prefix``, the default)
+   against every row gathering its own blocks.
+6. The prefill of one fresh C-token prompt: causal attention in query tiles
+   (``kernels.reference.causal_attention_base2``, the default) against one pass over the
+   whole square of scores.
 
 Run from the repository root::
 
-    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7] [--sections 1,2,3,4] [--quick]
+    python benchmarks/bench_cpu_attention.py [--requests 32] [--context 340] [--repeats 7] [--sections 1,2,3,4,5,6] [--quick]
 """
 
 from __future__ import annotations
@@ -235,6 +242,78 @@ def bench_step_split(model, tokenizer, levels: list[int], repeats: int) -> list[
     return rows
 
 
+def bench_shared_prefix_step(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
+    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
+    runner = engine.runner
+    rng = np.random.default_rng(5)
+    mx.eval(runner.forward([SeqWork("base", rng.integers(1, 500, context).tolist())], None)[0])
+    ids = [f"seq{i}" for i in range(requests)]
+    for c in ids:
+        runner.fork_cache("base", c)
+
+    def step() -> None:
+        mx.eval(runner.forward([SeqWork(c, [int(rng.integers(1, 500))]) for c in ids], None)[0])
+        for c in ids:
+            runner.trim_cache(c, context)
+
+    def timed(steps: int = 20) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps * 1e3
+
+    real = reference.plan_shared_prefix
+
+    def own_blocks() -> float:
+        reference.plan_shared_prefix = lambda *a, **k: None
+        try:
+            step()  # its own trace
+            return timed()
+        finally:
+            reference.plan_shared_prefix = real
+
+    step()
+    shared, own = _alternate(timed, own_blocks, repeats)
+    a, b = statistics.median(shared), statistics.median(own)
+    ratios = sorted(y / x for x, y in zip(shared, own))
+    return [[f"{requests} x {context} tokens, shared blocks read once (default)", f"{a:.2f}", ""],
+            [f"{requests} x {context} tokens, every row gathers its blocks", f"{b:.2f}",
+             f"{b / a:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+
+
+def bench_fresh_prefill(model, tokenizer, context: int, repeats: int) -> list[list]:
+    import mlx_ferrum.layers.sdpa as sdpa_module
+    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
+    rng = np.random.default_rng(6)
+    params = mf.SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prefill() -> float:
+        engine.add_request(rng.integers(5, 500, context).tolist(), params)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed * 1e3
+
+    real = sdpa_module.PREFILL_GROUP_SCORES
+
+    def untiled() -> float:
+        sdpa_module.PREFILL_GROUP_SCORES = 1 << 62
+        try:
+            return prefill()
+        finally:
+            sdpa_module.PREFILL_GROUP_SCORES = real
+
+    prefill()
+    tiled, whole = _alternate(prefill, untiled, repeats)
+    a, b = statistics.median(tiled), statistics.median(whole)
+    ratios = sorted(y / x for x, y in zip(tiled, whole))
+    return [[f"{context}-token prompt, query tiles (default)", f"{a:.1f}", ""],
+            [f"{context}-token prompt, the whole square of scores", f"{b:.1f}",
+             f"{b / a:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+
+
 @contextlib.contextmanager
 def _power_only():
     real = llm_runner.exp2_fusing
@@ -252,7 +331,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=340, help="cached tokens per sequence in the decode step")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 requests of 64 tokens, 1 repeat")
-    ap.add_argument("--sections", default="1,2,3,4", help="which measurements to run, comma-separated (default: all)")
+    ap.add_argument("--sections", default="1,2,3,4,5,6", help="which measurements to run, comma-separated (default: all)")
     args = ap.parse_args(argv)
     sections = {int(x) for x in args.sections.split(",")}
     if args.quick:
@@ -275,6 +354,13 @@ def main(argv=None) -> int:
         print("\n4. where an Engine.step goes (ms per step, medians)")
         print_table(["requests", "step", "blocked in async_eval", "runner.forward", "rest", "host share"],
                     bench_step_split(model, tokenizer, sorted({min(8, args.requests), args.requests}), args.repeats))
+    if 5 in sections:
+        print("\n5. one compiled paged decode step over N sequences whose tables begin with the same blocks")
+        print_table(["step", "ms", "vs default"],
+                    bench_shared_prefix_step(model, tokenizer, args.requests, args.context, args.repeats))
+    if 6 in sections:
+        print("\n6. the prefill step of one fresh prompt of C tokens")
+        print_table(["step", "ms", "vs default"], bench_fresh_prefill(model, tokenizer, args.context, args.repeats))
     return 0
 
 

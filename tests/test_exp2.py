@@ -55,11 +55,15 @@ def test_small_inputs_keep_mx_power_even_when_fusing(monkeypatch):
 
 
 def test_the_default_sizes_fuse_decode_scores_of_batches_only():
-    """One sequence's decode scores stay ``mx.power``; 32 sequences of 340 tokens fuse."""
+    """One sequence's decode scores over 200 tokens stay ``mx.power``; 32 sequences of
+    340 tokens fuse, and so does the SwiGLU of a 32-row stories260K step (32 x 172)."""
     heads = 8
-    values = np.linspace(-30.0, 0.0, 32 * heads * 352, dtype=np.float32)
-    one = mx.array(values[: heads * 352].reshape(1, heads, 352))
+    values = np.random.default_rng(3).uniform(-30.0, 0.0, 32 * heads * 352).astype(np.float32)
+    one = mx.array(values[: heads * 200].reshape(1, heads, 200))
     batch = mx.array(values.reshape(32, heads, 352))
+    swiglu = mx.array(values[: 32 * 172].reshape(32, 172))
+    with fusing():
+        assert not np.array_equal(np.array(exp2(swiglu)), np.array(mx.power(2.0, swiglu)))
     with fusing():
         assert np.array_equal(np.array(exp2(one)), np.array(mx.power(2.0, one)))
         assert not np.array_equal(np.array(exp2(batch)), np.array(mx.power(2.0, batch)))

@@ -63,13 +63,14 @@ _ROUNDER = 12582912.0
 #: element than ``mx.power``, which keeps its speed, so larger inputs use it
 #: (``benchmarks/bench_cpu_attention.py`` times both at this size and 8x past it).
 MAX_FUSED_SIZE = 1 << 19
-#: Smallest input that takes the fused arithmetic. Its graph is six nodes where
-#: ``mx.power`` is one, and at a few thousand elements each node's dispatch costs more
-#: than the arithmetic saves: a stories260K decode step over 1 x 340 tokens (2.7 K
-#: scores) was 1.05x faster with ``mx.power``, over 4 x 340 tokens (11 K) 1.12x faster
-#: fused, over 32 x 340 (87 K) 1.10-1.20x faster fused
-#: (``benchmarks/bench_cpu_attention.py``, section 3; docs/benchmarks.md, sections 16-17).
-MIN_FUSED_SIZE = 1 << 13
+#: Smallest input that takes the fused arithmetic. Its graph has many nodes where
+#: ``mx.power`` has one, and at a few thousand elements their tracing and dispatch cost
+#: about what the arithmetic saves: with the one-kernel Estrin form, a stories260K decode
+#: step over 1 x 340 tokens (2.7 K scores) took the same time either way (0.99x), over
+#: 4 x 340 tokens (11 K) it was 1.13x and over 32 x 340 (87 K) 1.36x faster fused
+#: (``benchmarks/bench_cpu_attention.py``, section 3; docs/benchmarks.md, section 19).
+#: From 2 K elements, the SwiGLU of a 32-row decode step (5.5 K) is fused too.
+MIN_FUSED_SIZE = 1 << 11
 #: Smallest input :func:`exp2_eager` computes with the compiled arithmetic: each call of a
 #: compiled function costs tens of microseconds, which only large inputs earn back. At
 #: 8 K elements it took 114 us against ``mx.power``'s 167 us, at 4 K about the same
