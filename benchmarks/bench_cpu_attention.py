@@ -154,12 +154,9 @@ def bench_decode_step(model, tokenizer, shapes: list[tuple[int, int]], repeats: 
             for row in _decode_step_rows(model, tokenizer, requests, context, repeats)]
 
 
-def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
-    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
-    runner = engine.runner
-    rng = np.random.default_rng(0)
-    ids = [f"seq{i}" for i in range(requests)]
-    mx.eval(runner.forward([SeqWork(c, rng.integers(1, 500, context).tolist()) for c in ids], None)[0])
+def _step_timer(runner, ids: list, context: int, rng):
+    """``(step, timed)``: one decode step of the caches ``ids`` (each trimmed back to
+    ``context`` tokens after it), and the mean ms per step of ``steps`` of them."""
 
     def step() -> None:
         mx.eval(runner.forward([SeqWork(c, [int(rng.integers(1, 500))]) for c in ids], None)[0])
@@ -171,6 +168,17 @@ def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: in
         for _ in range(steps):
             step()
         return (time.perf_counter() - start) / steps * 1e3
+
+    return step, timed
+
+
+def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
+    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    ids = [f"seq{i}" for i in range(requests)]
+    mx.eval(runner.forward([SeqWork(c, rng.integers(1, 500, context).tolist()) for c in ids], None)[0])
+    step, timed = _step_timer(runner, ids, context, rng)
 
     def fused_side() -> float:
         runner._compiled_decode = {}  # retrace with the fused 2**x, whatever the size
@@ -250,35 +258,16 @@ def bench_shared_prefix_step(model, tokenizer, requests: int, context: int, repe
     ids = [f"seq{i}" for i in range(requests)]
     for c in ids:
         runner.fork_cache("base", c)
-
-    def step() -> None:
-        mx.eval(runner.forward([SeqWork(c, [int(rng.integers(1, 500))]) for c in ids], None)[0])
-        for c in ids:
-            runner.trim_cache(c, context)
-
-    def timed(steps: int = 20) -> float:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - start) / steps * 1e3
-
-    real = reference.plan_shared_prefix
+    step, timed = _step_timer(runner, ids, context, rng)
 
     def own_blocks() -> float:
-        reference.plan_shared_prefix = lambda *a, **k: None
-        try:
+        with _patched(reference, "plan_shared_prefix", lambda *a, **k: None):
             step()  # its own trace
             return timed()
-        finally:
-            reference.plan_shared_prefix = real
 
     step()
-    shared, own = _alternate(timed, own_blocks, repeats)
-    a, b = statistics.median(shared), statistics.median(own)
-    ratios = sorted(y / x for x, y in zip(shared, own))
-    return [[f"{requests} x {context} tokens, shared blocks read once (default)", f"{a:.2f}", ""],
-            [f"{requests} x {context} tokens, every row gathers its blocks", f"{b:.2f}",
-             f"{b / a:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+    return _versus_rows(timed, own_blocks, repeats, 2, f"{requests} x {context} tokens, shared blocks read once",
+                        f"{requests} x {context} tokens, every row gathers its blocks")
 
 
 def bench_fresh_prefill(model, tokenizer, context: int, repeats: int) -> list[list]:
@@ -296,22 +285,34 @@ def bench_fresh_prefill(model, tokenizer, context: int, repeats: int) -> list[li
             engine.step()
         return elapsed * 1e3
 
-    real = sdpa_module.PREFILL_GROUP_SCORES
-
     def untiled() -> float:
-        sdpa_module.PREFILL_GROUP_SCORES = 1 << 62
-        try:
+        with _patched(sdpa_module, "PREFILL_GROUP_SCORES", 1 << 62):
             return prefill()
-        finally:
-            sdpa_module.PREFILL_GROUP_SCORES = real
 
     prefill()
-    tiled, whole = _alternate(prefill, untiled, repeats)
-    a, b = statistics.median(tiled), statistics.median(whole)
-    ratios = sorted(y / x for x, y in zip(tiled, whole))
-    return [[f"{context}-token prompt, query tiles (default)", f"{a:.1f}", ""],
-            [f"{context}-token prompt, the whole square of scores", f"{b:.1f}",
-             f"{b / a:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+    return _versus_rows(prefill, untiled, repeats, 1, f"{context}-token prompt, query tiles",
+                        f"{context}-token prompt, the whole square of scores")
+
+
+def _versus_rows(default, alternative, repeats: int, digits: int, default_label: str, label: str) -> list[list]:
+    """Table rows of two sides timed alternately (ms): their medians and the alternative's
+    slowdown with the spread of its per-repeat ratios."""
+    first, second = _alternate(default, alternative, repeats)
+    a, b = statistics.median(first), statistics.median(second)
+    ratios = sorted(y / x for x, y in zip(first, second))
+    return [[default_label + " (default)", f"{a:.{digits}f}", ""],
+            [label, f"{b:.{digits}f}", f"{b / a:.2f}x slower ({ratios[0]:.2f}-{ratios[-1]:.2f})"]]
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    """``owner.name = value`` for the block."""
+    real = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
 
 
 @contextlib.contextmanager
