@@ -141,8 +141,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 #: ``serve``'s default ``max_num_prefill_seqs`` (the Python API has no cap, as vLLM's
 #: offline and online entry points differ in their batching defaults): on the chat
 #: workload of ``benchmarks/bench_serving.py`` (32 clients whose requests come in waves),
-#: median time to first token was 0.26-0.29 s with 4, 0.37-0.41 s with 8 and 0.41-0.45 s
-#: with no cap, at the same output tok/s (stories260K, 2-core Xeon guest).
+#: median time to first token was 0.25-0.28 s with 4 against 0.39 s uncapped and 0.44 s
+#: with 8, for up to 7 % fewer tokens per second (docs/benchmarks.md, section 19).
 SERVE_MAX_NUM_PREFILL_SEQS = 4
 
 

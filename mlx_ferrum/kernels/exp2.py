@@ -66,8 +66,8 @@ MAX_FUSED_SIZE = 1 << 19
 #: Smallest input that takes the fused arithmetic. Its graph has many nodes where
 #: ``mx.power`` has one, and at a few thousand elements their tracing and dispatch cost
 #: about what the arithmetic saves: with the one-kernel Estrin form, a stories260K decode
-#: step over 1 x 340 tokens (2.7 K scores) took the same time either way (0.99x), over
-#: 4 x 340 tokens (11 K) it was 1.13x and over 32 x 340 (87 K) 1.36x faster fused
+#: step over 1 x 340 tokens (2.7 K scores) took the same time either way (0.98x), over
+#: 4 x 340 tokens (11 K) it was 1.24x and over 32 x 340 (87 K) 1.33x faster fused
 #: (``benchmarks/bench_cpu_attention.py``, section 3; docs/benchmarks.md, section 19).
 #: From 2 K elements, the SwiGLU of a 32-row decode step (5.5 K) is fused too.
 MIN_FUSED_SIZE = 1 << 11
