@@ -630,9 +630,11 @@ class LlmRunner:
 
         ``mx.compile`` keeps one trace per input shape; once more than
         :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table, with
-        LoRA) were seen the function is dropped with its traces and compiled anew, so
-        a long-running server holds a bounded number of graphs. Steps with and without
-        LoRA slots get separate functions (their inputs differ in structure).
+        LoRA, and per group with a shared prefix its shared and tail blocks) were seen
+        the function is dropped with its traces and compiled anew, so a long-running
+        server holds a bounded number of graphs. Steps with and without LoRA slots, and
+        with shared prefixes in different groups, get separate functions (their inputs
+        differ in structure).
         """
         key = threading.get_ident()
         if len(shape) > 2 and shape[2]:
