@@ -74,6 +74,16 @@ def test_the_plan_takes_the_most_common_head_and_what_every_member_has_filled():
     assert reference.plan_shared_prefix(table, np.full(6, 3 * BS + 1, np.int32), BS) is None
 
 
+def test_the_shared_blocks_round_down_to_the_runners_trace_buckets():
+    """The plan rounds its shared block count down to the sizes the runner rounds its
+    compiled step's shapes up to, so a longer prefix reuses a trace."""
+    from mlx_ferrum.runner import shape_bucket
+
+    buckets = sorted({shape_bucket(n) for n in range(1, 2049)})
+    for n in range(1, 1025):
+        assert reference._floor_bucket(n) == max(b for b in buckets if b <= n)
+
+
 @pytest.mark.parametrize("non_members", [0, 3])
 @pytest.mark.parametrize("use_sinks", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])

@@ -1,12 +1,13 @@
 """``2 ** x`` for the softmaxes of the CPU attention paths, as arithmetic that a
 compiled step fuses into one vectorised loop.
 
-On MLX's CPU backend ``mx.exp`` costs 12-17 ns per float32 element and
-``mx.power(2.0, x)`` about 4.9 ns, and the softmax's exponentials are the largest
+On MLX's CPU backend ``mx.exp`` costs 12-19 ns per float32 element and
+``mx.power(2.0, x)`` 5-9 ns, and the softmax's exponentials are the largest
 elementwise cost of attention there at small ``head_dim``. Inside ``mx.compile`` the
-graph of :func:`_exp2_graph` runs at about 3 ns per element, and a stories260K decode
-step over 32 sequences of 340 tokens ran 1.09-1.21x faster with it (medians of four runs)
-(``benchmarks/bench_cpu_attention.py`` measures all three). The method:
+graph of :func:`_exp2_graph` runs at about 2.5 ns per element, and a stories260K decode
+step over 32 sequences of 340 tokens ran 1.33x faster with it than with ``mx.power``
+(``benchmarks/bench_cpu_attention.py`` measures all three; docs/benchmarks.md,
+section 19). The method:
 
 - range reduction ``x = n + f`` with ``n = round(x)`` and ``f`` in ``[-1/2, 1/2]``;
 - ``2 ** f`` by a degree-6 polynomial fitted to it (least squares with relative weights
@@ -22,13 +23,12 @@ Maximum relative error 1.7e-7 against float64 over ``[-126, 127]``; exactly 0 be
 ``-126.5`` (past the normal range; softmax weights that small are 0 to float32's sums
 anyway) and for ``-inf``; ``+inf`` from 127.5 up. Not for NaN inputs.
 
-Only a traced step gains from it: run eagerly, the graph is a dozen separate passes,
-and compiling it per call retraces for every new shape. So :func:`exp2` builds the
-graph only inside :func:`fusing` (the runner wraps its compiled decode step's trace
-in it) and is ``mx.power(2.0, x)`` everywhere else. Even traced, it pays only between
-:data:`MIN_FUSED_SIZE` and :data:`MAX_FUSED_SIZE` elements: below, the extra nodes of
-the graph cost more to dispatch than the arithmetic saves (small batches); above, MLX's
-fused kernel slows down.
+Run eagerly, the graph is a dozen separate passes, and compiling it per call retraces
+for every new shape. So :func:`exp2` builds the graph only inside :func:`fusing` (the
+runner wraps its compiled decode step's trace in it) and is ``mx.power(2.0, x)``
+everywhere else; :func:`exp2_eager` serves eager callers with one shapeless compile.
+Even traced, it is used only between :data:`MIN_FUSED_SIZE` and :data:`MAX_FUSED_SIZE`
+elements (see each).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
-
 
 
 def _fit_coefficients(degree: int = 6, nodes: int = 4000) -> tuple[float, ...]:
@@ -58,9 +57,10 @@ _COEFFS = _fit_coefficients()
 #: 1.5 * 2**23: float32's integers past 2**23 are spaced 1 apart, so ``(x + this) - this``
 #: is ``x`` rounded to the nearest integer for ``|x| < 2**22``
 _ROUNDER = 12582912.0
-#: Largest input that takes the fused arithmetic: from about 2**20 elements on, MLX
-#: 0.32's CPU backend ran the fused kernel 1.5x (2**20) to 3.5x (2**22) slower per
-#: element than ``mx.power``, which keeps its speed, so larger inputs use it
+#: Largest input that takes the fused arithmetic: past it the score passes leave the
+#: cache. The Horner form ran 1.5x (2**20) to 3.5x (2**22) slower per element there than
+#: ``mx.power``; the one-kernel Estrin form was still 1.6x faster than ``mx.power`` at
+#: 2**22 (docs/benchmarks.md, section 19), so this limit is conservative now
 #: (``benchmarks/bench_cpu_attention.py`` times both at this size and 8x past it).
 MAX_FUSED_SIZE = 1 << 19
 #: Smallest input that takes the fused arithmetic. Its graph has many nodes where
@@ -109,7 +109,8 @@ def _exp2_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     frac = clipped - whole
     c = _COEFFS
     frac2 = frac * frac
-    poly = (c[0] + c[1] * frac) + frac2 * (c[2] + c[3] * frac) + (frac2 * frac2) * ((c[4] + c[5] * frac) + frac2 * c[6])
+    poly = ((c[0] + c[1] * frac) + frac2 * (c[2] + c[3] * frac)
+            + (frac2 * frac2) * ((c[4] + c[5] * frac) + frac2 * c[6]))
     # 2 ** whole: the float32 whose exponent field is whole + 127 (0 = zero, 255 = +inf);
     # no select for the ends: one cost 60 % more time than the whole function
     return poly, (whole.astype(mx.int32) + 127) << 23

@@ -21,7 +21,7 @@ dtype's rounding of the gathered values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -77,9 +77,9 @@ class SharedPrefix:
             ``shared_blocks * block_size`` for a member row, 0 for the others.
     """
 
-    table: object
-    tails: object
-    tail_starts: object
+    table: Any
+    tails: Any
+    tail_starts: Any
 
     def to_device(self) -> "SharedPrefix":
         """The same plan as MLX int32 arrays."""
@@ -87,8 +87,10 @@ class SharedPrefix:
 
 
 def _floor_bucket(n: int) -> int:
-    """The largest size of the compiled step's buckets (sizes up to 8, then four per
-    octave) not above ``n``: a shared prefix a block longer reuses the same trace."""
+    """The largest size of the compiled step's buckets (``runner.shape_bucket``'s: sizes
+    up to 8, then four per octave) not above ``n``, rounding down where the runner
+    rounds up (kernels sit below the runner): a shared prefix a block longer reuses the
+    same trace."""
     if n <= 8:
         return n
     granule = 1 << (n.bit_length() - 3)
@@ -531,8 +533,9 @@ def causal_attention_base2(q: mx.array, keys: mx.array, values: mx.array, scale:
     keys before its first query unmasked, :func:`_masked_attention_base2`), so a fresh
     prompt computes about half the square of scores instead of all of it, and a tile's
     scores (at most ``tile_scores``, as :data:`PREFILL_GROUP_SCORES`, or
-    :data:`MIN_CAUSAL_TILE` queries) stay in the cache through the softmax's passes. The tiling of FlashAttention (Dao et al., 2022), at
-    the granularity of op-by-op MLX calls.
+    :data:`MIN_CAUSAL_TILE` queries) stay in the cache through the softmax's passes.
+    The tiling of FlashAttention (Dao et al., 2022), at the granularity of op-by-op MLX
+    calls.
     """
     b, num_heads, lq, _ = q.shape
     lk = keys.shape[2]
