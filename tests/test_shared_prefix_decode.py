@@ -74,6 +74,45 @@ def test_the_plan_takes_the_most_common_head_and_what_every_member_has_filled():
     assert reference.plan_shared_prefix(table, np.full(6, 3 * BS + 1, np.int32), BS) is None
 
 
+def test_the_rows_of_one_draft_count_as_one_sequence():
+    """A verified draft lays one sequence out as several decode rows with one table: its
+    rows alone never make a plan, and members are counted by sequence."""
+    table = np.tile(np.arange(1, 9, dtype=np.int32), (5, 1))
+    lens = np.arange(8 * BS - 4, 8 * BS + 1, dtype=np.int32)
+    assert reference.plan_shared_prefix(table, lens, BS) is not None  # counted as 5 rows
+    assert reference.plan_shared_prefix(table, lens, BS, row_seqs=np.zeros(5, np.int64)) is None
+    # four sequences, two rows each, all under one prefix: a plan over all eight rows
+    wide = np.tile(np.arange(1, 9, dtype=np.int32), (8, 1))
+    wide[:, 7] = np.repeat(np.arange(30, 34, dtype=np.int32), 2)
+    plan = reference.plan_shared_prefix(wide, np.full(8, 8 * BS, np.int32), BS,
+                                        row_seqs=np.repeat(np.arange(4), 2))
+    assert plan is not None and plan.tail_starts.tolist() == [7 * BS] * 8
+    # one sequence's five rows and three other sequences: the head with the most rows is
+    # one sequence, which is too few
+    mixed = np.concatenate([table, np.array([[40 + i] + list(range(50 + 8 * i, 57 + 8 * i)) for i in range(3)],
+                                            np.int32)])
+    assert reference.plan_shared_prefix(mixed, np.full(8, 8 * BS, np.int32), BS) is not None
+    assert reference.plan_shared_prefix(mixed, np.full(8, 8 * BS, np.int32), BS,
+                                        row_seqs=np.array([0] * 5 + [1, 2, 3])) is None
+
+
+def test_a_verify_pass_of_one_sequence_makes_no_plan_and_four_sequences_do():
+    """``PagedKvStore.prepare`` hands the plan each row's sequence: one request's draft
+    rows read its blocks as before; drafts of four requests under one prefix share them."""
+    from mlx_ferrum.runner import LlmRunner
+
+    model = tiny_model("llama")
+    store = LlmRunner(model, RuntimeConfig(kv_layout="paged", block_size=BS, max_num_blocks=256,
+                                           prefix_cache=False)).store
+    store.prepare([("a", list(range(1, 6 * BS + 1)))])
+    one, _ = store.prepare([("a", [3, 4, 5, 6, 7])], as_decode=[True])
+    assert one[0].inputs.shared_prefixes == []
+    for cid in "bcd":
+        store.manager.fork("a", cid)
+    four, _ = store.prepare([(cid, [3, 4]) for cid in "abcd"], as_decode=[True] * 4)
+    assert four[0].inputs.shared_prefixes and four[0].inputs.shared_prefixes[0] is not None
+
+
 def test_the_shared_blocks_round_down_to_the_runners_trace_buckets():
     """The plan rounds its shared block count down to the sizes the runner rounds its
     compiled step's shapes up to, so a longer prefix reuses a trace."""

@@ -19,7 +19,13 @@ import pytest
 from mlx_ferrum import load
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
-from mlx_ferrum.engine.speculative import DraftModelProposer, ngram_propose
+from mlx_ferrum.engine.speculative import (
+    DraftModelProposer,
+    NgramIndex,
+    NgramProposer,
+    SpeculativeRequest,
+    ngram_propose,
+)
 from mlx_ferrum.errors import ConfigurationError, SamplingParamsError
 from mlx_ferrum.executor import LlmExecutor, PrefillInput
 from tiny_models import tiny_model
@@ -98,6 +104,40 @@ def test_ngram_matches_a_brute_force_search():
         k, lo = r.randint(1, 6), r.randint(1, 3)
         hi = lo + r.randint(0, 3)
         assert ngram_propose(tokens, k, lo, hi) == brute_force_ngram(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_the_incremental_index_proposes_what_a_full_scan_does():
+    """``NgramIndex`` reads only the tokens added since its last call; its proposals must
+    equal ``ngram_propose`` over the whole list after every growth, and a list that is not
+    an extension of the indexed one (shorter, or a changed tail) is indexed anew."""
+    r = random.Random(1)
+    for _ in range(60):
+        vocab = r.choice([3, 5, 20])
+        lo = r.randint(1, 3)
+        hi = lo + r.randint(0, 3)
+        index = NgramIndex(lo, hi)
+        tokens = [r.randrange(vocab) for _ in range(r.randint(1, 5))]
+        for _ in range(25):
+            k = r.randint(1, 6)
+            assert index.propose(tokens, k) == ngram_propose(tokens, k, lo, hi), (tokens, k, lo, hi)
+            roll = r.random()
+            if roll < 0.1:
+                tokens = tokens[: r.randint(1, len(tokens))]  # shorter: rebuilt
+            elif roll < 0.2:
+                tokens = tokens[:-1] + [(tokens[-1] + 1) % vocab]  # a changed tail: rebuilt
+            else:
+                tokens = tokens + [r.randrange(vocab) for _ in range(r.randint(1, 5))]
+
+
+def test_the_ngram_proposer_keeps_one_index_per_request_until_released():
+    proposer = NgramProposer(2, 3)
+    a, b = [1, 2, 3, 1, 2], [7, 8, 9, 7, 8]
+    got = proposer.propose([SpeculativeRequest("a", a, 2, None), SpeculativeRequest("b", b, 2, None)])
+    assert [p.token_ids for p in got] == [[3, 1], [9, 7]]
+    assert set(proposer._indexes) == {"a", "b"}
+    proposer.release("a")
+    proposer.release("a")
+    assert set(proposer._indexes) == {"b"}
 
 
 def test_config_fields_environment_and_errors(monkeypatch):

@@ -309,8 +309,60 @@ def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_min: int, prom
     return []
 
 
+class NgramIndex:
+    """The latest start of every n-gram (``min_n <= n <= max_n``) of a growing token
+    list, kept up to date by reading only the tokens added since the last call, so a
+    proposal costs a few dictionary lookups instead of a scan of the whole history.
+
+    :meth:`propose` returns exactly what :func:`ngram_propose` returns for the same
+    tokens (the reference it is tested against). The index covers the windows wholly
+    inside ``token_ids[:-1]`` (every occurrence but the suffix itself); when the list is
+    not an extension of the one indexed before (shorter, or a different tail), it is
+    rebuilt.
+
+    Args:
+        min_n, max_n: n-gram lengths, ``1 <= min_n <= max_n``.
+    """
+
+    #: tokens of the indexed list compared on each call to tell an extension from a new list
+    CHECK_TOKENS = 8
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tables: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # windows inside token_ids[:indexed] are in the tables
+        self._tail: list[int] = []
+
+    def _extend(self, token_ids: Sequence[int], end: int) -> None:
+        if end < self.indexed or list(token_ids[max(0, self.indexed - self.CHECK_TOKENS) : self.indexed]) != self._tail:
+            for table in self.tables.values():
+                table.clear()
+            self.indexed = 0
+        for n, table in self.tables.items():
+            # later starts overwrite earlier ones: each entry is the latest occurrence
+            for start in range(max(0, self.indexed - n + 1), end - n + 1):
+                table[tuple(token_ids[start : start + n])] = start
+        self.indexed = end
+        self._tail = list(token_ids[max(0, end - self.CHECK_TOKENS) : end])
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """As :func:`ngram_propose` ``(token_ids, k, min_n, max_n)``."""
+        length = len(token_ids)
+        self._extend(token_ids, max(0, length - 1))
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self.tables[n].get(tuple(token_ids[length - n :]))
+            if start is not None:
+                start += n
+                out = list(token_ids[start : start + k])
+                while len(out) < k:  # a loop of period < k continues (see ngram_propose)
+                    out.append(out[len(out) - (length - start)])
+                return out
+        return []
+
+
 class NgramProposer:
-    """Prompt-lookup proposer (no model). See :func:`ngram_propose`.
+    """Prompt-lookup proposer (no model). See :func:`ngram_propose`; each request keeps
+    an :class:`NgramIndex` of its tokens between steps.
 
     Args:
         prompt_lookup_min, prompt_lookup_max: n-gram lengths to match.
@@ -319,19 +371,24 @@ class NgramProposer:
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+        self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, requests: Sequence[SpeculativeRequest]) -> list[Proposal]:
         """One deterministic :class:`Proposal` per request (possibly empty)."""
-        return [
-            Proposal(ngram_propose(r.token_ids, r.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max))
-            for r in requests
-        ]
+        out = []
+        for r in requests:
+            index = self._indexes.get(r.request_id)
+            if index is None:
+                index = self._indexes[r.request_id] = NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max)
+            out.append(Proposal(index.propose(r.token_ids, r.num_speculative_tokens)))
+        return out
 
     def committed(self, request_id: str, num_tokens: int) -> None:
-        """Nothing to roll back: the proposer holds no state."""
+        """Nothing to roll back: the index holds committed tokens only."""
 
     def release(self, request_id: str) -> None:
-        """Nothing to free."""
+        """Forget the request's index (idempotent)."""
+        self._indexes.pop(request_id, None)
 
 
 class DraftModelProposer:

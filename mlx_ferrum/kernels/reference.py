@@ -53,8 +53,10 @@ def _gather(pool: mx.array, table: mx.array, rows: Optional[mx.array] = None) ->
     return g.reshape(*g.shape[:-3], g.shape[-3] * bs, d)
 
 
-#: fewest decode rows that read a shared prefix once for all of them (:func:`plan_shared_prefix`)
-SHARED_PREFIX_MIN_ROWS = 4
+#: fewest sequences whose decode rows read a shared prefix once for all of them
+#: (:func:`plan_shared_prefix`); a verified draft's rows are one sequence: its few rows
+#: gain less than the plan and the extra graph nodes cost
+SHARED_PREFIX_MIN_SEQS = 4
 #: fewest shared blocks worth the extra graph nodes of reading them apart
 SHARED_PREFIX_MIN_BLOCKS = 4
 
@@ -98,12 +100,13 @@ def _floor_bucket(n: int) -> int:
 
 
 def plan_shared_prefix(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int,
-                       min_rows: int = SHARED_PREFIX_MIN_ROWS,
-                       min_blocks: int = SHARED_PREFIX_MIN_BLOCKS) -> Optional[SharedPrefix]:
+                       min_seqs: int = SHARED_PREFIX_MIN_SEQS,
+                       min_blocks: int = SHARED_PREFIX_MIN_BLOCKS,
+                       row_seqs: Optional[np.ndarray] = None) -> Optional[SharedPrefix]:
     """The :class:`SharedPrefix` of a decode batch, or None when too little is shared.
 
     The member rows are those whose table starts with the most common first block (at
-    least ``min_rows`` of them and half the batch); the shared blocks are the leading
+    least ``min_seqs`` sequences and half the batch's sequences); the shared blocks are the leading
     blocks all members hold, cut to blocks every member has filled before its current
     token (so each member sees all of their keys) and rounded down to a trace bucket.
     At least ``min_blocks`` must remain. Only for full-attention tables: a sliding
@@ -113,6 +116,8 @@ def plan_shared_prefix(block_tables: np.ndarray, context_lens: np.ndarray, block
         block_tables: ``[num_seqs, max_blocks]`` int32 (host).
         context_lens: ``[num_seqs]`` int32 tokens per row, the current one included.
         block_size: tokens per block.
+        row_seqs: ``[num_seqs]`` the sequence each row belongs to (a verified draft
+            lays one sequence out as several decode rows); None: one row per sequence.
 
     The idea is the shared-prefix ("cascade") attention of Juravsky et al., "Hydragen:
     High-Throughput LLM Inference with Shared Prefixes" (2024) and FlashInfer's cascade
@@ -120,11 +125,19 @@ def plan_shared_prefix(block_tables: np.ndarray, context_lens: np.ndarray, block
     each row's own attention through the softmax's running maximum and denominator.
     """
     num_seqs = block_tables.shape[0]
-    if num_seqs < min_rows or block_tables.shape[1] <= min_blocks:
+    if num_seqs < min_seqs or block_tables.shape[1] <= min_blocks:
         return None
     first = block_tables[:, 0]
-    ids, counts = np.unique(first, return_counts=True)
-    if counts.max() < max(min_rows, (num_seqs + 1) // 2):
+    if row_seqs is None:
+        num_sequences, heads = num_seqs, first
+    else:
+        # one entry per (first block, sequence): a draft's rows count once
+        pairs = np.unique(np.stack([first, np.asarray(row_seqs, dtype=first.dtype)], axis=1), axis=0)
+        num_sequences, heads = len(np.unique(pairs[:, 1])), pairs[:, 0]
+        if num_sequences < min_seqs:
+            return None
+    ids, counts = np.unique(heads, return_counts=True)
+    if counts.max() < max(min_seqs, (num_sequences + 1) // 2):
         return None
     members = first == ids[counts.argmax()]
     member_tables = block_tables[members]

@@ -31,7 +31,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import KvCacheError, UnknownCacheError
-from ..kernels.reference import SHARED_PREFIX_MIN_ROWS
+from ..kernels.reference import SHARED_PREFIX_MIN_SEQS
 from ..layers.backends import (
     AttentionBackend,
     ContiguousAttentionBackend,
@@ -289,9 +289,13 @@ class PagedKvStore:
         if len(row_item) != len(order):
             tables = [t[row_item] for t in tables]
         num_decode = int(np.sum(row_lens == 1))
-        shared = [self.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], mgr.block_size, self.metal_kernels)
-                  if window is None and num_decode >= SHARED_PREFIX_MIN_ROWS else None
-                  for t, window in zip(tables, mgr.group_windows)]
+        shared = [None] * len(tables)
+        # decode rows come first, in item order: the last one's item counts the sequences
+        if num_decode and int(row_item[num_decode - 1]) + 1 >= SHARED_PREFIX_MIN_SEQS:
+            row_seqs = row_item[:num_decode] if len(row_item) != len(order) else None
+            shared = [self.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], mgr.block_size,
+                                                 self.metal_kernels, row_seqs=row_seqs)
+                      if window is None else None for t, window in zip(tables, mgr.group_windows)]
         inputs = PagedPassInputs(
             positions=positions.astype(np.int32),
             context_lens=np.asarray(ctx, dtype=np.int32),

@@ -408,7 +408,8 @@ class PagedAttentionBackend(AttentionBackend):
     uses_metal_kernels = True
 
     def shared_prefix(self, block_tables: np.ndarray, context_lens: np.ndarray, block_size: int,
-                      metal_kernels: Optional[bool] = None) -> Optional[reference.SharedPrefix]:
+                      metal_kernels: Optional[bool] = None,
+                      row_seqs: Optional[np.ndarray] = None) -> Optional[reference.SharedPrefix]:
         """The host plan by which the reference decode attention reads the blocks that
         head many decode rows' tables once for all of them
         (:func:`~mlx_ferrum.kernels.reference.plan_shared_prefix`), or None: too little
@@ -419,10 +420,12 @@ class PagedAttentionBackend(AttentionBackend):
             context_lens: ``[num_decode_seqs]`` int32.
             block_size: tokens per block.
             metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
+            row_seqs: ``[num_decode_seqs]`` the sequence of each row (a verified draft
+                is several rows of one sequence), or None: one row per sequence.
         """
         if kernels.metal_path_enabled(metal_kernels):
             return None
-        return reference.plan_shared_prefix(block_tables, context_lens, block_size)
+        return reference.plan_shared_prefix(block_tables, context_lens, block_size, row_seqs=row_seqs)
 
     def rotate(self, rope, x: mx.array, meta) -> mx.array:
         """RoPE of packed tokens ``x`` ``[1, H, T, D]``: each token is rotated as a row of
