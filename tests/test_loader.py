@@ -32,6 +32,7 @@ from mlx_ferrum.errors import (
     UnsupportedArchitectureError,
     WeightShapeError,
 )
+from mlx_ferrum.layers.linear import Linear
 from mlx_ferrum.models import SUPPORTED_MODEL_TYPES, load_model, resolve_model_path
 from mlx_ferrum.models import loader as loader_mod
 
@@ -267,7 +268,7 @@ def test_quantized_layers_are_exactly_where_the_checkpoint_has_scales():
     # mlx-lm recorded a per-layer 8-bit entry and left one module in float.
     assert config["quantization"][QUANT_OVERRIDE_8BIT]["bits"] == 8
     assert kinds[QUANT_OVERRIDE_8BIT].bits == 8
-    assert type(kinds[QUANT_KEPT_FLOAT]) is nn.Linear
+    assert type(kinds[QUANT_KEPT_FLOAT]) is Linear  # float, not quantized
     assert kinds["model.layers.0.mlp.up_proj"].bits == 4
     assert {m.group_size for m in kinds.values() if hasattr(m, "group_size")} == {32}
 
@@ -295,7 +296,7 @@ def test_per_layer_false_entry_and_inferred_bits(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     model, _, _ = load_model(folder)
     kinds = _module_kinds(model)
-    assert type(kinds[QUANT_KEPT_FLOAT]) is nn.Linear
+    assert type(kinds[QUANT_KEPT_FLOAT]) is Linear  # float, not quantized
     assert kinds[QUANT_OVERRIDE_8BIT].bits == 8
     assert mx.array_equal(model(IDS), ref(IDS))
 

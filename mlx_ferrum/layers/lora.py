@@ -36,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import LoraError
+from .linear import Linear
 
 #: module types a LoRA can sit beside
 ADAPTABLE_TYPES = (nn.Linear, nn.QuantizedLinear)
@@ -148,15 +149,16 @@ class _LoraMixin:
         return y + delta.astype(y.dtype).reshape(y.shape)
 
 
-class LoraLinear(_LoraMixin, nn.Linear):
-    """An ``nn.Linear`` with per-token LoRA slots (see the module docstring)."""
+class LoraLinear(_LoraMixin, Linear):
+    """A :class:`~mlx_ferrum.layers.linear.Linear` (an ``nn.Linear``) with per-token LoRA
+    slots (see the module docstring)."""
 
 
 class LoraQuantizedLinear(_LoraMixin, nn.QuantizedLinear):
     """An ``nn.QuantizedLinear`` with per-token LoRA slots; the LoRA product stays in float."""
 
 
-_LORA_CLASS = {nn.Linear: LoraLinear, nn.QuantizedLinear: LoraQuantizedLinear}
+_LORA_CLASS = {nn.Linear: LoraLinear, Linear: LoraLinear, nn.QuantizedLinear: LoraQuantizedLinear}
 
 
 def check_adaptable(module: nn.Module, path: str) -> None:
@@ -196,6 +198,7 @@ def adapt_module(module: nn.Module, path: str, index: int, context: LoraContext)
 
 
 def restore_module(module: nn.Module) -> None:
-    """Undo :func:`adapt_module` (the module becomes its base class again)."""
+    """Undo :func:`adapt_module`: the module becomes an ``nn.QuantizedLinear`` or a
+    :class:`~mlx_ferrum.layers.linear.Linear` again."""
     if isinstance(module, _LoraMixin):
-        module.__class__ = nn.QuantizedLinear if isinstance(module, nn.QuantizedLinear) else nn.Linear
+        module.__class__ = nn.QuantizedLinear if isinstance(module, nn.QuantizedLinear) else Linear

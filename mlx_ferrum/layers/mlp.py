@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from ..errors import UnsupportedArchitectureError
 from ..kernels.exp2 import exp2, is_fusing as exp2_fusing_now
+from .linear import Linear
 
 _LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))
 
@@ -83,9 +84,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self._act = activation(act)
 
     def __call__(self, x: mx.array) -> mx.array:

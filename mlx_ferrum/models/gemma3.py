@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, rope_attention
+from ..layers.linear import Linear
 from ..layers.mlp import GatedMLP
 from ..layers.norms import GemmaRMSNorm
 from ..layers.rope import Rope, rope_parameters
@@ -154,10 +155,10 @@ class Attention(nn.Module):
         self.scale = args.query_pre_attn_scalar ** -0.5
         self.window = args.window(layer_idx)
         d, bias = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=bias)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rope = Rope(self.head_dim, args.rope[args.layer_types[layer_idx]], args.max_position_embeddings)

@@ -49,6 +49,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, ModelLoadError
 from ..layers.attention import AttentionMetadata, rope_attention
+from ..layers.linear import Linear
 from ..layers.moe import SwitchGLU, clamped_swiglu, topk_softmax
 from ..layers.rope import Rope, rope_parameters
 from . import llama
@@ -112,10 +113,10 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.window = args.window(layer_idx)
         d = args.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=True)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=True)
         self.sinks = mx.zeros((self.n_heads,))
         self.rope = Rope(self.head_dim, args.rope_params, args.max_position_embeddings)
 
@@ -134,7 +135,7 @@ class MoeBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k = args.num_experts_per_tok
-        self.router = nn.Linear(args.hidden_size, args.num_local_experts, bias=True)
+        self.router = Linear(args.hidden_size, args.num_local_experts, bias=True)
         self.experts = SwitchGLU(
             args.hidden_size, args.intermediate_size, args.num_local_experts,
             glu=clamped_swiglu(args.swiglu_limit, args.swiglu_alpha), bias=True,

@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, rope_attention
+from ..layers.linear import Linear
 from .config_validation import validate_config
 from ..layers.mlp import GatedMLP
 from ..layers.rope import Rope, rope_parameters
@@ -173,10 +174,10 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.scale = args.head_dim ** -0.5
         d = args.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=args.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=args.o_proj_bias)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=args.attention_bias)
+        self.k_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.v_proj = Linear(d, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=args.o_proj_bias)
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
@@ -268,7 +269,7 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.model = self.backbone(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, input_ids: mx.array, meta: Optional[AttentionMetadata] = None) -> mx.array:
         h = self.model(input_ids, meta)

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MalformedConfigError
+from ..layers.linear import Linear
 from ..layers.moe import SwitchGLU, softmax_topk
 from . import llama
 from .stacking import stack_experts
@@ -82,7 +83,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -43,6 +43,7 @@ from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.manager import UNKNOWN_TOKEN
 from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata, paged_metadata
+from ..layers.linear import cache_transposed_weights
 from ..layers.rope import Rope
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
 from .protocol import ModelInfo, SeqWork
@@ -197,6 +198,9 @@ class LlmRunner:
                       tuple(layer_windows(model)), self.config.kv_cache_dtype)
         self.store: KvStore = build_kv_store(spec, self.config, self.weight_bytes, manager)
         self.store.set_ropes(table_ropes(model))
+        # before any step is traced: the projections' transposed weights become constants
+        # of the compiled step rather than a Transpose node each
+        cache_transposed_weights(model)
         self.layout = self.store.layout
         self.manager: Optional[LayerGroupKvManager] = self.store.manager
         self.pool = self.store.pool  # PagedKvPool or QuantizedPagedKvPool (None: contiguous)
