@@ -1098,8 +1098,9 @@ class Engine:
             return outs
         seqs = [s for s, _, _ in live]
         try:
-            finite = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1).tolist()
-            results = verify(masked, [p for _, _, p in live], [s.sampler for s in seqs])
+            finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
+            results = verify(masked, [p for _, _, p in live], [s.sampler for s in seqs], also=[finite_rows])
+            finite = finite_rows.tolist()
         except Exception as e:  # noqa: BLE001 - this step's drafts only
             return outs + self._fail_seqs(seqs, e)
         cap = self.max_sequence_tokens()

@@ -204,7 +204,8 @@ def token_logprobs(logits: mx.array, token_ids: Sequence[int], top: int):
 # ---------------------------------------------------------------------------
 
 
-def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Sequence[SamplerState]) -> list[Verified]:
+def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Sequence[SamplerState],
+           also: Sequence[mx.array] = ()) -> list[Verified]:
     """Accept a prefix of each proposal and add one target token (see the module docstring).
 
     Args:
@@ -212,6 +213,8 @@ def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Se
         proposals: per request, its :class:`Proposal` (``m_b`` tokens).
         states: per request, its sampler state. Sampled rows split its key once; the
             history is read, not changed (the caller appends the emitted tokens).
+        also: arrays of the caller's evaluated in the same ``mx.eval`` as the
+            acceptance's own (one wait for the device instead of two).
 
     Returns:
         One :class:`Verified` per request.
@@ -231,8 +234,12 @@ def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Se
             generated.append(st.history[st.num_prompt_tokens:] + prop.token_ids[:i] if penalised else [])
     rows = mx.concatenate(list(logits), axis=0)
     x, y = processed_logits(rows, params, histories, generated)
-    argmax = mx.argmax(x, axis=-1).tolist()
-    probs = _softmax(y) if y is not None else None
+    argmax_array = mx.argmax(x, axis=-1)
+    probs_array = mx.softmax(y, axis=-1) if y is not None else None
+    # one wait for everything the host reads (and for ``also``, the caller's arrays)
+    mx.eval(argmax_array, *([] if probs_array is None else [probs_array]), *also)
+    argmax = argmax_array.tolist()
+    probs = np.array(probs_array, dtype=np.float64) if probs_array is not None else None
 
     out: list[Verified] = []
     off = 0
