@@ -472,16 +472,18 @@ class Engine:
     def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         want_lp = seq.params.logprobs is not None
         ids = seq.output_ids
-        if _IN_FLIGHT in ids:
-            # the pipelined step queues the next token before this one is emitted: its
-            # placeholder sits at the end until read back and is no part of the output
-            # (token_ids, logprobs and text then all cover the same tokens)
-            ids = ids[: ids.index(_IN_FLIGHT)]
+        end = len(ids)
+        # the pipelined step queues the next token before this one is emitted: its
+        # placeholder sits at the end (two of them between a launch and the read-back
+        # of the step before) and is no part of the output (token_ids, logprobs and
+        # text then all cover the same tokens)
+        while end and ids[end - 1] == _IN_FLIGHT:
+            end -= 1
         return RequestOutput(
             request_id=seq.request_id,
             text=seq.text,
             delta=delta,
-            token_ids=list(ids),
+            token_ids=ids[:end],
             new_token_ids=new_ids,
             finished=seq.finished,
             finish_reason=seq.finish_reason,

@@ -131,7 +131,7 @@ class Sequence:
     @property
     def finished(self) -> bool:
         """True once the request has ended."""
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED  # members are singletons: no string compare
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids) -> "Sequence":

@@ -124,6 +124,8 @@ class LayerGroupKvManager:
 
     def blocks_needed(self, cache_id: Optional[Hashable], n: int) -> int:
         """The most new blocks any one group needs for ``n`` more tokens."""
+        if len(self.groups) == 1:  # the common case, called per sequence and step
+            return self.groups[0].blocks_needed(cache_id, n)
         return max(g.blocks_needed(cache_id, n) for g in self.groups)
 
     def can_append(self, cache_id: Optional[Hashable], n: int) -> bool:
