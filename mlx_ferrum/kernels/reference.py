@@ -136,8 +136,12 @@ def plan_shared_prefix(block_tables: np.ndarray, context_lens: np.ndarray, block
         num_sequences, heads = len(np.unique(pairs[:, 1])), pairs[:, 0]
         if num_sequences < min_seqs:
             return None
+    need = max(min_seqs, (num_sequences + 1) // 2)
+    ordered = np.sort(heads)
+    if not (ordered[need - 1 :] == ordered[: len(ordered) - need + 1]).any():
+        return None  # no first block heads ``need`` tables: the common case, without np.unique
     ids, counts = np.unique(heads, return_counts=True)
-    if counts.max() < max(min_seqs, (num_sequences + 1) // 2):
+    if counts.max() < need:
         return None
     members = first == ids[counts.argmax()]
     member_tables = block_tables[members]
