@@ -167,7 +167,7 @@ def _shard_vocabulary(model: nn.Module, group, rank: int, size: int) -> bool:
     head = model["lm_head"] if "lm_head" in model else None
     if type(embed) is not nn.Embedding or embed.weight.shape[0] % size:
         return False
-    if head is not None and (type(head) is not nn.Linear or "bias" in head):
+    if head is not None and (not isinstance(head, nn.Linear) or "bias" in head):
         return False
     weight, start = _rows(embed.weight, rank, size)
     backbone.embed_tokens = VocabParallelEmbedding(weight, start, group)
