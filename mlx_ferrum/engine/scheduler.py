@@ -201,14 +201,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self._fits(seq, n):
+            plan = self._plan
+            # its own need does not change while others are preempted; only the free blocks do
+            need = plan.blocks_needed(seq.request_id, n) if plan is not None else 0
+            while plan is not None and need > plan.num_free - self._reserved:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted itself; the loop index now points at the next one
-            self._reserve(seq, n)
+            self._reserved += need
             out.items.append(ScheduledItem(seq, n))
             budget -= n
             i += 1

@@ -141,6 +141,8 @@ class LayerGroupKvManager:
         Raises:
             KvCacheExhaustedError: some group cannot hold them; no group changed.
         """
+        if len(self.groups) == 1:  # the common case, per sequence and step: nothing to roll back
+            return [self.groups[0].append_slots(cache_id, n, token_ids)]
         before = self.num_tokens(cache_id)
         results: list[AppendResult] = []
         try:
@@ -154,13 +156,16 @@ class LayerGroupKvManager:
 
     def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
         """:meth:`PagedKvCacheManager.set_token_ids` in every group."""
+        if not self.prefix_cache:
+            return
         for g in self.groups:
             g.set_token_ids(cache_id, start, token_ids)
 
     def trim_to_window(self, cache_id: Hashable) -> None:
         """Free, in each sliding group, the blocks outside the next token's window."""
         for g in self.groups:
-            g.trim_to_window(cache_id)
+            if g.sliding_window is not None:
+                g.trim_to_window(cache_id)
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Keep the first ``new_len`` tokens in every group (checked in all groups first).

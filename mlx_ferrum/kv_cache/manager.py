@@ -209,7 +209,20 @@ class PagedKvCacheManager:
         """
         seq = self._seq(cache_id)
         bs = self.block_size
-        end = seq.num_tokens + n
+        start = seq.num_tokens
+        offset = start % bs
+        if n == 1 and offset and self.sliding_window is None and self.allocator.ref_counts[seq.block_ids[-1]] == 1:
+            # A decode token into the room left in its own last block: no allocation, no
+            # copy-on-write, no window; the steady state of every sequence, every step.
+            if self.prefix_cache:
+                if token_ids is None or len(token_ids) != 1:
+                    raise KvCacheError("prefix caching needs the token ids of every appended token")
+                seq.token_ids.append(int(token_ids[0]))
+            seq.num_tokens = start + 1
+            if self.prefix_cache and offset == bs - 1:  # the block is full now
+                self._register_full_blocks(seq)
+            return AppendResult([seq.block_ids[-1] * bs + offset], [])
+        end = start + n
         if -(-end // bs) > self.max_blocks_per_seq:
             raise KvCacheExhaustedError(
                 f"sequence {cache_id!r} would hold {end} tokens, more than its capacity of "
@@ -370,6 +383,13 @@ class PagedKvCacheManager:
         if not self.prefix_cache:
             return
         seq = self._seq(cache_id)
+        if len(token_ids) == 1 and 0 <= start < len(seq.token_ids) and seq.token_ids[start] == UNKNOWN_TOKEN:
+            # the pipelined step's one token per sequence and step: fill it in, and hash
+            # its block only once the block is full (a partial block is never registered)
+            seq.token_ids[start] = int(token_ids[0])
+            if start < seq.num_tokens // self.block_size * self.block_size:
+                self._register_full_blocks(seq)
+            return
         for offset, token in enumerate(token_ids):
             position = start + offset
             if not 0 <= position < len(seq.token_ids):

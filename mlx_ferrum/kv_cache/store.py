@@ -246,24 +246,30 @@ class PagedKvStore:
         starts: list[int] = []
         group_slots: list[list[int]] = [[] for _ in mgr.groups]
         group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups]
+        windowed = any(w is not None for w in mgr.group_windows)
+        known = mgr.seqs  # group 0's sequences: token counts are the same in every group
+        keep_ids = mgr.prefix_cache
         try:
             for i in order:
                 cid, tokens = items[i]
-                existed = mgr.has(cid)
-                if not existed:
+                seq = known.get(cid)
+                if seq is None:
                     mgr.create(cid)
+                    start = 0
                 else:
-                    # Blocks the next token's window no longer covers are freed here, at the
-                    # start of the sequence's next pass rather than right after the last one:
-                    # the last pass may still be evaluating (pipelined step) and a speculative
-                    # verify pass has had its rejected tokens truncated by now.
-                    mgr.trim_to_window(cid)
-                start = mgr.num_tokens(cid)
-                before.append((cid, start if existed else None))
-                results = mgr.append_slots(cid, len(tokens), tokens if mgr.prefix_cache else None)
+                    if windowed:
+                        # Blocks the next token's window no longer covers are freed here, at
+                        # the start of the sequence's next pass rather than right after the
+                        # last one: the last pass may still be evaluating (pipelined step) and
+                        # a speculative verify pass has had its rejected tokens truncated by now.
+                        mgr.trim_to_window(cid)
+                    start = seq.num_tokens
+                before.append((cid, start if seq is not None else None))
+                results = mgr.append_slots(cid, len(tokens), tokens if keep_ids else None)
                 for g, result in enumerate(results):
                     group_slots[g].extend(result.slots)
-                    group_copies[g].extend(result.copies)
+                    if result.copies:
+                        group_copies[g].extend(result.copies)
                 starts.append(start)
             for g, pairs in enumerate(group_copies):
                 self.pool.copy_blocks(pairs, layers=[n for n, x in enumerate(self.layer_groups) if x == g])
