@@ -10,6 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [
     "bench_generate.py", "bench_paged.py", "bench_kv_write.py", "bench_engine.py", "bench_moe.py",
     "bench_sliding_window_memory.py", "bench_quant_modes.py", "bench_kv_speed.py", "bench_cpu_attention.py",
+    "bench_weight_layout.py",
 ]
 
 
@@ -23,5 +24,6 @@ def test_benchmark_quick_mode(script):
                        env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "|" in r.stdout  # a results table
-    if script not in ("bench_kv_write.py", "bench_kv_speed.py", "bench_cpu_attention.py"):  # mlx_ferrum against itself
+    if script not in ("bench_kv_write.py", "bench_kv_speed.py", "bench_cpu_attention.py",
+                      "bench_weight_layout.py"):  # mlx_ferrum (or MLX) against itself
         assert "mlx-lm" in r.stdout
