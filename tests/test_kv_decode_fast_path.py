@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from mlx_ferrum.errors import KvCacheError
 from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvCacheManager
 from mlx_ferrum.kv_cache.manager import UNKNOWN_TOKEN
 
@@ -104,3 +105,18 @@ def test_layer_groups_with_a_window_keep_the_general_path():
     assert full.allocator.num_in_use == 4
     # the window (6 tokens) covers positions 10..15 for the next token: blocks 0 and 1 are freed
     assert windowed.allocator.num_in_use == 2
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_an_append_without_its_ids_changes_nothing(n):
+    """With prefix caching an append must bring its token ids; refusing one must leave
+    the sequence and the pool as they were (no slots taken, no blocks held)."""
+    mgr = PagedKvCacheManager(16, 4, 8, prefix_cache=True)
+    mgr.create("s")
+    mgr.append_slots("s", 3, [1, 2, 3])
+    before = _state(mgr, "s"), mgr.num_free
+    with pytest.raises(KvCacheError, match="token ids"):
+        mgr.append_slots("s", n, None)
+    with pytest.raises(KvCacheError, match="token ids"):
+        mgr.append_slots("s", n, [7] * (n + 1))
+    assert (_state(mgr, "s"), mgr.num_free) == before

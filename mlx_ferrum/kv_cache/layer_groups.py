@@ -156,16 +156,13 @@ class LayerGroupKvManager:
 
     def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
         """:meth:`PagedKvCacheManager.set_token_ids` in every group."""
-        if not self.prefix_cache:
-            return
         for g in self.groups:
             g.set_token_ids(cache_id, start, token_ids)
 
     def trim_to_window(self, cache_id: Hashable) -> None:
         """Free, in each sliding group, the blocks outside the next token's window."""
         for g in self.groups:
-            if g.sliding_window is not None:
-                g.trim_to_window(cache_id)
+            g.trim_to_window(cache_id)
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Keep the first ``new_len`` tokens in every group (checked in all groups first).

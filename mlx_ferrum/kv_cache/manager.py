@@ -208,19 +208,19 @@ class PagedKvCacheManager:
                 nothing was allocated.
         """
         seq = self._seq(cache_id)
+        if self.prefix_cache and (token_ids is None or len(token_ids) != n):
+            raise KvCacheError("prefix caching needs the token ids of every appended token")
         bs = self.block_size
         start = seq.num_tokens
         offset = start % bs
         if n == 1 and offset and self.sliding_window is None and self.allocator.ref_counts[seq.block_ids[-1]] == 1:
             # A decode token into the room left in its own last block: no allocation, no
             # copy-on-write, no window; the steady state of every sequence, every step.
-            if self.prefix_cache:
-                if token_ids is None or len(token_ids) != 1:
-                    raise KvCacheError("prefix caching needs the token ids of every appended token")
-                seq.token_ids.append(int(token_ids[0]))
             seq.num_tokens = start + 1
-            if self.prefix_cache and offset == bs - 1:  # the block is full now
-                self._register_full_blocks(seq)
+            if self.prefix_cache:
+                seq.token_ids.append(int(token_ids[0]))
+                if offset == bs - 1:  # the block is full now
+                    self._register_full_blocks(seq)
             return AppendResult([seq.block_ids[-1] * bs + offset], [])
         end = start + n
         if -(-end // bs) > self.max_blocks_per_seq:
@@ -245,8 +245,6 @@ class PagedKvCacheManager:
         slots = [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
         seq.num_tokens = end
         if self.prefix_cache:
-            if token_ids is None or len(token_ids) != n:
-                raise KvCacheError("prefix caching needs the token ids of every appended token")
             seq.token_ids.extend(int(t) for t in token_ids)
             self._register_full_blocks(seq)
         return AppendResult(slots, copies)
@@ -383,13 +381,6 @@ class PagedKvCacheManager:
         if not self.prefix_cache:
             return
         seq = self._seq(cache_id)
-        if len(token_ids) == 1 and 0 <= start < len(seq.token_ids) and seq.token_ids[start] == UNKNOWN_TOKEN:
-            # the pipelined step's one token per sequence and step: fill it in, and hash
-            # its block only once the block is full (a partial block is never registered)
-            seq.token_ids[start] = int(token_ids[0])
-            if start < seq.num_tokens // self.block_size * self.block_size:
-                self._register_full_blocks(seq)
-            return
         for offset, token in enumerate(token_ids):
             position = start + offset
             if not 0 <= position < len(seq.token_ids):

@@ -744,8 +744,7 @@ class LlmRunner:
             return
         with self._lock:
             if manager.has(cache_id):
-                salt = self._cache_salts.get(cache_id, 0)
-                manager.set_token_ids(cache_id, start, salt_token_ids(token_ids, salt) if salt else token_ids)
+                manager.set_token_ids(cache_id, start, salt_token_ids(token_ids, self._cache_salts.get(cache_id, 0)))
 
     def release_cache(self, cache_id: Hashable) -> None:
         """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
