@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_speculative.py                 # stories260K, 1 and 8 requests, both KV layouts
+    python benchmarks/bench_speculative.py                 # stories260K, 1, 2, 4 and 8 requests, both KV layouts
     python benchmarks/bench_speculative.py --quick         # 1 repeat, 64 tokens, paged only
     python benchmarks/bench_speculative.py --num-speculative-tokens 6 --layouts paged
 
@@ -110,7 +110,7 @@ def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tok
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, 64 tokens, paged layout only")
-    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--layouts", default="paged,contiguous")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--story-tokens", type=int, default=150, help="length of the text the quote prompts repeat")

@@ -224,10 +224,10 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="tokens proposed per step (default: $FERRUM_NUM_SPECULATIVE_TOKENS, else 4)")
     p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None, metavar="N",
-                   help="no speculation while at least N requests run (default: "
-                        "$FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE, else 8)")
+                   help="no speculation while at least N requests run; 2 speculates only for a request "
+                        "running alone (default: $FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE, else 2)")
     p.add_argument("--speculative-min-acceptance", type=unit_interval, default=None, metavar="F",
-                   help="a request whose drafts are accepted less often than F, or find nothing, backs off "
+                   help="a request whose drafts are accepted less often than F, or find nothing while others run, backs off "
                         "from speculating for a growing number of steps; 0 never backs off (default: "
                         "$FERRUM_SPECULATIVE_MIN_ACCEPTANCE, else 0.2)")
 

@@ -20,7 +20,7 @@ def test_defaults():
     assert (c.kv_layout, c.block_size, c.max_num_blocks, c.kv_capacity) == ("contiguous", 16, None, None)
     # prefix caching is on by default, as in vLLM V1 (and mlx_lm.server's prompt cache)
     assert (c.max_num_seqs, c.prefill_chunk_size, c.prefix_cache, c.metal_kernels) == (32, 512, True, True)
-    assert (c.speculative_disable_by_batch_size, c.speculative_min_acceptance) == (8, 0.2)
+    assert (c.speculative_disable_by_batch_size, c.speculative_min_acceptance) == (2, 0.2)
 
 
 def test_environment_and_explicit_precedence(monkeypatch):

@@ -245,7 +245,7 @@ MODES = {
     "prefix_cache": {"prefix_cache": True},
     "ngram": {"speculative": "ngram", "speculative_disable_by_batch_size": 1 << 20,
               "speculative_min_acceptance": 0.0},
-    "ngram_policy": {"speculative": "ngram"},
+    "ngram_policy": {"speculative": "ngram", "speculative_disable_by_batch_size": 8},
     "all": {"speculative": "ngram", "prefix_cache": True, "speculative_disable_by_batch_size": 1 << 20},
 }
 

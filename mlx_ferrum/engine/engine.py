@@ -615,6 +615,7 @@ class Engine:
                 flight, self._inflight = self._inflight, None
                 outputs.extend(self._resolve(flight))
             items = self._schedule(outputs)
+            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
             drafts = [(i, SpeculativeRequest(it.seq.request_id, it.seq.token_at(0, it.seq.num_tokens),
                                              it.num_lookahead, it.seq.sampler))
                       for i, it in enumerate(items) if it.num_lookahead > 0]
@@ -636,7 +637,7 @@ class Engine:
                         if proposal.token_ids:
                             proposals[i] = proposal
                         else:
-                            self._policy.record(request.request_id, rejected, 0, self.num_steps)
+                            self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
                 with self._lock:
                     # an abort since scheduling took the request's in-flight token back
                     # (see _finish): its row no longer has the tokens it was planned with

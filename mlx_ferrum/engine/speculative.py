@@ -510,16 +510,24 @@ class SpeculationPolicy:
     drafts are accepted. The rules:
 
     - **By batch size** (vLLM's ``speculative_disable_by_batch_size``): no request
-      speculates while ``speculative_disable_by_batch_size`` or more requests run; a
-      full batch already keeps the device busy.
+      speculates while ``speculative_disable_by_batch_size`` or more requests run. The
+      default, 2, speculates only for a request that runs alone: on MLX's CPU backend a
+      step of 2 to 7 requests with drafts cost more than the tokens it saved (ordinary
+      stories 0.78-0.95x of no speculation, a repetitive text 0.85-0.99x from 3 requests;
+      ``benchmarks/bench_speculative.py``, docs/benchmarks.md), since a drafting step
+      is synchronous and every verified row carries ``k`` more tokens.
     - **By measured acceptance**: each request keeps a moving average of its drafts'
       acceptance (accepted / proposed, weight 1/2 on the newest). An average below
       ``speculative_min_acceptance`` sends the request into back-off: it skips the next
-      1, then 2, 4 ... up to :attr:`MAX_BACKOFF` steps before it proposes again. A draft
-      that finds nothing backs off the same way but at most :attr:`MAX_NO_MATCH_BACKOFF`
-      steps (it costs only one step's overlap, and repetitive text soon matches again).
-      A well-accepted draft clears the back-off. Requests in back-off decode on the
+      1, then 2, 4 ... up to :attr:`MAX_BACKOFF` steps before it proposes again. A
+      well-accepted draft clears the back-off. Requests in back-off decode on the
       pipelined plain step.
+    - **When the proposer finds nothing**: while other requests run, the request backs
+      off the same way but at most :attr:`MAX_NO_MATCH_BACKOFF` steps, so that its wish
+      to propose does not keep the whole batch off the pipelined step. A request that
+      runs alone does not back off: its synchronous step costs about what a pipelined
+      one does, and a back-off there skipped drafts that would have been accepted
+      (a repetitive text ran 99 instead of 107 steps for 200 tokens without it).
 
     Args:
         config: ``num_speculative_tokens``, ``speculative_disable_by_batch_size``,
@@ -544,9 +552,10 @@ class SpeculationPolicy:
         record = self._records.get(request_id)
         return record is None or step >= record.skip_until
 
-    def record(self, request_id: str, proposed: int, accepted: int, step: int) -> None:
+    def record(self, request_id: str, proposed: int, accepted: int, step: int, num_running: int = 1) -> None:
         """Note one draft of ``request_id`` at ``step``: ``proposed`` tokens (0 when the
-        proposer found nothing), ``accepted`` of them."""
+        proposer found nothing), ``accepted`` of them; ``num_running``: requests in the
+        engine at that step (a request alone never backs off for finding nothing)."""
         record = self._records.setdefault(request_id, _RequestRecord())
         if proposed > 0:
             record.acceptance = 0.5 * record.acceptance + 0.5 * (accepted / proposed)
@@ -555,8 +564,10 @@ class SpeculationPolicy:
         if proposed > 0 and record.acceptance < self.min_acceptance:
             record.backoff = min(max(1, 2 * record.backoff), self.MAX_BACKOFF)
         elif proposed == 0:
-            # finding nothing costs only the step's overlap, and text that repeats itself
-            # soon matches again: a short back-off
+            if num_running <= 1:
+                return
+            # finding nothing costs the batch its step overlap, and text that repeats
+            # itself soon matches again: a short back-off
             record.backoff = min(max(1, 2 * record.backoff), self.MAX_NO_MATCH_BACKOFF)
         else:
             record.backoff = 0
