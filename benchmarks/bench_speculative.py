@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_speculative.py                 # stories260K, 1, 2, 4 and 8 requests, both KV layouts
+    python benchmarks/bench_speculative.py                 # stories260K, 1, 2, 4, 8 and 32 requests, both KV layouts
     python benchmarks/bench_speculative.py --quick         # 1 repeat, 64 tokens, paged only
     python benchmarks/bench_speculative.py --num-speculative-tokens 6 --layouts paged
 
@@ -57,7 +57,12 @@ from mlx_ferrum.config import RuntimeConfig  # noqa: E402
 from mlx_ferrum.engine import Engine, SamplingParams  # noqa: E402
 
 OPENINGS = ["Once upon a time", "One day", "Lily wanted", "Tom and Sue", "The sun was", "A little bird",
-            "Mom said", "There was a big"]
+            "Mom said", "There was a big",
+            # more openings, so that the higher levels run as many distinct requests as they say
+            "The little dog", "Sam had a", "It was a sunny day", "Anna and Ben", "The cat saw", "A big truck",
+            "Max liked to", "The girl found", "In the park", "The boy ran", "Sara had a red", "The bird sang",
+            "Tim was sad", "The sky was", "A small fish", "Dad and Tom", "The ball was", "Lucy loved her",
+            "The tree was tall", "Ben wanted to", "The dog barked", "Kitty was a", "The moon was", "Grandma baked"]
 
 
 def stories_path() -> Path:
@@ -110,7 +115,7 @@ def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tok
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, 64 tokens, paged layout only")
-    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--concurrency", default="1,2,4,8,32")
     ap.add_argument("--layouts", default="paged,contiguous")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--story-tokens", type=int, default=150, help="length of the text the quote prompts repeat")
@@ -125,6 +130,8 @@ def main(argv=None) -> dict:
         print(f"stories260K not found at {path}: set FERRUM_SHARED_MODELS")
         return {}
     levels = [int(c) for c in args.concurrency.split(",")]
+    if max(levels) > len(OPENINGS):
+        raise SystemExit(f"--concurrency goes up to {len(OPENINGS)} requests (one per opening of the workload)")
     layouts = args.layouts.split(",")
     info = print_header("bench_speculative: n-gram speculative decoding vs none, mlx_ferrum Engine, stories260K",
                         {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
