@@ -321,8 +321,9 @@ class RuntimeConfig:
       no request speculates in a step while at least this many requests run (vLLM's
       ``speculative_disable_by_batch_size``). The default speculates only for a request
       running alone: measured on MLX's CPU backend, from 2 requests on ordinary text and
-      from 3 on repetitive text, the synchronous drafting steps and their verification
-      rows cost more than the tokens they saved (docs/benchmarks.md).
+      from 4 on text that repeats its context, the synchronous drafting steps and their
+      verification rows cost more than the tokens they saved (docs/benchmarks.md); 3
+      suits traffic that mostly repeats its context.
     - ``speculative_min_acceptance`` (``FERRUM_SPECULATIVE_MIN_ACCEPTANCE``, 0.2): a request
       whose drafts are accepted less often than this (a moving average of accepted /
       proposed), or whose proposer finds nothing while other requests run, stops

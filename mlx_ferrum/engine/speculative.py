@@ -511,11 +511,13 @@ class SpeculationPolicy:
 
     - **By batch size** (vLLM's ``speculative_disable_by_batch_size``): no request
       speculates while ``speculative_disable_by_batch_size`` or more requests run. The
-      default, 2, speculates only for a request that runs alone: on MLX's CPU backend a
-      step of 2 to 7 requests with drafts cost more than the tokens it saved (ordinary
-      stories 0.78-0.95x of no speculation, a repetitive text 0.85-0.99x from 3 requests;
-      ``benchmarks/bench_speculative.py``, docs/benchmarks.md), since a drafting step
-      is synchronous and every verified row carries ``k`` more tokens.
+      default, 2, speculates only for a request that runs alone. On MLX's CPU backend,
+      with the threshold at 8, ordinary stories ran 0.98 / 0.95 / 0.86 / 0.84x of no
+      speculation at 2 / 3 / 4 / 7 requests, and a text that repeats its context 1.23 /
+      1.03 / 0.92 / 0.86x (``benchmarks/bench_speculative.py``, docs/benchmarks.md): a
+      drafting step is synchronous and every verified row carries ``k`` more tokens,
+      so beside other requests drafts cost about what they save. Traffic that mostly
+      repeats its context (quoting, code edits) gains at 2 requests with a threshold of 3.
     - **By measured acceptance**: each request keeps a moving average of its drafts'
       acceptance (accepted / proposed, weight 1/2 on the newest). An average below
       ``speculative_min_acceptance`` sends the request into back-off: it skips the next
