@@ -227,8 +227,8 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="no speculation while at least N requests run; 2 speculates only for a request "
                         "running alone (default: $FERRUM_SPECULATIVE_DISABLE_BY_BATCH_SIZE, else 2)")
     p.add_argument("--speculative-min-acceptance", type=unit_interval, default=None, metavar="F",
-                   help="a request whose drafts are accepted less often than F, or find nothing while others run, backs off "
-                        "from speculating for a growing number of steps; 0 never backs off (default: "
+                   help="a request whose drafts are accepted less often than F, or find nothing while others "
+                        "run, backs off from speculating for a growing number of steps; 0 never backs off (default: "
                         "$FERRUM_SPECULATIVE_MIN_ACCEPTANCE, else 0.2)")
 
 
