@@ -476,7 +476,8 @@ def test_speculative_engine_equals_eager(family_model, proposer):
              SamplingParams(max_tokens=r.randint(8, 20), temperature=0.0, ignore_eos=True)) for _ in range(6)]
     outs, calls = {}, {}
     for compiled in (False, True):
-        cfg = paged(compiled, max_num_seqs=8, speculative="ngram", prompt_lookup_min=1, num_speculative_tokens=3)
+        cfg = paged(compiled, max_num_seqs=8, speculative="ngram", prompt_lookup_min=1, num_speculative_tokens=3,
+                    speculative_disable_by_batch_size=1 << 20)
         prop = DraftModelProposer(model, cfg, vocab) if proposer == "draft" else None
         eng = mf.Engine(model, None, cfg, proposer=prop)
         if compiled:

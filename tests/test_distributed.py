@@ -77,6 +77,7 @@ def test_tensor_parallel_stories260k_matches_one_process(stories_path, tmp_path)
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
     # prompt-lookup speculation: deterministic on every rank, so it runs in lockstep too
     cases.append(dict(layout="paged", prompts=cases[0]["prompts"][:2], speculative="ngram",
+                      speculative_disable_by_batch_size=1 << 20,
                       params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
     # quantized KV caches hold only the rank's KV heads too, in both layouts
     cases += [dict(case, kv_cache_dtype=dtype) for case, dtype in ((cases[1], "int8"), (cases[0], "int4"))]
@@ -180,6 +181,7 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
     model, _ = load(str(stories_path))
     cases = _cases(model.args.vocab_size, PROMPTS_FEW)
     cases.append(dict(layout="contiguous", prompts=cases[0]["prompts"][:2], speculative="ngram",
+                      speculative_disable_by_batch_size=1 << 20,
                       params=[dict(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2))
     # every step with 2+ sequences split into 2 micro-batches (the default floor of 32
     # tokens per micro-batch lowered to 1, so decode steps split too)

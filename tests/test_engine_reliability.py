@@ -52,7 +52,8 @@ MODES = ["plain", "penalties", "speculative", "prefix_cache", "stop"]
 def _mode_config(mode: str, pipelined: bool) -> RuntimeConfig:
     extra = {}
     if mode == "speculative":
-        extra = dict(speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+        extra = dict(speculative="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2,
+                     speculative_disable_by_batch_size=1 << 20)
     elif mode == "prefix_cache":
         extra = dict(prefix_cache=True)
     return stories_config(pipelined, **extra)
@@ -159,7 +160,8 @@ THREAD_MODES = {
     "pipelined": dict(async_scheduling=True),
     "synchronous": dict(async_scheduling=False),
     "contiguous": dict(async_scheduling=True, kv_layout="contiguous"),
-    "speculative": dict(async_scheduling=True, speculative="ngram", num_speculative_tokens=3),
+    "speculative": dict(async_scheduling=True, speculative="ngram", num_speculative_tokens=3,
+                        speculative_disable_by_batch_size=1 << 20),
     "prefix_cache": dict(async_scheduling=True, prefix_cache=True),
 }
 

@@ -19,7 +19,8 @@ MODES = {
     "synchronous-paged": dict(kv_layout="paged", async_scheduling=False),
     "eager-paged": dict(kv_layout="paged", async_scheduling=True, enforce_eager=True),
     "contiguous": dict(kv_layout="contiguous", async_scheduling=True),
-    "speculative-ngram": dict(kv_layout="paged", async_scheduling=True, speculative="ngram"),
+    "speculative-ngram": dict(kv_layout="paged", async_scheduling=True, speculative="ngram",
+                              speculative_disable_by_batch_size=1 << 20),
 }
 PROMPTS = [[5, 17, 3, 44, 9], [60, 2, 2, 81], [7, 7, 7, 30, 12, 19]]
 

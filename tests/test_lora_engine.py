@@ -111,7 +111,7 @@ def test_scarce_slots_wait_and_still_get_their_own_adapter(model, adapters):
 
 
 def test_ngram_speculation_with_adapters_matches_plain_decoding(model, adapters):
-    eng = engine(model, adapters, speculative="ngram")
+    eng = engine(model, adapters, speculative="ngram", speculative_disable_by_batch_size=1 << 20)
     loras = ["a", None, "b", "c"]
     outs = eng.generate(PROMPTS, GREEDY, lora=loras)
     for prompt, name, out in zip(PROMPTS, loras, outs):
@@ -164,7 +164,7 @@ def test_draft_model_speculation_with_adapters_matches_plain_decoding(model, ada
     outputs equal the adapter's own plain decoding."""
     from mlx_ferrum.engine.speculative import DraftModelProposer
 
-    cfg = config()
+    cfg = config(speculative_disable_by_batch_size=1 << 20)
     eng = Engine(model, None, cfg, proposer=DraftModelProposer(tiny_model("llama", seed=9), cfg, model.args.vocab_size))
     for name, path in adapters.items():
         eng.add_lora(name, path)

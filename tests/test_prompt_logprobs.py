@@ -22,7 +22,8 @@ MODES = {
     "pipelined-paged": dict(kv_layout="paged", async_scheduling=True),
     "synchronous-paged": dict(kv_layout="paged", async_scheduling=False),
     "contiguous": dict(kv_layout="contiguous", async_scheduling=True),
-    "speculative-ngram": dict(kv_layout="paged", async_scheduling=True, speculative="ngram"),
+    "speculative-ngram": dict(kv_layout="paged", async_scheduling=True, speculative="ngram",
+                              speculative_disable_by_batch_size=1 << 20),
 }
 TEXTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside.",

@@ -267,7 +267,8 @@ def test_speculative_rollback_on_a_quantized_cache_keeps_greedy_output(llama, la
     prompts = [story * 3, story[:5] * 4]
     plain, _ = generate(llama, engine_config(layout, "int8"), prompts, max_tokens=16)
     spec, stats = generate(llama, engine_config(layout, "int8", speculative="ngram", prompt_lookup_min=1,
-                                                num_speculative_tokens=3), prompts, max_tokens=16)
+                                                num_speculative_tokens=3, speculative_disable_by_batch_size=1 << 20),
+                           prompts, max_tokens=16)
     assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"], "no draft was rejected"
     assert spec == plain
 

@@ -97,7 +97,8 @@ def run_with_aborts(engine: Engine, reqs, abort_every: int = 5, abort_after_step
 def test_scheduler_never_writes_the_manager(model, prefix_cache, speculative):
     prefixes, reqs = mixed_requests(seed=1)
     engine = Engine(model, None, config(max_num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64,
-                                        prefill_chunk_size=16, prefix_cache=prefix_cache, speculative=speculative))
+                                        prefill_chunk_size=16, prefix_cache=prefix_cache, speculative=speculative,
+                                        speculative_disable_by_batch_size=1 << 20))
     manager = engine.executor.manager
     engine.scheduler.manager = ReadOnly(manager, MANAGER_WRITES)
     # warm the prefix cache with the shared prefixes, then the mixed workload

@@ -63,6 +63,7 @@ def one_process_tokens(model, case: dict) -> list[list[int]]:
 
     config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
                            max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"),
+                           speculative_disable_by_batch_size=case.get("speculative_disable_by_batch_size"),
                            kv_cache_dtype=case.get("kv_cache_dtype"), tensor_parallel_size=1, pipeline_parallel_size=1)
     engine = Engine(model, None, config)
     outs = engine.generate([list(p) for p in case["prompts"]], [SamplingParams(**p) for p in case["params"]])

@@ -81,6 +81,7 @@ def _run(spec: dict, result: dict) -> None:
     for case in spec.get("cases", []):
         config = RuntimeConfig(kv_layout=case["layout"], max_num_seqs=case.get("max_num_seqs", 32),
                                max_num_blocks=case.get("max_num_blocks"), speculative=case.get("speculative"),
+                               speculative_disable_by_batch_size=case.get("speculative_disable_by_batch_size"),
                                kv_cache_dtype=case.get("kv_cache_dtype"),
                                pipeline_micro_batches=case.get("pipeline_micro_batches"), **sizes)
         engine = LockstepEngine(model, None, config, group, heartbeat_s=case.get("heartbeat_s", 1.0))
