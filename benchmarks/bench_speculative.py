@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_speculative.py                 # stories260K, 1, 2, 4, 8 and 32 requests, both KV layouts
-    python benchmarks/bench_speculative.py --quick         # 1 repeat, 64 tokens, paged only
+    python benchmarks/bench_speculative.py --quick         # 1 repeat, 64 tokens, paged only, 1 and 8 requests
     python benchmarks/bench_speculative.py --num-speculative-tokens 6 --layouts paged
 
 What is measured: for each workload, KV layout and request count N, N greedy requests
@@ -114,7 +114,7 @@ def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tok
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 repeat, 64 tokens, paged layout only")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 64 tokens, paged layout only, 1 and 8 requests")
     ap.add_argument("--concurrency", default="1,2,4,8,32")
     ap.add_argument("--layouts", default="paged,contiguous")
     ap.add_argument("--max-tokens", type=int, default=200)
@@ -125,6 +125,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.max_tokens, args.layouts = 1, 64, "paged"
+        if args.concurrency == ap.get_default("concurrency"):
+            args.concurrency = "1,8"
     path = stories_path()
     if not (path / "config.json").exists():
         print(f"stories260K not found at {path}: set FERRUM_SHARED_MODELS")
