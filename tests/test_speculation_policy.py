@@ -81,25 +81,19 @@ def model():
     return tiny_model("llama", seed=3)
 
 
-class Asked(list):
-    def __init__(self):
-        super().__init__()
-        self.running = []
-
-
 def proposals_per_step(engine):
-    """Wrap the engine's proposer: per call, the ``(request id, step)`` pairs it is asked
-    for (in ``asked``) and the requests in the engine at that moment (in ``asked.running``)."""
-    asked = Asked()
+    """Wrap the engine's proposer; returns two lists filled per call: the ``(request id,
+    step)`` pairs it is asked for, and the requests in the engine at that moment."""
+    asked, running = [], []
     real = engine._proposer.propose
 
     def propose(requests):
         asked.append({(r.request_id, engine.num_steps) for r in requests})
-        asked.running.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        running.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
         return real(requests)
 
     engine._proposer.propose = propose
-    return asked
+    return asked, running
 
 
 def never_repeating_prompt(n, seed):
@@ -113,7 +107,7 @@ def test_a_request_alone_asks_for_a_draft_at_every_decode_step(model, pipelined)
     still asks for one at every step (its synchronous step costs it nothing)."""
     eng = Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
                                             speculative="ngram", async_scheduling=pipelined))
-    asked = proposals_per_step(eng)
+    asked, _ = proposals_per_step(eng)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     rid = eng.add_request(never_repeating_prompt(20, seed=1), params)
     while eng.has_unfinished_requests():
@@ -128,12 +122,12 @@ def test_a_request_alone_asks_for_a_draft_at_every_decode_step(model, pipelined)
 def test_two_requests_do_not_speculate_by_default(model):
     eng = Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
                                             speculative="ngram"))
-    asked = proposals_per_step(eng)
+    _, running = proposals_per_step(eng)
     unit = [5, 6, 7, 8]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 30)]
     eng.generate([unit * 6, unit * 5], params)
     # (pipelined, two requests never ask in the same step: one's token is always in flight)
-    assert asked.running and set(asked.running) == {1}, f"asked with {asked.running} requests in the engine"
+    assert running and set(running) == {1}, f"asked with {running} requests in the engine"
     # the longer request's last steps ran alone: those do draft
     assert eng.spec_num_drafts > 0
 
@@ -141,7 +135,7 @@ def test_two_requests_do_not_speculate_by_default(model):
 def test_beside_others_a_request_that_finds_nothing_skips_steps(model):
     eng = Engine(model, None, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=64,
                                             speculative="ngram", speculative_disable_by_batch_size=8))
-    asked = proposals_per_step(eng)
+    asked, _ = proposals_per_step(eng)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ids = [eng.add_request(never_repeating_prompt(20, seed=s), params) for s in (1, 2, 3)]
     while eng.has_unfinished_requests():

@@ -593,8 +593,7 @@ class Engine:
         with ``"error"`` (their outputs are appended to ``outputs``). Call with the lock held."""
         self._admit_lora_waiting()
         lookahead = None
-        if self._policy is not None and self._policy.enabled_for_batch(len(self.scheduler.running)
-                                                                       + len(self.scheduler.waiting)):
+        if self._policy is not None and self._policy.enabled_for_batch(self._num_requests()):
             lookahead = self._lookahead
         plan = self.scheduler.schedule(lookahead)
         # the scheduler only reads the manager: its releases and prefix claims land here
@@ -615,7 +614,7 @@ class Engine:
                 flight, self._inflight = self._inflight, None
                 outputs.extend(self._resolve(flight))
             items = self._schedule(outputs)
-            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+            num_requests = self._num_requests()
             drafts = [(i, SpeculativeRequest(it.seq.request_id, it.seq.token_at(0, it.seq.num_tokens),
                                              it.num_lookahead, it.seq.sampler))
                       for i, it in enumerate(items) if it.num_lookahead > 0]
@@ -662,6 +661,11 @@ class Engine:
                 self._inflight = None
                 outputs.extend(self._resolve(launched))
 
+    def _num_requests(self) -> int:
+        """Requests in the engine, running or waiting: the batch size the speculation
+        policy decides by."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
     def _lookahead(self, seq: Sequence) -> int:
         """Speculative tokens ``seq`` would like this step (the scheduler bounds them by
         budget and blocks): none while its last token is still in flight (a proposal
@@ -690,7 +694,7 @@ class Engine:
             return False
         if self._policy is None:
             return True
-        if not self._policy.enabled_for_batch(len(self.scheduler.running) + len(self.scheduler.waiting)):
+        if not self._policy.enabled_for_batch(self._num_requests()):
             return True
         return not any(
             s.params.speculative and self._policy.wants(s.request_id, self.num_steps + 1)
