@@ -34,10 +34,11 @@ from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
-from .speculative import Proposal, SpeculationPolicy, SpeculativeRequest, make_proposer, token_logprobs, verify
+from .rejection_sampler import Proposal, token_logprobs, verify
+from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
 from .stop import emit_token
 from . import prompt_logprobs as _prompt_lp
-from .structured import GrammarBackend, apply_token_bitmask
+from .structured import GrammarBackend
 
 _req_ids = itertools.count()
 
@@ -1069,19 +1070,17 @@ class Engine:
                 break
         return self._output(s, delta, new_ids)
 
-    def _draft_rows(self, seq: Sequence, logits: mx.array, proposal: Proposal) -> mx.array:
-        """The ``[1 + m, V]`` logits a draft is verified against: undecodable ids masked,
-        and, for a constrained row, each position masked by its grammar state after the
-        draft's earlier tokens, so acceptance and the bonus token follow the grammar."""
-        logits = self._mask_undecodable(logits)
+    def _draft_mask(self, seq: Sequence, proposal: Proposal) -> Optional[mx.array]:
+        """The ``[1 + m, ceil(V / 32)]`` grammar bitmask a constrained row's draft is verified
+        under (each position: its grammar state after the draft's earlier tokens), or None
+        for an unconstrained row."""
         if seq.grammar is None:
-            return logits
-        mask = seq.grammar.draft_bitmask(proposal.token_ids, self._grammar_backend.words)
-        return apply_token_bitmask(logits, mx.array(mask))
+            return None
+        return mx.array(seq.grammar.draft_bitmask(proposal.token_ids, self._grammar_backend.words))
 
     def _verify(self, verified: list) -> list[RequestOutput]:
         """The sampling stage of rows that carried a draft: accept a prefix of each draft
-        and add one token of the target's (:func:`~mlx_ferrum.engine.speculative.verify`:
+        and add one token of the target's (:func:`~mlx_ferrum.engine.rejection_sampler.verify`:
         the target's own choice for greedy rows, rejection sampling for sampled ones), trim
         each cache to the accepted length (whole blocks past it are freed, with the draft
         model's cache), and emit the tokens. Call with the lock held.
@@ -1092,21 +1091,21 @@ class Engine:
         live = [(s, row, prop) for s, row, prop in verified if not s.finished]
         if not live:
             return []
-        outs, masked = [], []
+        outs, kept, masks = [], [], []
         for s, row, prop in live:
             try:
-                masked.append(self._draft_rows(s, row, prop))
+                masks.append(self._draft_mask(s, prop))
+                kept.append((s, row, prop))
             except Exception as e:  # noqa: BLE001 - a grammar failure ends its own request only
                 outs.extend(self._fail_seqs([s], e))
-                masked.append(None)
-        live = [x for x, m in zip(live, masked) if m is not None]
-        masked = [m for m in masked if m is not None]
+        live = kept
         if not live:
             return outs
         seqs = [s for s, _, _ in live]
         try:
             finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
-            results = verify(masked, [p for _, _, p in live], [s.sampler for s in seqs], also=[finite_rows])
+            results = verify([self._mask_undecodable(row) for _, row, _ in live], [p for _, _, p in live],
+                             [s.sampler for s in seqs], also=[finite_rows], allowed=masks)
             finite = finite_rows.tolist()
         except Exception as e:  # noqa: BLE001 - this step's drafts only
             return outs + self._fail_seqs(seqs, e)
