@@ -291,6 +291,7 @@
     clearError();
     if (keyNeeded) {
       showError("Enter the server's API key first.");
+      drawButtons();
       ui.apiKey.focus();
       return;
     }
@@ -299,10 +300,11 @@
       body = requestBody(c);
     } catch (e) {
       showError(e.message);
+      drawButtons();
       return;
     }
     saveSettings();
-    const reply = { role: "assistant", content: "", model: body.model, stats: {} };
+    const reply = { role: "assistant", content: "", model: body.model };
     const node = messageNode(reply);
     const content = node.querySelector(".content");
     const stats = document.createElement("div");
