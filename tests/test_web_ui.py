@@ -24,6 +24,7 @@ from server_helpers import PLAIN_TEMPLATE, running_server
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed (pip install playwright)")
 
 MODEL = "stories"
+ADAPTER = "tiny-adapter"
 CHROMIUM = os.environ.get("FERRUM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -50,7 +51,14 @@ def _serve(stories_path, tmp, extra=()):
 
 @pytest.fixture(scope="module")
 def server(stories_path, tmp_path_factory):
-    with _serve(stories_path, tmp_path_factory.mktemp("webui")) as s:
+    """stories260K, plus a random LoRA adapter served as ``ADAPTER`` (for the model picker)."""
+    import mlx_ferrum as mf
+    from lora_fixtures import random_peft_adapter
+
+    tmp = tmp_path_factory.mktemp("webui")
+    model, _ = mf.load(str(stories_path))
+    adapter = random_peft_adapter(model, tmp / "adapter", seed=0, std=0.5)
+    with _serve(stories_path, tmp, ["--lora-modules", f"{ADAPTER}={adapter}", "--max-lora-rank", "8"]) as s:
         yield s
 
 
@@ -111,7 +119,7 @@ def chat(browser, server):
 
 def api_reply(server, messages, **params) -> dict:
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
-                   json={"model": MODEL, "messages": messages, **params})
+                   json={"model": MODEL, "messages": messages} | params)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -130,7 +138,7 @@ def wait_running(server, count: int, timeout_s: float = 20.0) -> dict:
 def test_page_loads_from_the_package_with_no_console_errors(chat, server):
     page = chat.page
     assert page.title() == "mlx-ferrum chat"
-    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [MODEL]
+    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [MODEL, ADAPTER]
     assert not page.is_visible("#key-form")  # no --api-key: nothing asked
     assert chat.errors == []
     page_response = httpx.get(server.url + "/")
@@ -164,6 +172,23 @@ def test_streamed_reply_equals_the_apis_greedy_reply(chat, server, stories_expec
     assert f"{expected['usage']['completion_tokens']} tokens" in stats
     assert "tokens/s" in stats and "first token" in stats and "finish: length" in stats
     assert chat.errors == []
+
+
+def test_model_picker_offers_the_served_adapter(chat, server):
+    assert chat.page.inner_text(f"#model option[value='{ADAPTER}']") == f"{ADAPTER} (adapter of {MODEL})"
+    chat.page.select_option("#model", ADAPTER)
+    chat.settings(temperature="0", max_tokens="16")
+    chat.send(PROMPT)
+    chat.wait_idle()
+    messages = [{"role": "user", "content": PROMPT}]
+    with_adapter = api_reply(server, messages, model=ADAPTER, temperature=0, max_tokens=16)["choices"][0]["message"]["content"]
+    base = api_reply(server, messages, temperature=0, max_tokens=16)["choices"][0]["message"]["content"]
+    assert with_adapter != base  # the adapter changes the reply, so the page did use it
+    assert chat.messages()[-1] == ("assistant", with_adapter)
+    assert chat.page.inner_text(".message.assistant .role") == ADAPTER
+    chat.page.reload()
+    chat.page.evaluate("window.ferrumChat.ready")
+    assert chat.page.input_value("#model") == ADAPTER  # the choice is kept
 
 
 def test_regenerate_and_edit_last(chat, server):
@@ -357,10 +382,14 @@ def test_readable_at_320_pixels(browser, server):
         chat.settings(temperature="0", max_tokens="60")
         chat.send(PROMPT + " " + "x" * 200)  # a long unbroken word
         chat.wait_idle()
-        page.click("#toggle-conversations")
-        for state in ("chat", "settings and conversations open"):
+        assert not page.is_visible("#sidebar")  # folded away at this width
+        for state, toggle in (("settings open", None), ("conversations open too", "#toggle-conversations"),
+                              ("settings closed", "#toggle-settings")):
+            if toggle:
+                page.click(toggle)
             width = page.evaluate("document.documentElement.scrollWidth")
             assert width <= 320, f"{state}: the page scrolls sideways ({width} px)"
+        assert page.is_visible("#sidebar") and not page.is_visible("#settings")
         for selector in ("#prompt", "#send", "#model", "#toggle-settings", "#temperature", "#new-conversation"):
             box = page.locator(selector).bounding_box()
             assert box["x"] >= 0 and box["x"] + box["width"] <= 320, selector
