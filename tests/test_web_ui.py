@@ -375,6 +375,15 @@ def test_a_refused_request_shows_the_servers_message(chat, server):
     assert chat.messages() == [("user", PROMPT)]  # the conversation keeps the message
 
 
+#: The visible elements whose content is wider than they are, other than those that scroll
+#: it on purpose (code blocks) or hide it on purpose (ellipsized conversation titles).
+OVERFLOWING = """() => Array.from(document.querySelectorAll('body *')).filter(el => {
+    const style = getComputedStyle(el);
+    return el.offsetParent !== null && el.scrollWidth > el.clientWidth + 1 && style.display !== 'inline'
+        && !['auto', 'scroll', 'hidden', 'clip'].includes(style.overflowX);
+}).map(el => el.tagName + '#' + el.id + '.' + el.className)"""
+
+
 def test_readable_at_320_pixels(browser, server):
     chat = Page(browser, server.url, width=320, height=640)
     try:
@@ -389,10 +398,13 @@ def test_readable_at_320_pixels(browser, server):
                 page.click(toggle)
             width = page.evaluate("document.documentElement.scrollWidth")
             assert width <= 320, f"{state}: the page scrolls sideways ({width} px)"
+            assert page.evaluate(OVERFLOWING) == [], f"{state}: text runs out of its box"
+            for selector in ("#prompt", "#send", "#model", "#toggle-settings", "#temperature", "#extra",
+                             "#new-conversation", "#export-conversations", ".message.user .content"):
+                if page.is_visible(selector):
+                    box = page.locator(selector).bounding_box()
+                    assert box["x"] >= 0 and box["x"] + box["width"] <= 320, f"{state}: {selector} sticks out"
         assert page.is_visible("#sidebar") and not page.is_visible("#settings")
-        for selector in ("#prompt", "#send", "#model", "#toggle-settings", "#temperature", "#new-conversation"):
-            box = page.locator(selector).bounding_box()
-            assert box["x"] >= 0 and box["x"] + box["width"] <= 320, selector
         assert chat.errors == []
     finally:
         chat.close()
