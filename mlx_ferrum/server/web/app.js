@@ -320,10 +320,20 @@
     let usage = null;
     let finish = null;
     let kept = false;
+    let drawPending = false;
     const redraw = function () {
+      drawPending = false;
       content.replaceChildren(window.FerrumMarkdown.render(reply.content));
       ui.messages.scrollTop = ui.messages.scrollHeight;
     };
+    // at most one Markdown render per frame, however fast the deltas come
+    const scheduleRedraw = function () {
+      if (!drawPending) {
+        drawPending = true;
+        requestAnimationFrame(redraw);
+      }
+    };
+    ui.messages.setAttribute("aria-busy", "true"); // screen readers read the reply once it is whole
     try {
       const response = await fetch("v1/chat/completions", {
         method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
@@ -345,7 +355,7 @@
             if (firstAt === null) firstAt = now;
             lastAt = now;
             reply.content += delta;
-            redraw();
+            scheduleRedraw();
           }
           if (choice.finish_reason) finish = choice.finish_reason;
         }
@@ -367,7 +377,9 @@
       if (!kept) node.remove();
     } finally {
       controller = null;
+      ui.messages.setAttribute("aria-busy", "false");
       if (kept) {
+        redraw();
         reply.stats = {};
         if (usage && usage.completion_tokens !== undefined) reply.stats.completion_tokens = usage.completion_tokens;
         if (firstAt !== null) {
@@ -543,6 +555,7 @@
     draw();
   });
   $("export-conversations").addEventListener("click", exportConversations);
+  $("import-button").addEventListener("click", function () { ui.importInput.click(); });
   ui.importInput.addEventListener("change", function () {
     const file = ui.importInput.files[0];
     ui.importInput.value = "";
