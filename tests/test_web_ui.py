@@ -214,6 +214,19 @@ def test_regenerate_and_edit_last(chat, server):
     assert chat.messages() == [("user", "The dog"), ("assistant", expected["choices"][0]["message"]["content"])]
 
 
+def test_sampling_settings_are_sent(chat, server):
+    """A seeded sample at temperature 1 with top_p: the page's reply equals the API's for the
+    same fields, and differs from the greedy one (so the fields did arrive)."""
+    chat.settings(temperature="1", top_p="0.9", seed="7", max_tokens="24")
+    chat.send(PROMPT)
+    chat.wait_idle()
+    messages = [{"role": "user", "content": PROMPT}]
+    sampled = api_reply(server, messages, temperature=1, top_p=0.9, seed=7, max_tokens=24)["choices"][0]["message"]["content"]
+    greedy = api_reply(server, messages, temperature=0, max_tokens=24)["choices"][0]["message"]["content"]
+    assert sampled != greedy
+    assert chat.messages()[-1] == ("assistant", sampled)
+
+
 def test_system_message_is_sent(chat, server):
     chat.settings(temperature="0", max_tokens="12", system="Lily and Tom. ")
     chat.send(PROMPT)
