@@ -582,12 +582,18 @@
   ui.messages.addEventListener("click", async function (e) {
     const button = e.target.closest(".copy-code");
     if (!button) return;
-    const code = button.closest(".code-block").querySelector("code").textContent;
+    const codeNode = button.closest(".code-block").querySelector("code");
     try {
-      await navigator.clipboard.writeText(code);
+      await navigator.clipboard.writeText(codeNode.textContent);
       button.textContent = "Copied";
     } catch (err) {
-      button.textContent = "Copy failed";
+      // no clipboard API outside secure contexts (http to another machine): select the
+      // code instead, so that Ctrl+C / Cmd+C copies it
+      const range = document.createRange();
+      range.selectNodeContents(codeNode);
+      window.getSelection().removeAllRanges();
+      window.getSelection().addRange(range);
+      button.textContent = "Selected: press Ctrl+C";
     }
     setTimeout(function () { button.textContent = "Copy"; }, 1500);
   });
