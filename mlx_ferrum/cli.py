@@ -723,7 +723,7 @@ def cmd_serve(args) -> int:
             model, tokenizer, config, host=args.host, port=port, served_model_names=names,
             api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
             sockets=[sock], on_ready=banner, tool_call_parser=args.tool_call_parser,
-            lora_modules=dict(args.lora_modules or []), engine=engine,
+            lora_modules=dict(args.lora_modules or []), engine=engine, web_ui=args.web_ui,
         )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -778,6 +778,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", default=None, help="names accepted in 'model' (default: --model)")
     s.add_argument("--api-key", type=api_key, default=None,
                    help="require 'Authorization: Bearer KEY' (default: no key needed)")
+    s.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                   help="do not serve the chat page at GET / (default: served)")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (vLLM's flag): hermes (<tool_call>{...}</tool_call>, Qwen2.5/3), "
                         "llama3_json, mistral ([TOOL_CALLS]); default: detected from the chat template, else hermes")

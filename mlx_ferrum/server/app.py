@@ -12,6 +12,8 @@ request never delays ``/health`` or the streams of other requests.
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, then every in-flight
 request is aborted, so each open stream and each waiting response ends with finish
 reason ``abort``; uvicorn then waits for those responses to finish and the process exits 0.
+
+``GET /`` serves the chat page (:mod:`.web_ui`) unless the server runs with ``--no-web-ui``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from . import protocol as p
 from .limits import BodySizeLimitMiddleware, ServerLimits, count_json_containers, flag_of
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .serving import OpenAIServing, ServingError
+from .web_ui import add_web_ui
 
 logger = logging.getLogger("mlx_ferrum.server")
 
@@ -137,7 +140,7 @@ async def _until_disconnect(request: Request, coro):
 
 
 def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
-              limits: Optional[ServerLimits] = None) -> FastAPI:
+              limits: Optional[ServerLimits] = None, web_ui: bool = True) -> FastAPI:
     """The FastAPI app over ``serving``.
 
     Args:
@@ -146,6 +149,7 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         api_key: when set, every path but ``/health`` and ``/metrics`` needs
             ``Authorization: Bearer <api_key>`` (else 401).
         limits: the server's limits (None: ``serving.limits``); the body limit is applied here.
+        web_ui: serve the chat page at ``GET /`` (see :mod:`.web_ui`).
     """
     metrics = metrics if metrics is not None else (serving.metrics or ServerMetrics(serving.engine))
     serving.metrics = metrics
@@ -236,6 +240,8 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         body = await _body(request, p.DetokenizeRequest, limits)
         return (await run_in_threadpool(serving.detokenize, body)).model_dump()
 
+    if web_ui:
+        add_web_ui(app)
     return app
 
 
@@ -282,6 +288,7 @@ def run_server(
     tool_call_parser: Optional[str] = None,
     lora_modules: Optional[dict[str, str]] = None,
     engine=None,
+    web_ui: bool = True,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -303,6 +310,7 @@ def run_server(
         engine: an engine built by the caller (a parallel run's rank-0
             :class:`~mlx_ferrum.distributed.lockstep.LockstepEngine`) instead of a new
             ``Engine``; its ``close()``, if any, is called when the server stops.
+        web_ui: serve the chat page at ``GET /``.
 
     Raises:
         LoraError: an adapter of ``lora_modules`` is refused (before the server listens).
@@ -316,7 +324,7 @@ def run_server(
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits,
                             tool_call_parser=tool_call_parser)
-    app = build_app(serving, metrics, api_key, limits)
+    app = build_app(serving, metrics, api_key, limits, web_ui=web_ui)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
         backlog=2048, timeout_keep_alive=30,
