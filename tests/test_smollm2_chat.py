@@ -306,3 +306,29 @@ def test_chat_completions_give_the_recorded_replies_and_reuse_the_system_prompt(
                          ids=["contiguous", "paged-ngram", "contiguous-ngram"])
 def test_chat_completions_give_every_recorded_reply(tmp_path, cases, extra):
     _serve_and_check(tmp_path, cases, extra)
+
+
+# ------------------------------------------------------------------ README
+
+
+def test_the_readmes_first_chat_command_works_offline_on_the_shared_folder():
+    """README's first chat command names the shared SmolLM2 folder (the hub example comes
+    second) and answers a question with nothing downloaded."""
+    import re
+    import shlex
+
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    setup = readme.split("## Set up and chat", 1)[1].split("\n## ", 1)[0]
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", setup, re.S) for line in block.splitlines()
+                if line.startswith("mlx-ferrum chat")]
+    assert len(commands) >= 2 and "/" in commands[1].split("--model", 1)[1] and "shared" not in commands[1]
+    args = shlex.split(commands[0])[2:]
+    folder = args[args.index("--model") + 1]
+    assert folder == "../shared/models/SmolLM2-135M-Instruct"
+    args[args.index("--model") + 1] = str(smollm_path())  # where ../shared is for this run
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "mlx_ferrum", "chat", *args, "--max-tokens", "24", "--seed", "0"],
+                       input="What is the capital of France?\n", capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "error" not in r.stderr and "Traceback" not in r.stderr
