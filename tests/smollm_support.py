@@ -20,7 +20,6 @@ import pytest
 
 SHARED_MODELS = Path(os.environ.get("FERRUM_SHARED_MODELS", Path(__file__).resolve().parents[2] / "shared" / "models"))
 SMOLLM = SHARED_MODELS / "SmolLM2-135M-Instruct"
-EOS = 2  # <|im_end|>
 
 
 def smollm_path() -> Path:
@@ -34,12 +33,6 @@ def recorded_cases() -> list[dict]:
     """The recorded conversations: ``messages``, ``prompt_ids``, ``greedy_transformers``
     (reply ids, ``<|im_end|>`` included when the model stopped) and ``text_transformers``."""
     return json.loads((smollm_path() / "greedy_chat.json").read_text())["cases"]
-
-
-def reply_ids(case: dict) -> list[int]:
-    """The recorded reply's ids without the final ``<|im_end|>`` (what the text shows)."""
-    ids = list(case["greedy_transformers"])
-    return ids[:-1] if ids and ids[-1] == EOS else ids
 
 
 def load_float32():

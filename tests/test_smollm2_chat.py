@@ -22,10 +22,9 @@ import pytest
 import mlx_ferrum as mf
 from mlx_ferrum import cli
 from mlx_ferrum.config import RuntimeConfig
-from smollm_support import load_float32, recorded_cases, reply_ids, smollm_path
+from smollm_support import load_float32, recorded_cases, smollm_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = ["paged", "contiguous"]
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +326,7 @@ def test_the_readmes_first_chat_command_works_offline_on_the_shared_folder():
     assert folder == "../shared/models/SmolLM2-135M-Instruct"
     args[args.index("--model") + 1] = str(smollm_path())  # where ../shared is for this run
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "mlx_ferrum", "chat", *args, "--max-tokens", "24", "--seed", "0"],
+    r = subprocess.run([sys.executable, "-m", "mlx_ferrum", "chat", *args, "--max-tokens", "8", "--seed", "0"],
                        input="What is the capital of France?\n", capture_output=True, text=True, env=env, cwd=REPO,
                        timeout=300)
     assert r.returncode == 0, r.stderr
