@@ -54,6 +54,9 @@ def test_dtype_float32_casts_the_quantization_scales_and_biases(smollm):
     assert {dtype for _, dtype in quantized} == {mx.float32}
     floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
     assert set(floats) == {mx.float32}
+    from mlx_ferrum.runner.llm_runner import model_dtype
+
+    assert model_dtype(model) == mx.float32  # activations and the KV cache follow it
 
 
 def test_the_prompt_ids_are_the_recorded_ones(smollm, cases):
