@@ -289,6 +289,7 @@ def run_server(
     lora_modules: Optional[dict[str, str]] = None,
     engine=None,
     web_ui: bool = True,
+    sampling_defaults: Optional[dict] = None,
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -311,6 +312,8 @@ def run_server(
             :class:`~mlx_ferrum.distributed.lockstep.LockstepEngine`) instead of a new
             ``Engine``; its ``close()``, if any, is called when the server stops.
         web_ui: serve the chat page at ``GET /``.
+        sampling_defaults: defaults for request fields left unset, ``{SamplingParams field:
+            value}`` (the model's ``generation_config.json``; None: OpenAI's defaults).
 
     Raises:
         LoraError: an adapter of ``lora_modules`` is refused (before the server listens).
@@ -323,7 +326,10 @@ def run_server(
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits,
-                            tool_call_parser=tool_call_parser)
+                            tool_call_parser=tool_call_parser, sampling_defaults=sampling_defaults)
+    if sampling_defaults:
+        logger.info("sampling defaults from the model's generation_config.json (request fields win): %s",
+                    ", ".join(f"{k}={v}" for k, v in sampling_defaults.items()))
     app = build_app(serving, metrics, api_key, limits, web_ui=web_ui)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,

@@ -240,10 +240,17 @@ class OpenAIServing:
         limits: the :class:`ServerLimits` (None: the defaults).
         tool_call_parser: ``hermes`` / ``llama3_json`` / ``mistral``; None detects it from
             the chat template (``hermes`` when it shows none).
+        sampling_defaults: ``{SamplingParams field: value}`` for request fields left unset
+            (the model's ``generation_config.json``, see
+            :func:`~mlx_ferrum.generation_defaults.generation_defaults`); a field the file
+            does not give keeps the OpenAI default, and ``max_tokens`` is capped by the
+            room left in the context.
     """
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None,
-                 limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None):
+                 limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None,
+                 sampling_defaults: Optional[dict] = None):
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -452,17 +459,21 @@ class OpenAIServing:
 
     def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int,
                 logit_bias: Optional[dict[int, float]] = None, extra: Optional[dict] = None) -> SamplingParams:
+        default = self.sampling_defaults
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
+            if "max_tokens" in default:
+                max_tokens = min(max_tokens, default["max_tokens"])
         seed = req.seed
         if seed is not None and choice:
             seed = (seed + choice) % 2**64  # n choices of one seeded request differ, reproducibly
         fields = dict(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=default.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=default.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=default.get("top_k", 0) if req.top_k is None else req.top_k,
+            min_p=default.get("min_p", 0.0) if req.min_p is None else req.min_p,
+            repetition_penalty=(default.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                else req.repetition_penalty),
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             seed=seed,
