@@ -84,6 +84,8 @@ class MessagesRequest(_Request):
     top_k: Optional[int] = None
     stream: bool = False
     metadata: Optional[dict[str, Any]] = None
+    #: ``{"format": {"type": "json_schema", "schema": {...}}, "effort": ...}`` (structured output)
+    output_config: Optional[dict[str, Any]] = None
 
 
 class CountTokensRequest(_Request):
@@ -209,17 +211,29 @@ def to_chat_request(req: _Request) -> p.ChatCompletionRequest:
     if not any(m["role"] != "system" for m in messages):
         raise ServingError(400, "messages: at least one message is required", param="messages")
     tools, choice, parallel = _tools(req)
-    kwargs = None
+    kwargs = {}
     if isinstance(req.thinking, dict) and req.thinking.get("type") in ("enabled", "disabled"):
-        kwargs = {"enable_thinking": req.thinking["type"] == "enabled"}
+        kwargs["enable_thinking"] = req.thinking["type"] == "enabled"
     fields: dict = {}
     if isinstance(req, MessagesRequest):
         if req.max_tokens < 1:
             raise ServingError(400, f"max_tokens: {req.max_tokens} is invalid: use an int >= 1", param="max_tokens")
         fields = dict(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                       top_p=req.top_p, top_k=req.top_k)
+        config = req.output_config or {}
+        if not isinstance(config, dict):
+            raise ServingError(400, "output_config must be an object", param="output_config")
+        fmt = config.get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+                raise ServingError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                                   param="output_config.format")
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        if config.get("effort") is not None:
+            kwargs["reasoning_effort"] = config["effort"]
     return p.ChatCompletionRequest(model=req.model, messages=[p.ChatMessage(**m) for m in messages], tools=tools,
-                                   tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs, **fields)
+                                   tool_choice=choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs or None,
+                                   **fields)
 
 
 class MessagesServing:
