@@ -362,3 +362,37 @@ def test_embeddings_equal_transformers_hidden_states(stories_path, tmp_path):
                 ref = hidden[-1] if pooling == "last" else hidden.mean(axis=0)
                 ref = ref / np.linalg.norm(ref)
                 assert np.abs(np.array(item.embedding) - ref).max() < 1e-4, pooling
+
+
+# ---------------------------------------------------------------- reasoning parser wiring
+
+
+def test_reasoning_parser_in_all_three_apis(stories_path, tmp_path, once):
+    """With ``--reasoning-parser deepseek_r1`` (reasoning opened by the prompt, closed by
+    ``</think>``), a story that never writes ``</think>`` is all reasoning: each API must
+    return the recorded text as its reasoning field and no answer text."""
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    with running_server(stories_path, tmp_path, ["--served-model-name", MODEL, "--chat-template", str(template),
+                                                 "--reasoning-parser", "deepseek_r1"]) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        claude_client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": once["prompt"]}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+        thought = chat.choices[0].message.reasoning_content
+        assert once["completion_text"].startswith(thought) and len(thought) > 20 and not chat.choices[0].message.content
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
+        assert not "".join(d.content or "" for d in deltas)
+        r = client.responses.create(model=MODEL, input=once["prompt"], max_output_tokens=20, temperature=0)
+        assert r.output[0].type == "reasoning" and r.output[0].content[0].text == thought
+        assert r.usage.output_tokens_details.reasoning_tokens > 0
+        events = list(client.responses.create(model=MODEL, input=once["prompt"], max_output_tokens=20, temperature=0,
+                                              stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+        m = claude_client.messages.create(model=MODEL, max_tokens=20, messages=messages, extra_body=GREEDY)
+        assert [b.type for b in m.content] == ["thinking"] and m.content[0].thinking == thought
+        with claude_client.messages.stream(model=MODEL, max_tokens=20, messages=messages, extra_body=GREEDY) as stream:
+            final = stream.get_final_message()
+        assert final.content[0].type == "thinking" and final.content[0].thinking == thought

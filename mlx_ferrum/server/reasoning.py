@@ -80,12 +80,13 @@ class ThinkParser(ReasoningParser):
             before, rest = "", text
         else:  # no reasoning: all answer (less a piece that may begin "<think>")
             return ReasoningSplit(None, _hold(text, (self.start, self.end), finished))
+        # templates write "<think>\n" and "</think>\n\n": those newlines are no part of either
+        # text (only leading ones are dropped, so a stream's pieces stay prefixes of the whole)
         j = rest.find(self.end)
         if j < 0:  # still thinking
-            return ReasoningSplit(_hold(rest, (self.end,), finished), before)
+            return ReasoningSplit(_hold(rest, (self.end,), finished).lstrip("\n"), before)
         answer = rest[j + len(self.end):]
-        # templates write "</think>\n\n" before the answer: that is no part of it
-        return ReasoningSplit(rest[:j].strip("\n"), before + answer.lstrip("\n"))
+        return ReasoningSplit(rest[:j].lstrip("\n"), before + answer.lstrip("\n"))
 
 
 class DeepSeekR1Parser(ThinkParser):
