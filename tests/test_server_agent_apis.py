@@ -258,7 +258,7 @@ def test_messages_forced_tool_round_trip(server, claude):
 
 def test_messages_structured_output(claude):
     m = claude.messages.create(model=MODEL, max_tokens=30, messages=[{"role": "user", "content": "Once upon a time"}],
-                               output_config={"format": {"type": "json_schema", "schema": NUMBER}}, extra_body=GREEDY)
+                               extra_body={"output_config": {"format": {"type": "json_schema", "schema": NUMBER}}, **GREEDY})
     jsonschema.validate(json.loads(m.content[0].text), NUMBER)
 
 

@@ -77,23 +77,31 @@ class ResponsesRequest(BaseModel):
 
 
 class ResponseStore:
-    """The conversations of stored responses, ``{response id: chat messages}``, the
-    oldest evicted past ``max_responses`` (thread-safe)."""
+    """The conversations of stored responses, ``{response id: chat messages}``; the
+    oldest are evicted past ``max_responses`` entries or ``max_chars`` characters of
+    message text in all (a bound on memory: each conversation may be up to a request
+    body long). Thread-safe."""
 
-    def __init__(self, max_responses: int = 1024):
+    def __init__(self, max_responses: int = 1024, max_chars: int = 64 * 1024 * 1024):
         self.max_responses = max_responses
-        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self.max_chars = max_chars
+        self._items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
     def get(self, response_id: str) -> Optional[list[dict]]:
         with self._lock:
-            return self._items.get(response_id)
+            entry = self._items.get(response_id)
+            return None if entry is None else list(entry[0])
 
     def put(self, response_id: str, messages: list[dict]) -> None:
+        size = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
         with self._lock:
-            self._items[response_id] = messages
-            while len(self._items) > self.max_responses:
-                self._items.popitem(last=False)
+            self._items[response_id] = (messages, size)
+            self._chars += size
+            while self._items and (len(self._items) > self.max_responses or self._chars > self.max_chars):
+                _, (_, dropped) = self._items.popitem(last=False)
+                self._chars -= dropped
 
 
 def _part_text(part: Any, where: str) -> str:
@@ -278,7 +286,8 @@ class ResponsesServing:
         history = self.store.get(req.previous_response_id)
         if history is None:
             raise ServingError(404, f"previous response {req.previous_response_id!r} not found: this server keeps the last "
-                               f"{self.store.max_responses} responses created with store=true (in memory, until it restarts); "
+                               f"{self.store.max_responses} responses created with store=true (in memory, fewer when they are long, "
+                               "until it restarts); "
                                "send the whole conversation in 'input' instead", param="previous_response_id",
                                code="previous_response_not_found")
         return history

@@ -135,3 +135,14 @@ def test_merge_system_makes_one_leading_system_message():
                            {"role": "system", "content": "be kind"}, {"role": "assistant", "content": "ok"}])
     assert merged == [{"role": "system", "content": "be brief\n\nbe kind"}, {"role": "user", "content": "hi"},
                       {"role": "assistant", "content": "ok"}]
+
+
+def test_response_store_is_bounded_by_count_and_size():
+    from mlx_ferrum.server.responses import ResponseStore
+
+    store = ResponseStore(max_responses=2, max_chars=100)
+    for i in range(3):
+        store.put(f"r{i}", [{"role": "user", "content": "x" * 10}])
+    assert store.get("r0") is None and store.get("r1") and store.get("r2")
+    store.put("big", [{"role": "user", "content": "y" * 95}])
+    assert store.get("r1") is None and store.get("r2") is None and store.get("big")
