@@ -146,3 +146,22 @@ def test_response_store_is_bounded_by_count_and_size():
     assert store.get("r0") is None and store.get("r1") and store.get("r2")
     store.put("big", [{"role": "user", "content": "y" * 95}])
     assert store.get("r1") is None and store.get("r2") is None and store.get("big")
+
+
+def test_openapi_description_covers_the_agent_endpoints():
+    """The app's OpenAPI description (what a schema-driven fuzzer reads) lists the new
+    endpoints with their request schemas."""
+    pytest.importorskip("fastapi")
+    from mlx_ferrum.server.app import build_app
+    from mlx_ferrum.server.limits import ServerLimits
+    from mlx_ferrum.server.metrics import ServerMetrics
+
+    class StubServing:  # build_app only wires the serving objects together
+        metrics, limits, engine = None, ServerLimits(), None
+
+    spec = build_app(StubServing(), metrics=ServerMetrics(None)).openapi()
+    for path, field_name in (("/v1/responses", "input"), ("/v1/messages", "max_tokens"),
+                             ("/v1/messages/count_tokens", "messages"), ("/v1/embeddings", "input")):
+        schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert field_name in schema["properties"], path
+    assert "max_tokens" in spec["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]["required"]

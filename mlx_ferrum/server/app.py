@@ -122,6 +122,12 @@ async def _body(request: Request, model: type, limits: ServerLimits):
     return await run_in_threadpool(_parse, model, raw, limits)
 
 
+def _json_body(model: type) -> dict:
+    """The OpenAPI ``requestBody`` of a route that reads ``model`` itself (for ``app.openapi()``,
+    which fuzzers read; the routes parse bodies by hand, off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
 async def _until_disconnect(request: Request, coro):
     """Run ``coro``; cancel it (aborting its engine requests) if the client goes away first."""
     task = asyncio.ensure_future(coro)
@@ -223,20 +229,20 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
     async def completions(request: Request):
         return await _answer(request, serving.completion(await _body(request, p.CompletionRequest, limits)))
 
-    @app.post("/v1/responses", dependencies=guarded)
+    @app.post("/v1/responses", dependencies=guarded, openapi_extra=_json_body(ResponsesRequest))
     async def create_response(request: Request):
         return await _answer(request, responses.create(await _body(request, ResponsesRequest, limits)))
 
-    @app.post("/v1/messages", dependencies=guarded)
+    @app.post("/v1/messages", dependencies=guarded, openapi_extra=_json_body(MessagesRequest))
     async def create_message(request: Request):  # ?beta=true and anthropic-beta headers change nothing here
         return await _answer(request, messages.create(await _body(request, MessagesRequest, limits)))
 
-    @app.post("/v1/messages/count_tokens", dependencies=guarded)
+    @app.post("/v1/messages/count_tokens", dependencies=guarded, openapi_extra=_json_body(CountTokensRequest))
     async def count_tokens(request: Request):
         body = await _body(request, CountTokensRequest, limits)
         return await run_in_threadpool(messages.count_tokens, body)
 
-    @app.post("/v1/embeddings", dependencies=guarded)
+    @app.post("/v1/embeddings", dependencies=guarded, openapi_extra=_json_body(EmbeddingRequest))
     async def create_embeddings(request: Request):
         return await _answer(request, embeddings.create(await _body(request, EmbeddingRequest, limits)))
 
