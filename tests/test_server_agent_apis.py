@@ -327,14 +327,16 @@ def test_embeddings_shapes_and_errors(server, oai):
     for a, b in zip(floats.data, b64.data):
         assert np.allclose(a.embedding, b.embedding, atol=0, rtol=0)
         assert abs(np.linalg.norm(a.embedding) - 1) < 1e-5
-    raw = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": "Lily", "encoding_format": "base64"},
+    raw = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "base64"},
                      headers={"Authorization": f"Bearer {KEY}"}).json()
-    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    vector = np.frombuffer(base64.b64decode(raw["data"][1]["embedding"]), dtype="<f4")
     assert np.array_equal(vector, np.array(floats.data[1].embedding, dtype=np.float32))
+    alone = oai.embeddings.create(model=MODEL, input="Lily", encoding_format="float")  # batched or not: the same vector
+    assert np.allclose(alone.data[0].embedding, floats.data[1].embedding, atol=1e-5)
     ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Lily"},
                      headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
     by_ids = oai.embeddings.create(model=MODEL, input=[ids], encoding_format="float")
-    assert np.allclose(by_ids.data[0].embedding, floats.data[1].embedding, atol=1e-6)
+    assert np.allclose(by_ids.data[0].embedding, floats.data[1].embedding, atol=1e-5)
     assert floats.usage.prompt_tokens == prompt_tokens(server, [{"role": "user", "content": "Once upon a time"}]) + len(ids)
     for body in ({"input": []}, {"input": "Lily", "dimensions": 8}, {"input": [[]]}, {"input": [1, "a"]},
                  {"input": "Lily", "encoding_format": "int8"}, {"input": [[99999]]}):

@@ -1,8 +1,8 @@
 """OpenAI's embeddings API: ``POST /v1/embeddings``.
 
 Each input (a string, a list of strings, a list of token ids, or a list of such lists)
-is tokenized (special tokens added, as the tokenizer's own ``encode`` does) and run
-through the model's decoder stack once, with no KV cache (``model.model(ids, None)``:
+is tokenized (special tokens added, as the tokenizer's own ``encode`` does) and the
+inputs run, batched, through the model's decoder stack once, with no KV cache (``model.model(ids, None)``:
 plain causal attention, the final norm applied: what transformers calls
 ``last_hidden_state``). The hidden states are pooled per input -- ``last`` (the last
 token's, the usual choice for decoder models) or ``mean`` (over every token), the
@@ -33,6 +33,8 @@ from .serving import OpenAIServing, ServingError
 __all__ = ["EmbeddingRequest", "EmbeddingsServing", "pool", "POOLING"]
 
 POOLING = ("last", "mean")
+#: most padded tokens in one embedding forward pass (bounds its activations' memory)
+BATCH_TOKENS = 8192
 
 
 class EmbeddingRequest(BaseModel):
@@ -117,15 +119,35 @@ class EmbeddingsServing:
         return out
 
     def _embed(self, id_lists: list[list[int]]) -> list[np.ndarray]:
-        """The pooled, normalized embedding of each id list (on the stepping thread)."""
+        """The pooled, normalized embedding of each id list (on the stepping thread).
+
+        Inputs run as batches of one forward pass each, right-padded to the batch's
+        longest input: under causal attention a token never sees the padding after it,
+        so each input's rows equal its own run; the padding rows are not pooled. A batch
+        holds at most ``BATCH_TOKENS`` padded tokens (inputs sorted by length, so little
+        is padding).
+        """
         import mlx.core as mx
 
         backbone = self.serving.engine.model.model
-        vectors = []
-        for ids in id_lists:
-            hidden = backbone(mx.array([ids], dtype=mx.int32), None)[0].astype(mx.float32)
+        order = sorted(range(len(id_lists)), key=lambda i: len(id_lists[i]))
+        vectors: list = [None] * len(id_lists)
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and len(id_lists[order[end]]) * (end + 1 - start) <= BATCH_TOKENS:
+                end += 1
+            batch = order[start:end]
+            width = len(id_lists[batch[-1]])
+            rows = np.zeros((len(batch), width), dtype=np.int32)
+            for r, i in enumerate(batch):
+                rows[r, : len(id_lists[i])] = id_lists[i]
+            hidden = backbone(mx.array(rows), None).astype(mx.float32)
             mx.eval(hidden)
-            vectors.append(pool(np.array(hidden), self.pooling))
+            hidden = np.array(hidden)
+            for r, i in enumerate(batch):
+                vectors[i] = pool(hidden[r, : len(id_lists[i])], self.pooling)
+            start = end
         return vectors
 
     async def create(self, req: EmbeddingRequest) -> dict:
