@@ -165,3 +165,44 @@ def test_openapi_description_covers_the_agent_endpoints():
         schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert field_name in schema["properties"], path
     assert "max_tokens" in spec["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]["required"]
+
+
+def test_messages_stream_pings_while_waiting_and_reports_a_refusal_as_an_error_event(monkeypatch):
+    """While the first token is awaited (a long prefill), a Messages stream sends ``ping``
+    events after ``message_start``; a refusal at admission then comes as an ``error``
+    event in Anthropic's shape (the HTTP status is already sent)."""
+    import asyncio
+
+    from mlx_ferrum.server import anthropic_messages as am
+    from mlx_ferrum.server.serving import ChatPlan, ServingError
+
+    class SlowServing:
+        async def _submit(self, items, lora):
+            await asyncio.sleep(0.35)
+            raise ServingError(429, "the server is busy", type="rate_limit_error")
+
+    monkeypatch.setattr(am, "PING_INTERVAL_S", 0.1)
+    plan = ChatPlan([(0, [1, 2, 3], None)], ToolMode(), None, False, "m")
+    req = am.MessagesRequest(max_tokens=4, messages=[{"role": "user", "content": "hi"}], stream=True)
+
+    async def collect():
+        return [event async for event in am.MessagesServing(SlowServing())._stream("msg_1", req, plan)]
+
+    events = asyncio.run(collect())
+    kinds = [e.split("\n")[0] for e in events]
+    assert kinds[0] == "event: message_start" and kinds[-1] == "event: error"
+    assert 2 <= kinds.count("event: ping") <= 4
+    error = json.loads(events[-1].split("data: ", 1)[1])
+    assert error == {"type": "error", "error": {"type": "rate_limit_error", "message": "the server is busy"}}
+    start = json.loads(events[0].split("data: ", 1)[1])
+    assert start["message"]["usage"]["input_tokens"] == 3
+
+
+def test_anthropic_error_types_follow_anthropics_table():
+    from mlx_ferrum.server.anthropic_messages import error_body
+
+    expected = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 500: "api_error"}
+    for status, kind in expected.items():
+        assert error_body(status, "m") == (status, {"type": "error", "error": {"type": kind, "message": "m"}})
+    assert error_body(503, "m") == (529, {"type": "error", "error": {"type": "overloaded_error", "message": "m"}})
