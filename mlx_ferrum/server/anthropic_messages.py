@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from . import protocol as p
-from .serving import ChatPlan, OpenAIServing, ServingError
+from .serving import ChatPlan, OpenAIServing, ServingError, tool_mode
 from .translation import TurnOutput, arguments_object, function_tool
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "MessagesServing", "error_body", "ANTHROPIC_ERROR_TYPES"]
@@ -250,9 +250,7 @@ class MessagesServing:
         """
         self.serving.check_model(req.model)
         chat = to_chat_request(req)
-        from .serving import _tool_mode  # the same tool handling as a real request
-
-        mode = _tool_mode(chat)
+        mode = tool_mode(chat)  # the same tool handling as a real request
         ids = self.serving._messages_ids(chat.messages, tools=mode.tools, template_kwargs=chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
 

@@ -11,6 +11,10 @@ never hold) becomes a 400 before any byte of a stream is sent. Then either colle
 final outputs or stream SSE chunks. Leaving a stream early (client disconnect, shutdown)
 closes the engine streams, which aborts their requests and frees their KV blocks.
 
+Chat requests of every API (chat completions here, Responses and Anthropic Messages
+translated into a chat request by their modules) share :meth:`OpenAIServing.prepare_chat`
+and the output processing of :class:`~mlx_ferrum.server.translation.TurnProcessor`.
+
 The shapes follow OpenAI's chat/completions API; the batching of ``n`` choices and the
 ``usage`` fields follow vLLM's ``serving_chat.py`` / ``serving_completion.py``.
 """
@@ -149,10 +153,7 @@ def _constraint(req: p._SamplingFields) -> tuple[Optional[StructuredOutputsParam
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
-_ToolMode = ToolMode
-
-
-def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
+def tool_mode(req: p.ChatCompletionRequest) -> ToolMode:
     """Validate ``tools`` / ``tool_choice``.
 
     Raises:
@@ -163,7 +164,7 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
     if tools in (None, []):
         if choice not in (None, "none", "auto"):
             raise ServingError(400, "tool_choice needs tools: send the functions in 'tools'", param="tool_choice")
-        return _ToolMode()
+        return ToolMode()
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
@@ -175,16 +176,16 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
             raise ServingError(400, f"tool {t['function']['name']!r}: parameters must be a JSON schema object", param="tools")
     names = [t["function"]["name"] for t in tools]
     if choice in (None, "auto"):
-        return _ToolMode("auto", tools=tools)
+        return ToolMode("auto", tools=tools)
     if choice == "none":
-        return _ToolMode()
+        return ToolMode()
     if choice == "required":
-        return _ToolMode("required", tools=tools)
+        return ToolMode("required", tools=tools)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise ServingError(400, f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
-        return _ToolMode("named", name=name, tools=tools)
+        return ToolMode("named", name=name, tools=tools)
     raise ServingError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
@@ -701,7 +702,7 @@ class OpenAIServing:
             raise ServingError(400, f"top_logprobs={req.top_logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        mode = _tool_mode(req)
+        mode = tool_mode(req)
         items = await run_in_threadpool(self._chat_plan, req, mode)
         constrained = any(params.structured_outputs is not None for _, _, params in items)
         return ChatPlan(items, mode, lora, constrained, req.model or self.model_names[0])
@@ -738,10 +739,10 @@ class OpenAIServing:
             ))
         return p.ChatCompletionResponse(id=rid, model=name, usage=self._usage(choices), choices=out_choices)
 
-    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[_ToolMode] = None) -> list:
+    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[ToolMode] = None) -> list:
         """Render and tokenize the messages (with the tools), compile the output
         constraint, then build each choice's parameters (worker thread)."""
-        mode = mode or _ToolMode()
+        mode = mode or ToolMode()
         ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools, template_kwargs=req.chat_template_kwargs),
                               param="messages", what="the rendered chat prompt")
         self._count_prompt_tokens(len(ids))
