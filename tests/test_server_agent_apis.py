@@ -84,7 +84,7 @@ def test_responses_text_equals_recording_and_usage(oai, once):
     assert once["completion_text"].startswith(r.output_text) and len(r.output_text) > 40
     assert r.id.startswith("resp_") and r.object == "response"
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert [item.type for item in r.output] == ["message"]
+    assert [item.type for item in r.output] == ["message"] and r.output[0].status == "incomplete"
     assert r.usage.input_tokens == len(once["prompt_ids"]) and r.usage.output_tokens == 30
     assert r.usage.total_tokens == r.usage.input_tokens + 30
     assert r.usage.input_tokens_details.cached_tokens == 0
@@ -106,7 +106,7 @@ def test_responses_stream_events(oai, once):
     done = events[-1].response
     assert done.output_text == text == events[-4].text
     assert done.usage.output_tokens == 30 and done.usage.input_tokens == len(once["prompt_ids"])
-    assert events[-2].item.content[0].text == text
+    assert events[-2].item.content[0].text == text and events[-2].item.status == "incomplete"
 
 
 def test_responses_multi_turn_with_previous_response_id(server, oai):

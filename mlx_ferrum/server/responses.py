@@ -250,8 +250,10 @@ def _id(prefix: str) -> str:
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """A ``message`` output item; ``in_progress`` (just added to a stream) has no content yet."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
+                                                            "logprobs": []}]}
 
 
 def _reasoning_item(item_id: str, text: Optional[str]) -> dict:
@@ -350,13 +352,13 @@ class ResponsesServing:
             pass
         self.serving._raise_failed(choices)
         turn = self.serving.processor(plan).finish(choices[0].last)
+        status, incomplete = self._status(turn)
         output = []
         if turn.reasoning is not None:
             output.append(_reasoning_item(_id("rs"), turn.reasoning))
         if turn.content or not turn.calls:
-            output.append(_message_item(_id("msg"), turn.content or ""))
+            output.append(_message_item(_id("msg"), turn.content or "", "completed" if status == "completed" else "incomplete"))
         output.extend(_call_item(_id("fc"), call) for call in turn.calls)
-        status, incomplete = self._status(turn)
         if req.store:
             self.store.put(rid, conversation + [_stored_reply(turn)])
         return self._envelope(rid, req, plan.name, created, status, output, self._usage(choices, turn), incomplete=incomplete)
@@ -376,6 +378,7 @@ class ResponsesServing:
         output: list[dict] = []
         open_item: Optional[dict] = None  # the reasoning or message item receiving deltas
         texts: dict[str, str] = {}
+        message_status = "completed"  # "incomplete" for the last message of a reply cut short
 
         def start(kind: str) -> list[str]:
             nonlocal open_item
@@ -417,7 +420,7 @@ class ResponsesServing:
                 events = [_event("response.reasoning_text.done", seq, item_id=item["id"], output_index=index,
                                  content_index=0, text=text)]
             else:
-                done = _message_item(item["id"], text)
+                done = _message_item(item["id"], text, message_status)
                 part = done["content"][0]
                 events = [_event("response.output_text.done", seq, item_id=item["id"], output_index=index,
                                  content_index=0, text=text, logprobs=[])]
@@ -451,6 +454,8 @@ class ResponsesServing:
                     yield e
                 yield _event("response.failed", seq, response=failed)
                 return
+            status, incomplete = self._status(turn)
+            message_status = "completed" if status == "completed" else "incomplete"
             if not turn.calls and not output:  # an empty reply is still one message
                 for e in start("message"):
                     yield e
@@ -466,7 +471,6 @@ class ResponsesServing:
                 done = _call_item(item_id, call)
                 output.append(done)
                 yield _event("response.output_item.done", seq, output_index=index, item=done)
-            status, incomplete = self._status(turn)
             if req.store:
                 self.store.put(rid, conversation + [_stored_reply(turn)])
             final = self._envelope(rid, req, plan.name, created, status, output, self._usage(choices, turn),
