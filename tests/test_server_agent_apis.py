@@ -398,3 +398,27 @@ def test_reasoning_parser_in_all_three_apis(stories_path, tmp_path, once):
         with claude_client.messages.stream(model=MODEL, max_tokens=20, messages=messages, extra_body=GREEDY) as stream:
             final = stream.get_final_message()
         assert final.content[0].type == "thinking" and final.content[0].thinking == thought
+
+
+def test_reasoning_effort_and_thinking_reach_the_chat_template(stories_path, tmp_path):
+    """``reasoning.effort`` (Responses), ``thinking`` (Messages) and ``chat_template_kwargs``
+    (chat) become template variables; the ones the server sets itself cannot be replaced."""
+    template = tmp_path / "vars.jinja"
+    template.write_text("{{ bos_token }}{% if reasoning_effort is defined %}[{{ reasoning_effort }}]{% endif %}"
+                        "{% if enable_thinking is defined %}<{{ enable_thinking }}>{% endif %}"
+                        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with running_server(stories_path, tmp_path, ["--served-model-name", MODEL, "--chat-template", str(template)]) as server:
+        def count(text: str) -> int:
+            return httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["count"]
+
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        r = client.responses.create(model=MODEL, input="Once", reasoning={"effort": "high"}, max_output_tokens=1)
+        assert r.usage.input_tokens == count("[high]Once")
+        claude_client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        m = claude_client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Once"}],
+                                                thinking={"type": "enabled", "budget_tokens": 1024})
+        assert m.input_tokens == count("<True>Once")
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once"}], max_tokens=1,
+                                              extra_body={"chat_template_kwargs": {"reasoning_effort": "low",
+                                                                                   "messages": [], "bos_token": "x"}})
+        assert chat.usage.prompt_tokens == count("[low]Once")
