@@ -811,6 +811,7 @@ def cmd_serve(args) -> int:
             sockets=[sock], on_ready=banner, tool_call_parser=args.tool_call_parser,
             lora_modules=dict(args.lora_modules or []), engine=engine, web_ui=args.web_ui,
             sampling_defaults=_serve_sampling_defaults(args, model),
+            reasoning_parser=args.reasoning_parser, pooling=args.pooling,
         )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -879,6 +880,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (vLLM's flag): hermes (<tool_call>{...}</tool_call>, Qwen2.5/3), "
                         "llama3_json, mistral ([TOOL_CALLS]); default: detected from the chat template, else hermes")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "gpt_oss"],
+                   help="keep a reasoning model's thinking apart from its answer (vLLM's flag): qwen3 / deepseek_r1 "
+                        "(<think>...</think>), gpt_oss (Harmony channels); returned as reasoning_content, Responses "
+                        "reasoning items and Messages thinking blocks (default: none, the text stays as written)")
+    s.add_argument("--pooling", default="last", choices=["last", "mean"],
+                   help="how /v1/embeddings pools the last hidden states: the last token's, or the mean over the "
+                        "tokens (L2-normalized either way; default: last)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the checkpoint's own)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

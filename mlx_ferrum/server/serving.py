@@ -11,6 +11,10 @@ never hold) becomes a 400 before any byte of a stream is sent. Then either colle
 final outputs or stream SSE chunks. Leaving a stream early (client disconnect, shutdown)
 closes the engine streams, which aborts their requests and frees their KV blocks.
 
+Chat requests of every API (chat completions here, Responses and Anthropic Messages
+translated into a chat request by their modules) share :meth:`OpenAIServing.prepare_chat`
+and the output processing of :class:`~mlx_ferrum.server.translation.TurnProcessor`.
+
 The shapes follow OpenAI's chat/completions API; the batching of ``n`` choices and the
 ``usage`` fields follow vLLM's ``serving_chat.py`` / ``serving_completion.py``.
 """
@@ -35,20 +39,26 @@ from ..errors import (ChatTemplateError, FerrumError, LoraError, PromptTooLongEr
 from . import protocol as p
 from . import tool_parsers
 from .limits import ServerLimits, flag_of
+from .reasoning import get_reasoning_parser
+from .translation import RESERVED_TEMPLATE_VARIABLES, ToolMode, TurnProcessor
 
 
 class ServingError(Exception):
     """An error answered in OpenAI's shape: ``status`` and ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
+        #: OpenAI's error ``code`` where one names the problem (``context_length_exceeded``); else the status
+        self.code = code
 
     def body(self) -> p.ErrorResponse:
-        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
+        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code or self.status))
 
 
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
@@ -143,17 +153,7 @@ def _constraint(req: p._SamplingFields) -> tuple[Optional[StructuredOutputsParam
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
-@dataclass
-class _ToolMode:
-    """How a chat request uses tools: ``kind`` ``auto`` (parse the model's own syntax),
-    ``required`` or ``named`` (the output is constrained JSON), or None (no tools)."""
-
-    kind: Optional[str] = None
-    name: Optional[str] = None
-    tools: Optional[list] = None
-
-
-def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
+def tool_mode(req: p.ChatCompletionRequest) -> ToolMode:
     """Validate ``tools`` / ``tool_choice``.
 
     Raises:
@@ -164,7 +164,7 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
     if tools in (None, []):
         if choice not in (None, "none", "auto"):
             raise ServingError(400, "tool_choice needs tools: send the functions in 'tools'", param="tool_choice")
-        return _ToolMode()
+        return ToolMode()
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
@@ -176,16 +176,16 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
             raise ServingError(400, f"tool {t['function']['name']!r}: parameters must be a JSON schema object", param="tools")
     names = [t["function"]["name"] for t in tools]
     if choice in (None, "auto"):
-        return _ToolMode("auto", tools=tools)
+        return ToolMode("auto", tools=tools)
     if choice == "none":
-        return _ToolMode()
+        return ToolMode()
     if choice == "required":
-        return _ToolMode("required", tools=tools)
+        return ToolMode("required", tools=tools)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise ServingError(400, f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
-        return _ToolMode("named", name=name, tools=tools)
+        return ToolMode("named", name=name, tools=tools)
     raise ServingError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
@@ -245,11 +245,13 @@ class OpenAIServing:
             :func:`~mlx_ferrum.generation_defaults.generation_defaults`); a field the file
             does not give keeps the OpenAI default, and ``max_tokens`` is capped by the
             room left in the context.
+        reasoning_parser: ``qwen3`` / ``deepseek_r1`` / ``gpt_oss`` (see
+            :mod:`~mlx_ferrum.server.reasoning`); None keeps replies as written.
     """
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None,
                  limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None,
-                 sampling_defaults: Optional[dict] = None):
+                 sampling_defaults: Optional[dict] = None, reasoning_parser: Optional[str] = None):
         self.sampling_defaults = dict(sampling_defaults or {})
         self.async_engine = async_engine
         self.engine = async_engine.engine
@@ -277,6 +279,7 @@ class OpenAIServing:
                 source = None
             tool_call_parser = tool_parsers.detect_parser(source if isinstance(source, str) else None)
         self.tool_parser = tool_parsers.get_parser(tool_call_parser)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser)
 
     # -------------------------------------------------------------- checks
     def check_model(self, name: Optional[str]) -> Optional[str]:
@@ -393,9 +396,11 @@ class OpenAIServing:
             raise ServingError(400, str(e), param=param) from None
 
     def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                      tools: Optional[list] = None) -> list[int]:
+                      tools: Optional[list] = None, template_kwargs: Optional[dict] = None) -> list[int]:
         msgs = [_template_message(m, i) for i, m in enumerate(messages)]
-        kwargs = {"tools": tools} if tools else {}
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_VARIABLES}
+        if tools:
+            kwargs["tools"] = tools
         try:
             return list(self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template, **kwargs
@@ -437,7 +442,8 @@ class OpenAIServing:
             if len(ids) >= self.max_model_len:
                 # the engine would refuse it too, but only after checking every id on the event loop
                 message = context_full_message(len(ids), self.max_model_len, self.engine.model.args.max_position_embeddings)
-                raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt")
+                raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt",
+                                   code="context_length_exceeded")
         bias = self._logit_bias(req.logit_bias)
         return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias, extra))
                 for pi, ids in enumerate(prompts) for j in range(req.n)]
@@ -691,8 +697,9 @@ class OpenAIServing:
         return lp
 
     # ---------------------------------------------------------------- chat
-    async def chat(self, req: p.ChatCompletionRequest):
-        """A :class:`ChatCompletionResponse`, or an async iterator of SSE lines when ``stream``.
+    async def prepare_chat(self, req: p.ChatCompletionRequest) -> "ChatPlan":
+        """Check a chat request and plan its engine requests (template, tools, sampling,
+        grammar); the shared first half of every chat API (chat, Responses, Messages).
 
         Raises:
             ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
@@ -705,33 +712,49 @@ class OpenAIServing:
             raise ServingError(400, f"top_logprobs={req.top_logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        mode = _tool_mode(req)
-        choices = await self._submit(await run_in_threadpool(self._chat_plan, req, mode), lora)
+        mode = tool_mode(req)
+        items = await run_in_threadpool(self._chat_plan, req, mode)
+        constrained = any(params.structured_outputs is not None for _, _, params in items)
+        return ChatPlan(items, mode, lora, constrained, req.model or self.model_names[0])
+
+    def processor(self, plan: "ChatPlan") -> TurnProcessor:
+        """A fresh :class:`TurnProcessor` for one choice of ``plan``."""
+        return TurnProcessor(self.tokenizer, plan.mode, self.tool_parser, self.reasoning_parser, plan.constrained)
+
+    async def chat(self, req: p.ChatCompletionRequest):
+        """A :class:`ChatCompletionResponse`, or an async iterator of SSE lines when ``stream``.
+
+        Raises:
+            ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
+        """
+        plan = await self.prepare_chat(req)
+        mode = plan.mode
+        choices = await self._submit(plan.items, plan.lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        name = req.model or self.model_names[0]
+        name = plan.name
         if req.stream:
-            if mode.kind is not None:
-                return self._chat_tool_stream(req, choices, rid, name, mode)
+            if mode.kind is not None or self.reasoning_parser is not None:
+                return self._chat_tool_stream(req, choices, rid, name, plan)
             return self._chat_stream(req, choices, rid, name)
         async for _ in self._merged(choices):
             pass
         self._raise_failed(choices)
         out_choices = []
         for c in choices:
-            content, calls = self._tool_result(mode, c.last)
-            finish = "tool_calls" if calls and c.last.finish_reason == "stop" else c.last.finish_reason
+            turn = self.processor(plan).finish(c.last)
             out_choices.append(p.ChatCompletionChoice(
-                index=c.index, message=p.ChatResponseMessage(content=content, tool_calls=[k.openai() for k in calls] or None),
-                logprobs=self._chat_logprobs(c.last, 0), finish_reason=finish,
+                index=c.index, message=p.ChatResponseMessage(content=turn.content, reasoning_content=turn.reasoning,
+                                                             tool_calls=[k.openai() for k in turn.calls] or None),
+                logprobs=self._chat_logprobs(c.last, 0), finish_reason=turn.finish_reason,
             ))
         return p.ChatCompletionResponse(id=rid, model=name, usage=self._usage(choices), choices=out_choices)
 
-    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[_ToolMode] = None) -> list:
+    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[ToolMode] = None) -> list:
         """Render and tokenize the messages (with the tools), compile the output
         constraint, then build each choice's parameters (worker thread)."""
-        mode = mode or _ToolMode()
-        ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools), param="messages",
-                              what="the rendered chat prompt")
+        mode = mode or ToolMode()
+        ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools, template_kwargs=req.chat_template_kwargs),
+                              param="messages", what="the rendered chat prompt")
         self._count_prompt_tokens(len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -742,19 +765,6 @@ class OpenAIServing:
         elif mode.kind == "required":  # a non-empty JSON list of calls
             spec, field = StructuredOutputsParams(json=tool_parsers.required_schema(mode.tools, req.parallel_tool_calls)), "tools"
         return self._plan(req, [ids], max_tokens, logprobs, self._constraint_fields(spec, field))
-
-    def _tool_result(self, mode: _ToolMode, out: RequestOutput) -> tuple[Optional[str], list]:
-        """``(content, tool calls)`` of a finished chat choice."""
-        if mode.kind is None:
-            return out.text, []
-        if mode.kind in ("required", "named"):
-            calls = tool_parsers.forced_calls(out.text, mode.name)
-            return (None if calls else out.text), calls
-        # the model's own syntax may use special tokens (Mistral's [TOOL_CALLS]): read them too
-        eos = getattr(self.tokenizer, "eos_token_ids", set())
-        full = self.tokenizer.decode([t for t in out.token_ids if t not in eos], skip_special_tokens=False)
-        content, calls = self.tool_parser.parse(full)
-        return (content if calls else out.text), calls
 
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
@@ -791,37 +801,43 @@ class OpenAIServing:
         finally:
             await merged.aclose()
 
-    async def _chat_tool_stream(self, req, choices, rid, name, mode: _ToolMode) -> AsyncIterator[str]:
-        """A streamed chat completion with tools: content streams until the text may be
-        starting a tool call (auto), and the calls come as ``tool_calls`` deltas once the
-        reply is complete (each call whole, OpenAI's delta shape with ``index``)."""
+    async def _chat_tool_stream(self, req, choices, rid, name, plan: "ChatPlan") -> AsyncIterator[str]:
+        """A streamed chat completion read by a :class:`TurnProcessor` (tools or a
+        reasoning parser): reasoning streams as ``reasoning_content`` deltas, content
+        until the text may be starting a tool call (auto), and the calls come as
+        ``tool_calls`` deltas once the reply is complete (each call whole, OpenAI's delta
+        shape with ``index``)."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = _chunk_head(rid, "chat.completion.chunk", name)
         merged = self._merged(choices)
+        processors = {c.index: self.processor(plan) for c in choices}
+
+        def delta_chunk(index: int, reasoning: str, content: str) -> str:
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+            return head + _json({"index": index, "delta": delta}) + "]}\n\n" if delta else ""
+
         try:
             for c in choices:
                 yield head + _json({"index": c.index, "delta": {"role": "assistant", "content": ""}}) + "]}\n\n"
-            sent = {c.index: 0 for c in choices}
             async for c, out in merged:
+                proc = processors[c.index]
                 if not out.finished:
-                    if mode.kind == "auto":
-                        end = self.tool_parser.content_end(out.text)
-                        if end > sent[c.index]:
-                            delta = out.text[sent[c.index]:end]
-                            sent[c.index] = end
-                            yield head + _json({"index": c.index, "delta": {"content": delta}}) + "]}\n\n"
+                    text = delta_chunk(c.index, *proc.step(out))
+                    if text:
+                        yield text
                     continue
-                content, calls = self._tool_result(mode, out)
-                if calls:
-                    rest = (content or "")[sent[c.index]:] if mode.kind == "auto" else ""
-                    if rest:
-                        yield head + _json({"index": c.index, "delta": {"content": rest}}) + "]}\n\n"
-                    deltas = [k.openai(index=i) for i, k in enumerate(calls)]
+                turn = proc.finish(out)
+                text = delta_chunk(c.index, *proc.rest(turn))
+                if text:
+                    yield text
+                if turn.calls:
+                    deltas = [k.openai(index=i) for i, k in enumerate(turn.calls)]
                     yield head + _json({"index": c.index, "delta": {"tool_calls": deltas}}) + "]}\n\n"
-                elif out.text[sent[c.index]:]:
-                    yield head + _json({"index": c.index, "delta": {"content": out.text[sent[c.index]:]}}) + "]}\n\n"
-                finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-                yield head + _json({"index": c.index, "delta": {}, "finish_reason": finish}) + "]}\n\n"
+                yield head + _json({"index": c.index, "delta": {}, "finish_reason": turn.finish_reason}) + "]}\n\n"
             if include_usage:
                 u = p.ChatCompletionChunk(id=rid, model=name, choices=[], usage=self._usage(choices))
                 yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
@@ -977,6 +993,23 @@ class OpenAIServing:
         if req.tokens:
             self._check_ids(list(req.tokens), param="tokens", what="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+@dataclass
+class ChatPlan:
+    """A checked chat request (of any chat API): its engine requests ``items``
+    (``(prompt index, ids, SamplingParams)``), tool ``mode``, LoRA adapter, whether a
+    grammar constrains the output, and the model ``name`` to report."""
+
+    items: list
+    mode: ToolMode
+    lora: Optional[str]
+    constrained: bool
+    name: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.items[0][1])
 
 
 @dataclass
