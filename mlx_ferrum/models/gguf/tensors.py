@@ -230,9 +230,18 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    values = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols).astype(np.float32)
-    weight, scales, biases = mx.quantize(mx.array(values), group_size=GROUP_SIZE, bits=8)
-    return ConvertedTensor(weight=weight, scales=scales, biases=biases, bits=8, exact=False)
+    values = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, blocks32, GROUP_SIZE).astype(np.float32)
+    # min/max affine: bias = the group's minimum, 255 steps to its maximum, so every
+    # weight is within half a step ((max - min) / 510) of its exact value
+    low, high = values.min(axis=-1), values.max(axis=-1)
+    scales = (high - low) / 255.0
+    safe = np.where(scales > 0, scales, 1.0)
+    q = np.clip(np.rint((values - low[..., None]) / safe[..., None]), 0, 255).astype(np.uint8)
+    converted = _quantized(q, scales.astype(np.float32), low, 8, rows)
+    converted.scales = converted.scales.astype(mx.float32)
+    converted.biases = converted.biases.astype(mx.float32)
+    converted.exact = False
+    return converted
 
 
 __all__ = ["GROUP_SIZE", "SUPPORTED_TYPES", "ConvertedTensor", "check_types_supported", "convert_tensor", "pack_codes"]
