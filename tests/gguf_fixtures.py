@@ -58,7 +58,8 @@ def quantized_bytes(type_name: str, values: np.ndarray, rng: np.random.Generator
 
 
 def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool = True,
-                     architecture: str = "llama", embedding_type: Optional[str] = None) -> dict[str, np.ndarray]:
+                     architecture: str = "llama", embedding_type: Optional[str] = None,
+                     heads: int = HEADS, kv_heads: int = KV_HEADS) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF at ``path`` with every matrix in ``type_name``.
 
     Returns:
@@ -66,6 +67,7 @@ def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool 
     """
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
+    HEADS, KV_HEADS = heads, kv_heads  # noqa: N806 - the module defaults, overridden
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(LAYERS)
@@ -78,6 +80,8 @@ def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool 
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(HIDDEN // HEADS)
     writer.add_vocab_size(VOCAB)
+    writer.add_key_length(HIDDEN // HEADS)
+    writer.add_value_length(HIDDEN // HEADS)
     if tokenizer:
         tokens = byte_tokens() + SPECIALS + [f"<|extra_{i}|>" for i in range(VOCAB - 256 - len(SPECIALS))]
         writer.add_tokenizer_model("gpt2")
@@ -117,7 +121,17 @@ def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool 
             raw = quantized_bytes(kind, values, rng)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[kind])
             reference[name] = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)
+    head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
+        if architecture == "qwen2":  # q/k/v biases
+            for proj, rows in (("attn_q", HEADS * head_dim), ("attn_k", KV_HEADS * head_dim),
+                               ("attn_v", KV_HEADS * head_dim)):
+                bias = rng.normal(0.0, 0.1, rows).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.{proj}.bias", bias)
+                reference[f"blk.{i}.{proj}.bias"] = bias
+        if architecture == "qwen3":  # RMSNorm on q and k
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.8, 1.2, head_dim).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
