@@ -116,3 +116,13 @@ def test_greedy_tokens_match_transformers(transformers_case, layout):
                                    len(prompt), NEW_TOKENS)
     assert tokens == expected, type_name
     assert np.abs(ours - ref_logits[: ours.shape[0]]).max() <= ATOL, type_name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packed_codes_are_what_mlx_dequantizes(bits):
+    from mlx_ferrum.models.gguf.tensors import pack_codes
+
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, (3, 96)).astype(np.uint8)
+    unpacked = mx.dequantize(mx.array(pack_codes(codes, bits)), mx.ones((3, 3)), mx.zeros((3, 3)), group_size=32,
+                             bits=bits)
+    assert np.array_equal(np.array(unpacked), codes)

@@ -11,6 +11,7 @@ Format: llama.cpp's ``docs/gguf.md`` (magic ``GGUF``, versions 2 and 3, little-e
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -134,6 +135,22 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` consecutive strings (a vocabulary: one tight loop, it is most of the header)."""
+        buffer, pos, end, out = self.buffer, self.pos, len(self.buffer), []
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise EOFError(f"a string length at offset {pos} is past the end ({end} bytes)")
+            (n,) = unpack(buffer, pos)
+            pos += 8
+            if pos + n > end:
+                raise EOFError(f"a string of {n} bytes at offset {pos} runs past the end ({end} bytes)")
+            out.append(str(buffer[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
@@ -144,20 +161,22 @@ class _Cursor:
             if item in _NUMPY:
                 dtype = np.dtype(_NUMPY[item])
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+            if item == _STRING:
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {kind}")
 
 
-def _read_one(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+@functools.lru_cache(maxsize=2)
+def _parse_header(path: Path, size: int, mtime_ns: int) -> tuple[dict[str, Any], list, int]:
     """Parse one file's header, metadata and tensor table (the layout of llama.cpp's
-    ``docs/gguf.md``). The ``gguf`` package's ``GGUFReader`` reads the same, but builds
-    one memory-mapped view per vocabulary string (2 s for a 49k-token vocabulary, six
-    times the whole load of the same model from an MLX folder), so the header is
-    parsed here and only the tensor bytes are memory-mapped."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    ``docs/gguf.md``): ``(metadata, [(name, dims, type id, offset)], end of the table)``.
 
-    _check_header(path)
-    size = os.path.getsize(path)
+    The ``gguf`` package's ``GGUFReader`` reads the same, but builds one memory-mapped
+    view per vocabulary string (2 s for a 49k-token vocabulary, six times the whole load
+    of the same model from an MLX folder), so the header is parsed here and only the
+    tensor bytes are memory-mapped. Cached per file version (the model and the tokenizer
+    both read it)."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(data))
     try:
@@ -172,14 +191,25 @@ def _read_one(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
             name = cursor.string()
             dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
             infos.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
-    except (EOFError, ValueError, struct.error, UnicodeDecodeError) as exc:
+    except (EOFError, ValueError, struct.error, UnicodeDecodeError, MemoryError, OverflowError) as exc:
         raise GGUFFormatError(
             f"{path} cannot be parsed as GGUF ({exc}); the file is truncated or damaged: download it again"
         ) from None
+    return metadata, infos, cursor.pos
+
+
+def _read_one(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _check_header(path)
+    stat = os.stat(path)
+    size = stat.st_size
+    metadata, infos, table_end = _parse_header(path.resolve(), size, stat.st_mtime_ns)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0:
         raise GGUFFormatError(f"{path}: general.alignment = {alignment!r} is not a positive integer")
-    start = -(-cursor.pos // alignment) * alignment
+    start = -(-table_end // alignment) * alignment
     tensors = []
     for name, dims, type_id, offset in infos:
         try:

@@ -114,9 +114,12 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
         packed = np.ascontiguousarray(q, dtype=np.uint8)
     elif bits == 4:
         packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
-    else:
-        stream = np.unpackbits(q[..., None], axis=-1, bitorder="little")[..., :bits].reshape(rows, n * bits)
-        packed = np.packbits(stream, axis=-1, bitorder="little")
+    else:  # 3, 5, 6 bits: 8 codes fill ``bits`` bytes exactly; build them in a uint64
+        codes = q.reshape(rows, n // 8, 8).astype(np.uint64)
+        word = np.zeros((rows, n // 8), dtype=np.uint64)
+        for i in range(8):
+            word |= codes[..., i] << np.uint64(bits * i)
+        packed = word[..., None].view(np.uint8)[..., :bits].reshape(rows, n * bits // 8)
     return np.ascontiguousarray(packed).view(np.uint32).reshape(rows, n * bits // 32)
 
 
