@@ -114,7 +114,16 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
         packed = np.ascontiguousarray(q, dtype=np.uint8)
     elif bits == 4:
         packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
-    else:  # 3, 5, 6 bits: 8 codes fill ``bits`` bytes exactly; build them in a uint64
+    elif bits == 5:  # 8 codes c0..c7 fill 5 bytes; uint8 shifts drop the bits that move out
+        c = [q[:, i::8] for i in range(8)]
+        packed = np.stack([
+            c[0] | (c[1] << 5),
+            (c[1] >> 3) | (c[2] << 2) | (c[3] << 7),
+            (c[3] >> 1) | (c[4] << 4),
+            (c[4] >> 4) | (c[5] << 1) | (c[6] << 6),
+            (c[6] >> 2) | (c[7] << 3),
+        ], axis=-1).reshape(rows, n * 5 // 8)
+    else:  # 2, 3, 6 bits: 8 codes fill ``bits`` bytes exactly; build them in a uint64
         codes = q.reshape(rows, n // 8, 8).astype(np.uint64)
         word = np.zeros((rows, n // 8), dtype=np.uint64)
         for i in range(8):
@@ -203,9 +212,16 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
         size = 18 if type_name == "Q4_0" else 20
         b = raw.reshape(rows, blocks32, size)
         d = _f16(b, 0)
-        q = _nibbles_32(b[..., size - 16:])
         bias = -8.0 * d if type_name == "Q4_0" else _f16(b, 2)
-        return _quantized(q, d, bias, 4, rows)
+        # MLX's byte k holds codes 2k (low nibble) and 2k+1; ggml's byte i holds codes i
+        # and i+16: repack the bytes directly, never widening to one code per byte
+        qs = b[..., size - 16:]
+        even, odd = qs[..., 0::2], qs[..., 1::2]
+        packed = np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+        dtype = _scale_dtype(d, bias)
+        return ConvertedTensor(
+            weight=mx.array(np.ascontiguousarray(packed).view(np.uint32).reshape(rows, cols // 8)),
+            scales=mx.array(d.astype(dtype)), biases=mx.array(bias.astype(dtype)), bits=4)
     if type_name in ("Q5_0", "Q5_1"):
         size = 22 if type_name == "Q5_0" else 24
         b = raw.reshape(rows, blocks32, size)
