@@ -387,9 +387,12 @@ class Tokenizer:
         from .models.gguf.reader import read_gguf
         from .models.gguf.tokenizer import build_backend, tokenizer_config
 
+        from .models.gguf.tokenizer import end_token_ids
+
         metadata = read_gguf(path).metadata
         config = tokenizer_config(metadata)
-        return cls(build_backend(metadata), config, {}, config.get("chat_template"), Path(path))
+        generation_config = {"eos_token_id": end_token_ids(metadata)}
+        return cls(build_backend(metadata), config, generation_config, config.get("chat_template"), Path(path))
 
     def _id_of(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._backend.token_to_id(token)

@@ -34,3 +34,11 @@ def test_sentencepiece_merges_follow_scores():
     merges = _sentencepiece_merges(tokens, scores)
     assert merges[:2] == [("b", "c"), ("a", "b")]  # "bc" scores higher than "ab"
     assert set(merges[2:]) == {("a", "bc"), ("ab", "c")}
+
+
+def test_end_of_turn_ids_end_replies():
+    from mlx_ferrum.models.gguf.tokenizer import end_token_ids
+
+    metadata = {"tokenizer.ggml.tokens": ["a"] * 10, "tokenizer.ggml.eos_token_id": 2,
+                "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 4294967295}
+    assert end_token_ids(metadata) == [2, 7]

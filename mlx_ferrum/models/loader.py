@@ -101,6 +101,11 @@ def resolve_model_path(path_or_repo_id: Union[str, os.PathLike], revision: Optio
     if local.is_dir():
         return local
     if local.exists():
+        if name.endswith(".gguf"):
+            raise ModelLoadError(
+                f"{name!r} is a GGUF file, which loads on one process (mf.load / --model) but not in a "
+                "pipeline-parallel run: convert it to an MLX folder for that"
+            )
         raise ModelLoadError(
             f"{name!r} is a file but not a .gguf model; pass the checkpoint folder that holds config.json, "
             "or a .gguf file"

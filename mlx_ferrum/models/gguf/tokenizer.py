@@ -166,4 +166,13 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-__all__ = ["PRE_TOKENIZERS", "build_backend", "tokenizer_config"]
+def end_token_ids(metadata: dict[str, Any]) -> list[int]:
+    """Every id that ends a reply: EOS, and llama.cpp's end-of-turn / end-of-message ids
+    (``tokenizer.ggml.eot_token_id``, ``eom_token_id``; Llama 3's ``<|eot_id|>``), as a
+    ``generation_config.json`` ``eos_token_id`` list."""
+    size = len(metadata.get("tokenizer.ggml.tokens") or [])
+    ids = [_id(metadata, f"tokenizer.ggml.{key}_token_id", size) for key in ("eos", "eot", "eom")]
+    return sorted({i for i in ids if i is not None})
+
+
+__all__ = ["PRE_TOKENIZERS", "build_backend", "end_token_ids", "tokenizer_config"]
