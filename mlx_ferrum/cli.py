@@ -156,8 +156,8 @@ def lora_module(raw: str) -> tuple[str, str]:
 
 def _add_gguf_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-file", default=None, metavar="NAME",
-                   help="the .gguf file to load from the --model folder or hub repo (a .gguf path, or a folder "
-                        "holding one, needs no flag)")
+                   help="the .gguf file to load from the --model folder or hub repo (default: none; a .gguf "
+                        "path, or a folder holding one GGUF model, needs no flag)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
