@@ -126,3 +126,22 @@ def test_packed_codes_are_what_mlx_dequantizes(bits):
     unpacked = mx.dequantize(mx.array(pack_codes(codes, bits)), mx.ones((3, 3)), mx.zeros((3, 3)), group_size=32,
                              bits=bits)
     assert np.array_equal(np.array(unpacked), codes)
+
+
+#: loaded bytes / file tensor bytes: the legacy types store float16 scale + bias per 32
+#: weights (Q4_0: 5 bits against 4.5), the K-quants float32 ones (Q4_K: 6 against 4.5)
+MEMORY_BOUND = {"Q8_0": 1.15, "Q4_0": 1.15, "Q4_1": 1.15, "Q5_0": 1.15, "Q5_1": 1.15, "Q4_K": 1.4, "Q5_K": 1.4}
+
+
+def test_loaded_bytes_stay_near_the_file(case):
+    from mlx.utils import tree_flatten
+
+    from mlx_ferrum.models.gguf.reader import read_gguf
+
+    type_name, folder, _, _ = case
+    if type_name not in MEMORY_BOUND:
+        pytest.skip("float types are stored as they are; requantized types cost 10 bits per weight")
+    model, _, _ = load_model(folder / "model.gguf")  # the stored dtypes, no float32 cast
+    loaded = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    stored = sum(np.asarray(t.data).nbytes for t in read_gguf(folder / "model.gguf").tensors.values())
+    assert loaded <= MEMORY_BOUND[type_name] * stored, (type_name, loaded / stored)
