@@ -170,7 +170,10 @@ def load_config(path: Union[str, os.PathLike]) -> dict:
     """
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise ConfigNotFoundError(f"{file} not found: a checkpoint folder needs a config.json")
+        raise ConfigNotFoundError(
+            f"{file} not found: a checkpoint folder needs a config.json (for a GGUF model, pass the .gguf "
+            "file, or name it with --gguf-file / gguf_file=)"
+        )
     return _read_json(file)
 
 
