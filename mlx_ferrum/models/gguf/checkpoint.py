@@ -10,6 +10,7 @@ exactly as it builds an MLX-quantized folder (:mod:`mlx_ferrum.models.loader`).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -21,6 +22,8 @@ from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
 from .tensors import GROUP_SIZE, check_types_supported, convert_tensor
 
 SUFFIX = ".gguf"
+#: threads converting tensors at load (numpy work on every byte of the file)
+_CONVERT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _model_files(folder: Path) -> list[Path]:
@@ -138,11 +141,14 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     quantization: dict[str, Any] = {}
     weights: dict[str, mx.array] = {}
     inexact: list[str] = []
-    for name, tensor in tensors.items():
+    wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
+    # numpy releases the GIL in its array loops, so tensors convert in parallel; the
+    # results are consumed in file order, so the outcome does not depend on the threads
+    with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
+        results = pool.map(lambda item: convert_tensor(item[1].type_name, item[1].data, item[1].shape), wanted)
+        converted_all = list(results)
+    for (name, tensor), converted in zip(wanted, converted_all):
         target = hf_name(name)
-        if target is None:
-            continue
-        converted = convert_tensor(tensor.type_name, tensor.data, tensor.shape)
         parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
         role = name.split(".")[-2]
         if permute and role in heads and name.endswith((".weight", ".bias")):
