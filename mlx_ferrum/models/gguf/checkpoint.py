@@ -19,7 +19,7 @@ import mlx.core as mx
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
-from .tensors import GROUP_SIZE, check_types_supported, convert_tensor
+from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, to_mlx
 
 SUFFIX = ".gguf"
 #: threads converting tensors at load (numpy work on every byte of the file)
@@ -145,9 +145,10 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     # numpy releases the GIL in its array loops, so tensors convert in parallel; the
     # results are consumed in file order, so the outcome does not depend on the threads
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
-        results = pool.map(lambda item: convert_tensor(item[1].type_name, item[1].data, item[1].shape), wanted)
+        results = pool.map(lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape), wanted)
         converted_all = list(results)
-    for (name, tensor), converted in zip(wanted, converted_all):
+    for (name, tensor), numpy_result in zip(wanted, converted_all):
+        converted = to_mlx(numpy_result)  # MLX arrays made on this thread
         target = hf_name(name)
         parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
         role = name.split(".")[-2]

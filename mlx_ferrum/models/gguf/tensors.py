@@ -28,7 +28,7 @@ layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -65,13 +65,19 @@ class ConvertedTensor:
         scales, biases: ``[rows, cols / 32]`` float16 or float32 (quantized only).
         bits: code width (None for float types).
         exact: whether dequantizing gives the GGUF values bit for bit.
+        bfloat16: ``weight`` holds bfloat16 bits as uint16 (numpy has no bfloat16).
+
+    :func:`convert_numpy` fills it with numpy arrays (safe in worker threads: it makes no
+    MLX array, whose lazy operations belong to the creating thread's stream);
+    :func:`convert_tensor` returns it with MLX arrays.
     """
 
-    weight: mx.array
-    scales: Optional[mx.array] = None
-    biases: Optional[mx.array] = None
+    weight: Any
+    scales: Any = None
+    biases: Any = None
     bits: Optional[int] = None
     exact: bool = True
+    bfloat16: bool = False
 
 
 def check_types_supported(types_by_tensor: dict[str, str]) -> None:
@@ -169,15 +175,30 @@ def _quantized(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
     q = q.reshape(rows, -1)
     dtype = _scale_dtype(scales, biases)
     return ConvertedTensor(
-        weight=mx.array(pack_codes(q, bits)),
-        scales=mx.array(scales.reshape(rows, -1).astype(dtype)),
-        biases=mx.array(biases.reshape(rows, -1).astype(dtype)),
+        weight=pack_codes(q, bits),
+        scales=scales.reshape(rows, -1).astype(dtype),
+        biases=biases.reshape(rows, -1).astype(dtype),
         bits=bits,
     )
 
 
+def to_mlx(converted: ConvertedTensor) -> ConvertedTensor:
+    """The same tensor with MLX arrays (call it on the thread that uses them)."""
+    weight = mx.array(converted.weight)
+    if converted.bfloat16:
+        weight = weight.view(mx.bfloat16)
+    scales = None if converted.scales is None else mx.array(converted.scales)
+    biases = None if converted.biases is None else mx.array(converted.biases)
+    return ConvertedTensor(weight, scales, biases, converted.bits, converted.exact)
+
+
 def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> ConvertedTensor:
-    """Convert one GGUF tensor's bytes to MLX.
+    """Convert one GGUF tensor's bytes to MLX: :func:`to_mlx` of :func:`convert_numpy`."""
+    return to_mlx(convert_numpy(type_name, data, shape))
+
+
+def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> ConvertedTensor:
+    """Convert one GGUF tensor's bytes to MLX's layout, as numpy arrays.
 
     Args:
         type_name: the GGUF type (``"Q4_K"``...), one of :data:`SUPPORTED_TYPES`.
@@ -193,10 +214,10 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
         UnsupportedTensorTypeError: ``type_name`` is not supported.
     """
     if type_name in ("F32", "F16"):
-        return ConvertedTensor(weight=mx.array(np.asarray(data).reshape(shape)))
+        return ConvertedTensor(weight=np.asarray(data).reshape(shape))
     if type_name == "BF16":
         raw = np.ascontiguousarray(data).view(np.uint16).reshape(shape)
-        return ConvertedTensor(weight=mx.array(raw).view(mx.bfloat16))
+        return ConvertedTensor(weight=raw, bfloat16=True)
     if type_name not in SUPPORTED_TYPES:
         check_types_supported({"<tensor>": type_name})
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
@@ -220,8 +241,8 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
         packed = np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
         dtype = _scale_dtype(d, bias)
         return ConvertedTensor(
-            weight=mx.array(np.ascontiguousarray(packed).view(np.uint32).reshape(rows, cols // 8)),
-            scales=mx.array(d.astype(dtype)), biases=mx.array(bias.astype(dtype)), bits=4)
+            weight=np.ascontiguousarray(packed).view(np.uint32).reshape(rows, cols // 8),
+            scales=d.astype(dtype), biases=bias.astype(dtype), bits=4)
     if type_name in ("Q5_0", "Q5_1"):
         size = 22 if type_name == "Q5_0" else 24
         b = raw.reshape(rows, blocks32, size)
@@ -257,10 +278,13 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
     safe = np.where(scales > 0, scales, 1.0)
     q = np.clip(np.rint((values - low[..., None]) / safe[..., None]), 0, 255).astype(np.uint8)
     converted = _quantized(q, scales.astype(np.float32), low, 8, rows)
-    converted.scales = converted.scales.astype(mx.float32)
-    converted.biases = converted.biases.astype(mx.float32)
+    converted.scales = converted.scales.astype(np.float32)
+    converted.biases = converted.biases.astype(np.float32)
     converted.exact = False
     return converted
 
 
-__all__ = ["GROUP_SIZE", "SUPPORTED_TYPES", "ConvertedTensor", "check_types_supported", "convert_tensor", "pack_codes"]
+__all__ = [
+    "GROUP_SIZE", "SUPPORTED_TYPES", "ConvertedTensor", "check_types_supported", "convert_numpy", "convert_tensor",
+    "pack_codes", "to_mlx",
+]
