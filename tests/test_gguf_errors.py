@@ -123,7 +123,7 @@ def test_cli_prints_one_error_line(good, tmp_path, capsys, edit):
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_bad_8bit_requantization_bound_is_documented():
+def test_requantized_q6_k_is_within_half_a_step():
     """The 16-weight-group types are requantized to 8 bits with scale (max-min)/255 and
     bias min: every weight lands within half a step of its exact value."""
     from gguf import GGMLQuantizationType, quants
