@@ -338,6 +338,8 @@ class Tokenizer:
                 malformed (the message names the path).
         """
         folder = Path(path)
+        if folder.is_file() and folder.name.endswith(".gguf"):
+            return cls.from_gguf(folder)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a directory")
         tok_file = folder / "tokenizer.json"
@@ -371,6 +373,26 @@ class Tokenizer:
         elif template is None and legacy_file.is_file():
             template = _select_template((_read_json(legacy_file, required=True) or {}).get("chat_template"), legacy_file)
         return cls(backend, config, generation_config, template, folder)
+
+    @classmethod
+    def from_gguf(cls, path: Union[str, Path]) -> "Tokenizer":
+        """The tokenizer stored in a GGUF file's metadata (see
+        :mod:`mlx_ferrum.models.gguf.tokenizer`), with its chat template.
+
+        Raises:
+            TokenizerError: the file has no tokenizer metadata, or a tokenizer model /
+                pre-tokenizer that is not supported (named).
+            GGUFFormatError: the file is damaged.
+        """
+        from .models.gguf.reader import read_gguf
+        from .models.gguf.tokenizer import build_backend, tokenizer_config
+
+        from .models.gguf.tokenizer import end_token_ids
+
+        metadata = read_gguf(path).metadata
+        config = tokenizer_config(metadata)
+        generation_config = {"eos_token_id": end_token_ids(metadata)}
+        return cls(build_backend(metadata), config, generation_config, config.get("chat_template"), Path(path))
 
     def _id_of(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._backend.token_to_id(token)
