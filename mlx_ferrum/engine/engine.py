@@ -1058,6 +1058,10 @@ class Engine:
             if s.grammar is not None and tok not in s.stop_ids:
                 s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
                 grammar_done = s.grammar.done
+            if s.grammar is not None:
+                # in its error state the grammar's mask allows only EOS: that is a failure,
+                # never a finished reply
+                s.grammar.check()
             text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
             if grammar_done and reason == "length" and not out_of_room:
                 reason = "stop"  # the constraint is complete: nothing may follow

@@ -94,6 +94,16 @@ class StructuredOutputsParams:
     def __hash__(self):
         return hash(self.key())
 
+    @property
+    def kind(self) -> str:
+        """The constraint's kind as errors name it: json_schema, json_object, regex, grammar or choice."""
+        if self.json is not None:
+            return "json_schema"
+        for name in ("json_object", "regex", "grammar", "choice"):
+            if getattr(self, name):
+                return name
+        return "none"
+
     def key(self) -> str:
         """A string naming the constraint exactly (the compile cache's key)."""
         value = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
@@ -129,6 +139,18 @@ class StructuredOutputsParams:
         return llguidance.grammar_from("grammar", self.grammar)
 
 
+def _short(error: Optional[str]) -> str:
+    """The library's error without its state dump (its first line)."""
+    return (error or "").strip().splitlines()[0] if (error or "").strip() else ""
+
+
+def _failed_message(kind: str, error: Optional[str]) -> str:
+    reason = _short(error)
+    if reason == "NoExtensionBias":  # llguidance: no token can extend the output to a complete one
+        reason = "it allows no complete output (e.g. a schema that only refers to itself)"
+    return f"the {kind} constraint cannot be used: {reason or 'the grammar library reported an error'}"
+
+
 def bitmask_words(vocab_size: int) -> int:
     """32-bit words per row of a packed bitmask over ``vocab_size`` tokens."""
     return (vocab_size + 31) // 32
@@ -160,8 +182,9 @@ class GrammarMatcher:
     mask with :meth:`GrammarBackend.fill_bitmask` before each sample.
     """
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, kind: str = "grammar"):
         self.matcher = matcher
+        self.kind = kind
         self.num_tokens = 0
 
     def accept(self, token_id: int) -> None:
@@ -173,8 +196,18 @@ class GrammarMatcher:
         """
         if not self.matcher.consume_token(int(token_id)):
             raise StructuredOutputError(
-                f"the grammar rejected token {token_id}: {self.matcher.get_error() or 'not allowed here'}")
+                f"the {self.kind} constraint rejected token {token_id}: {_short(self.matcher.get_error()) or 'not allowed here'}")
         self.num_tokens += 1
+
+    def check(self) -> None:
+        """Raise when the grammar is in its error state: an error is never a finished output.
+
+        Raises:
+            StructuredOutputError: naming the constraint and the library's reason (a work
+                limit ran out, or the grammar allows no complete output from here).
+        """
+        if self.matcher.is_error():
+            raise StructuredOutputError(_failed_message(self.kind, self.matcher.get_error()))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (a rejected speculative draft)."""
@@ -225,8 +258,9 @@ class GrammarMatcher:
 
     @property
     def done(self) -> bool:
-        """True when the grammar allows no further token (the output is complete)."""
-        return self.matcher.is_stopped()
+        """True when the grammar allows no further token because the output is complete
+        (llguidance's stopped state is also its error state: an error is not done)."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     @property
     def error(self) -> Optional[str]:
@@ -267,7 +301,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self._executor = llguidance.LLExecutor()
-        self._limits = llguidance.LLParserLimits()
+        # verbose errors would put the parser's internal state into a client's 400
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -292,17 +327,27 @@ class GrammarBackend:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-                return GrammarMatcher(cached.deep_copy())
+                return GrammarMatcher(cached.deep_copy(), spec.kind)
         grammar = spec.llguidance_grammar()
         # compiling drops the GIL; the parser limits bound its work
         m = self._llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
         if m.is_error():
-            raise StructuredOutputError(f"the constraint cannot be compiled: {m.get_error()}")
+            raise StructuredOutputError(_failed_message(spec.kind, m.get_error()))
+        # The first mask is computed here, once per distinct constraint: llguidance builds
+        # the lexer lazily, so a grammar with no finite output (a schema that is only
+        # {"$ref": "#"}) or one over the work limits shows its error state only then; and a
+        # copy taken before that first mask does not share the lexer work, so it may fail
+        # where the original passed. Caching the state after the first mask makes every
+        # request of a constraint, fresh or cached, start from the same state.
+        probe = np.empty(self.words, dtype=np.int32)
+        m.unsafe_compute_mask_ptr(probe.ctypes.data, self.words * 4)
+        if m.is_error():
+            raise StructuredOutputError(_failed_message(spec.kind, m.get_error()))
         with self._lock:
             self._cache[key] = m.deep_copy()
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return GrammarMatcher(m)
+        return GrammarMatcher(m, spec.kind)
 
     def fill_bitmask(self, matchers: Sequence[Optional[GrammarMatcher]]) -> np.ndarray:
         """The packed ``[B, ceil(V / 32)]`` int32 mask of a batch: row ``b`` from
