@@ -160,3 +160,45 @@ def smol_server(smollm2_path, tmp_path_factory):
 
 def test_completion_text_is_the_decode_past_the_prompt_byte_level(smol_server, smollm2_path):
     _check_completion_text(smol_server, smollm2_path, "Once upon")
+
+
+# ------------------------------------------------------------------ fields that cannot take effect
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "tool", "content": "sunny"}, "messages.1.tool_call_id"),
+    ({"role": "tool", "tool_call_id": "", "content": "sunny"}, "messages.1.tool_call_id"),
+    ({"role": "tool", "tool_call_id": "call_1"}, "messages.1.content"),
+    ({"role": "tool", "tool_call_id": "call_1", "content": None}, "messages.1.content"),
+])
+def test_a_tool_message_without_its_call_id_or_content_is_a_400(server, message, param):
+    """OpenAI answers these with a 400: the result cannot be tied to its call."""
+    messages = [{"role": "user", "content": "Lily"}, message]
+    r = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = _post(server, "/v1/chat/completions", {"messages": [messages[0], {**message, "tool_call_id": "call_1",
+                                                                          "content": "sunny"}], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_max_tokens_beyond_the_remaining_context_is_a_400(server):
+    """vLLM's policy: the limit the client asked for cannot be met, so it is refused; the
+    default (field left out) is the rest of the context."""
+    context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "Lily"}).json()["tokens"]
+    room = context - len(prompt_ids)
+    for path, body, name in (
+            ("/v1/completions", {"prompt": "Lily", "max_tokens": room + 1}, "max_tokens"),
+            ("/v1/completions", {"prompt": "Lily", "max_tokens": 10**6, "stream": True}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Lily"}], "max_completion_tokens": context},
+             "max_completion_tokens")):
+        r = _post(server, path, {"temperature": 0, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == name and str(context) in err["message"], err
+    # exactly the room left, and the default, run to the end of the context
+    for extra in ({"max_tokens": room}, {}):
+        r = _post(server, "/v1/completions", {"prompt": "Lily", "temperature": 0, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == room and r.json()["choices"][0]["finish_reason"] == "length"

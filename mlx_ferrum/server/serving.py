@@ -193,9 +193,23 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
 def _template_message(m: p.ChatMessage, i: int) -> dict:
     """A message as chat templates read it: ``tool_calls`` with their arguments as dicts
     (vLLM does the same: templates write them with ``tojson``), ``tool_call_id`` and
-    ``name`` of tool results kept."""
-    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
+    ``name`` of tool results kept.
+
+    Raises:
+        ServingError: 400 for a ``tool`` message without ``tool_call_id`` (a string) or
+            without ``content``, as OpenAI answers: the template could not tie the
+            result to its call.
+    """
     extra = m.model_extra or {}
+    if m.role == "tool":
+        call_id = extra.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ServingError(400, "a message with role 'tool' needs 'tool_call_id', the id of the assistant tool "
+                               "call it answers", param=f"messages.{i}.tool_call_id")
+        if m.content is None:
+            raise ServingError(400, "a message with role 'tool' needs 'content', the tool's result",
+                               param=f"messages.{i}.content")
+    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
     calls = extra.get("tool_calls")
     if calls:
         out = []
@@ -454,6 +468,14 @@ class OpenAIServing:
                 logit_bias: Optional[dict[int, float]] = None, extra: Optional[dict] = None) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
+        elif prompt_len + max_tokens > self.max_model_len:
+            # vLLM's policy: a limit the context cannot hold is refused, not silently cut
+            # (leave the field out for the rest of the context)
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise ServingError(
+                400, f"{name}={max_tokens} with a prompt of {prompt_len} tokens needs {prompt_len + max_tokens} tokens, "
+                f"over the context of {self.max_model_len}: ask for at most {self.max_model_len - prompt_len}, or leave "
+                f"{name} unset for the rest of the context", param=name)
         seed = req.seed
         if seed is not None and choice:
             seed = (seed + choice) % 2**64  # n choices of one seeded request differ, reproducibly
