@@ -72,6 +72,7 @@ def test_a_huge_repetition_behaves_the_same_fresh_and_cached(server):
     """A regex whose first request compiles it and whose later ones copy the compiled
     grammar: every answer is the same (status, text and finish reason)."""
     body = {"prompt": "Lily", "max_tokens": 6, "temperature": 0, "guided_regex": "a{1000000}"}
+    cut_before = server.metrics()["mlx_ferrum:structured_output_length_finishes_total"]
     answers = []
     for _ in range(3):
         r = _post(server, "/v1/completions", body)
@@ -85,6 +86,8 @@ def test_a_huge_repetition_behaves_the_same_fresh_and_cached(server):
             assert c["text"] and set(c["text"]) == {"a"}, payload  # a finished empty reply is never a success
         else:
             assert status == 400 and payload == first[1]
+    if first[0] == 200:  # each reply was cut by max_tokens before its grammar was complete: counted
+        assert server.metrics()["mlx_ferrum:structured_output_length_finishes_total"] - cut_before == 3
 
 
 # ------------------------------------------------------------------ completions text

@@ -274,6 +274,9 @@ class Engine:
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
         self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
+        #: constrained requests (structured output) that ended at max_tokens or the context
+        #: before their grammar was complete: the output does not parse
+        self.num_structured_length = 0
         self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
@@ -425,6 +428,8 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if reason == "length" and seq.grammar is not None and not seq.grammar.done:
+            self.num_structured_length += 1
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
         self._release_lora_of(seq)
@@ -1350,6 +1355,7 @@ class Engine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
                 "generated_tokens": self.num_generated_tokens,
+                "structured_length_finishes": self.num_structured_length,
                 "ttft_mean": ttft.mean,
                 "ttft_p50": ttft.percentile(0.5),
                 "ttft_p90": ttft.percentile(0.9),

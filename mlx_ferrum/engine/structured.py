@@ -50,6 +50,39 @@ __all__ = [
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+#: Bounds of a ``json_object`` reply (any JSON object), where the value could not mean
+#: more: a string holds at most this many characters (an escape counts as one) ...
+JSON_OBJECT_MAX_STRING = 1024
+#: ... objects and arrays nest at most this deep (the reply's own object is depth 1) ...
+JSON_OBJECT_MAX_DEPTH = 16
+#: ... and a number has at most 17 digits before and 17 after its point and 3 in its
+#: exponent: 17 significant digits are all a float64 carries, so a sampled run of digits
+#: (0.0080000000000000000200000...) can never keep the reply from closing.
+JSON_NUMBER_REGEX = r"-?(0|[1-9][0-9]{0,16})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?"
+
+
+def json_object_grammar(max_string: int = JSON_OBJECT_MAX_STRING, max_depth: int = JSON_OBJECT_MAX_DEPTH) -> str:
+    """A Lark grammar (llguidance's dialect) of one compact JSON object (RFC 8259, no free
+    whitespace) within the bounds above: each nesting level is its own rule, so depth is
+    bounded by construction; strings and numbers are bounded lexemes.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+    if max_string < 1 or max_depth < 1:
+        raise ValueError("json_object bounds must be positive")
+    lines = ["start: object1",
+             r'STRING: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,%d}"/' % max_string,
+             f"NUMBER: /{JSON_NUMBER_REGEX}/"]
+    for k in range(1, max_depth + 1):
+        deeper = f" | object{k + 1} | array{k + 1}" if k < max_depth else ""
+        lines += [f'object{k}: "{{" (pair{k} ("," pair{k})*)? "}}"',
+                  f'pair{k}: STRING ":" value{k}',
+                  f'array{k}: "[" (value{k} ("," value{k})*)? "]"',
+                  f'value{k}: STRING | NUMBER | "true" | "false" | "null"{deeper}']
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One request's output constraint; exactly one field is set.
@@ -57,7 +90,10 @@ class StructuredOutputsParams:
     Fields:
         json: a JSON schema (a dict, or its JSON text): the output is one JSON value
             that validates against it.
-        json_object: True: the output is any JSON object.
+        json_object: True: the output is any JSON object, within documented bounds:
+            strings of at most ``JSON_OBJECT_MAX_STRING`` characters, nesting at most
+            ``JSON_OBJECT_MAX_DEPTH`` deep, numbers of at most 17 digits each side of the
+            point (:func:`json_object_grammar`).
         regex: the output matches this regular expression (Rust ``regex`` syntax).
         grammar: a Lark grammar in llguidance's dialect (or a GBNF grammar); its start
             rule is ``start`` (Lark) / ``root`` (GBNF).
@@ -117,8 +153,10 @@ class StructuredOutputsParams:
         """
         import llguidance
 
-        if self.json is not None or self.json_object:
-            schema: Any = {"type": "object"} if self.json_object else self.json
+        if self.json_object:
+            return llguidance.grammar_from("lark", json_object_grammar())
+        if self.json is not None:
+            schema: Any = self.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
