@@ -388,8 +388,9 @@ class Engine:
         A request is refused at :meth:`add_request` when its prompt alone reaches this
         (it could never produce a token), and ends with ``finish_reason="length"`` and
         its output so far when it reaches it while generating, as when the context is
-        full. ``max_tokens`` beyond it is not refused, since clients commonly ask for
-        the rest of the context. Requests that fit alone but not together are preempted
+        full. ``max_tokens`` beyond it is not refused here, since clients of the Python
+        API commonly ask for the rest of the context (the OpenAI server refuses it with a
+        400, as vLLM does: leaving the field out there asks for the rest). Requests that fit alone but not together are preempted
         and recomputed instead, so a neighbour never ends early for lack of blocks.
         """
         cap = self.runner.kv_capacity()
