@@ -19,7 +19,11 @@ microseconds at 100K+ vocabularies. outlines-core compiles a schema's whole rege
 token index up front (seconds for large schemas); xgrammar's wheel brings torch along.
 
 Errors: a constraint the library cannot compile raises :class:`StructuredOutputError`
-(a :class:`~mlx_ferrum.errors.SamplingParamsError`, so the server answers 400 naming it).
+(a :class:`~mlx_ferrum.errors.SamplingParamsError`, so the server answers 400 naming it),
+and so does one whose first mask leaves the grammar in its error state (no finite output,
+a work limit spent): the first mask is computed at compile time, before the grammar is
+cached. llguidance's "stopped" state covers both a complete output and an error; an error
+met while generating ends the request with ``finish_reason="error"``, never ``"stop"``.
 """
 
 from __future__ import annotations
