@@ -699,8 +699,11 @@ def _runtime_config(overrides: dict) -> RuntimeConfig:
         return RuntimeConfig(**overrides)
     except ConfigurationError as e:
         message = str(e)
-        for name in overrides:
+        for name in [*overrides, "pipeline_parallel_size", "tensor_parallel_size"]:
             message = message.replace(f"RuntimeConfig.{name}", "--" + name.replace("_", "-"))
+        # a flag the message asks for by its field name
+        message = message.replace("pipeline_parallel_size (FERRUM_PIPELINE_PARALLEL_SIZE)",
+                                  "--pipeline-parallel-size (FERRUM_PIPELINE_PARALLEL_SIZE)")
         raise ConfigurationError(message) from None
 
 
