@@ -178,7 +178,7 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict
                 left -= 1
     t_end = time.perf_counter()
     res = summarize([times[r] for r in ids], t0, t_end, len(prompts[0]), max_tokens)
-    res["kv_allocated_bytes"] = engine.executor.kv_allocated_bytes()
+    res["kv_allocated_bytes"] = engine.runner.kv_allocated_bytes()
     return res, [tokens[r] for r in ids]
 
 

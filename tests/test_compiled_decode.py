@@ -385,8 +385,8 @@ def test_prefix_cache_hit_leaving_one_token_equals_eager(family_model):
     for compiled in (False, True):
         cfg = paged(compiled, max_num_seqs=1, prefix_cache=True)  # one at a time: each later one hits the cache
         eng = mf.Engine(model, None, cfg)
-        calls = count_compiled_calls(eng.executor) if compiled else None
-        ex, one_token_prefills = eng.executor, []
+        calls = count_compiled_calls(eng.runner) if compiled else None
+        ex, one_token_prefills = eng.runner, []
         forward = ex.forward
 
         def spy(work, prev=None):
@@ -422,9 +422,9 @@ def engine_requests(n, seed, vocab, stop_ids=()):
 def run_engine(model, compiled, async_scheduling, reqs, **kw):
     cfg = paged(compiled, block_size=8, max_num_seqs=16, async_scheduling=async_scheduling, **kw)
     eng = mf.Engine(model, None, cfg)
-    calls = count_compiled_calls(eng.executor) if compiled else None
+    calls = count_compiled_calls(eng.runner) if compiled else None
     outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
-    mgr = eng.executor.manager
+    mgr = eng.runner.manager
     assert mgr.num_in_use == 0 and not mgr.seqs, "blocks were left behind"
     return [(o.token_ids, o.finish_reason) for o in outs], eng, calls
 
@@ -446,7 +446,7 @@ def test_engine_tokens_equal_eager(family_model, family, async_scheduling):
     compiled, eng, calls = run_engine(model, True, async_scheduling, reqs)
     assert compiled == eager
     assert {reason for _, reason in eager} == {"stop", "length"}, "the requests do not exercise both finishes"
-    assert eng.executor.compiled_decode and calls[0] > 0
+    assert eng.runner.compiled_decode and calls[0] > 0
 
 
 def test_engine_with_preemption_and_prefix_cache_equals_eager(family_model):
@@ -460,7 +460,7 @@ def test_engine_with_preemption_and_prefix_cache_equals_eager(family_model):
     compiled, eng_c, calls = run_engine(model, True, True, reqs, **kw)
     assert eng_c.stats()["num_preemptions"] > 0, "the pool was never under pressure: the test is too easy"
     assert compiled == eager
-    assert eng_c.executor.compiled_decode and calls[0] > 0
+    assert eng_c.runner.compiled_decode and calls[0] > 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -481,9 +481,9 @@ def test_speculative_engine_equals_eager(family_model, proposer):
         prop = DraftModelProposer(model, cfg, vocab) if proposer == "draft" else None
         eng = mf.Engine(model, None, cfg, proposer=prop)
         if compiled:
-            calls["target"] = count_compiled_calls(eng.executor)
+            calls["target"] = count_compiled_calls(eng.runner)
             if prop is not None:
-                calls["draft"] = count_compiled_calls(prop.executor)
+                calls["draft"] = count_compiled_calls(prop.runner)
         outs[compiled] = [(o.token_ids, o.finish_reason) for o in eng.generate([p for p, _ in reqs],
                                                                             [sp for _, sp in reqs])]
         assert eng.stats()["spec_proposed_tokens"] > 0, "nothing was speculated: the test is too easy"
@@ -548,7 +548,7 @@ def test_engine_over_a_host_reading_model_falls_back_and_equals_eager(async_sche
     eager, _, _ = run_engine(model, False, async_scheduling, reqs)
     fallen_back, eng, calls = run_engine(model, True, async_scheduling, reqs)
     assert fallen_back == eager
-    assert not eng.executor.compiled_decode and calls[0] == 1
+    assert not eng.runner.compiled_decode and calls[0] == 1
     assert len([r for r in caplog.records if r.name == LOGGER]) == 1
 
 

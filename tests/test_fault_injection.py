@@ -91,11 +91,11 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
     eng = Engine(model, None, config(layout))
     # the contiguous layout calls the model once per prompt-length group, so more often
     faulty = FaultyModel(model, rng, period=83 if layout == "paged" else 307)
-    eng.executor.model = faulty
+    eng.runner.model = faulty
     counts = {"executor_before": 0, "executor_after": 0, "sampler": 0, "detokenizer": 0, "aborts": 0}
 
     # the engine's executor entry is forward() (the pipelined step queues it lazily)
-    real_forward = eng.executor.forward
+    real_forward = eng.runner.forward
     calls = {"run": 0, "sample": 0}
 
     def forward(work, prev_tokens=None):
@@ -109,7 +109,7 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
             raise InjectedFault("injected executor fault after the pass")
         return out
 
-    eng.executor.forward = forward
+    eng.runner.forward = forward
 
     poisoned = set()
     real_sample = engine_module.sample
@@ -180,7 +180,7 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
     assert reasons.count("length") > NUM_REQUESTS // 2, "faults hit too many requests for the check to mean much"
 
     # nothing leaked, invariants hold
-    ex = eng.executor
+    ex = eng.runner
     if layout == "paged":
         ex.manager.check_invariants()
         assert not ex.manager.seqs and ex.manager.num_free == ex.manager.num_blocks
@@ -228,7 +228,7 @@ def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, mo
     cap = eng.max_sequence_tokens()
     assert cap == POOL_BLOCKS * POOL_BLOCK_SIZE
     faulty = FaultyModel(model, rng, period=41)
-    eng.executor.model = faulty
+    eng.runner.model = faulty
     real_sample = engine_module.sample
     poisoned, calls = set(), {"sample": 0}
     fault_lock = threading.Lock()
@@ -343,7 +343,7 @@ def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, mo
     assert reasons.count("length") >= len(reasons) // 5, reasons
     assert any(len(prompt) + sp.max_tokens > cap for reqs in per_thread for prompt, sp in reqs)
 
-    mgr = eng.executor.manager
+    mgr = eng.runner.manager
     mgr.check_invariants()
     assert not mgr.seqs and mgr.num_free == mgr.num_blocks
     assert not eng._seqs and not eng._boxes

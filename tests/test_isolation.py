@@ -46,7 +46,7 @@ def solo(model, prompt, params, layout="paged"):
 
 def assert_clean(eng):
     """No sequence, cache or block is left behind."""
-    ex = eng.executor
+    ex = eng.runner
     if ex.layout == "paged":
         ex.manager.check_invariants()
         assert not ex.manager.seqs and ex.manager.num_free == ex.manager.num_blocks
@@ -115,7 +115,7 @@ def test_malformed_prompts_get_a_request_error(model, prompt):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_runtime_error_in_the_model_fails_that_step_only_and_the_engine_goes_on(model, layout):
     eng = Engine(model, None, config(layout))
-    eng.executor.model = FaultyModel(model, lambda n: RuntimeError("transient") if n == 3 else None)
+    eng.runner.model = FaultyModel(model, lambda n: RuntimeError("transient") if n == 3 else None)
     ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
     done = run_all(eng)
     failed = [r for r in ids if done[r].finish_reason == "error"]
@@ -128,7 +128,7 @@ def test_a_runtime_error_in_the_model_fails_that_step_only_and_the_engine_goes_o
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_keyboard_interrupt_in_a_forward_pass_rolls_back_before_it_propagates(model, layout):
     eng = Engine(model, None, config(layout))
-    eng.executor.model = FaultyModel(model, lambda n: KeyboardInterrupt() if n in (2, 5) else None)
+    eng.runner.model = FaultyModel(model, lambda n: KeyboardInterrupt() if n in (2, 5) else None)
     ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
     interrupts = 0
     done = {}
@@ -139,8 +139,8 @@ def test_keyboard_interrupt_in_a_forward_pass_rolls_back_before_it_propagates(mo
                     done[o.request_id] = o
         except KeyboardInterrupt:
             interrupts += 1
-            if eng.executor.layout == "paged":
-                eng.executor.manager.check_invariants()
+            if eng.runner.layout == "paged":
+                eng.runner.manager.check_invariants()
     assert interrupts == 2
     for rid, p in zip(ids, PROMPTS):
         assert done[rid].token_ids == solo(model, p, GREEDY).token_ids, "a token was computed on a corrupt cache"
@@ -228,7 +228,7 @@ def test_an_abort_between_schedule_and_run_frees_the_cache_after_the_step(model,
     eng = Engine(model, None, config(layout))
     ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
     # the engine's executor entry is forward() (the pipelined step queues it lazily)
-    real_forward = eng.executor.forward
+    real_forward = eng.runner.forward
     victims = iter([ids[0], ids[2]])
     fired = []
 
@@ -241,12 +241,12 @@ def test_an_abort_between_schedule_and_run_frees_the_cache_after_the_step(model,
             fired.append(victim)
         return real_forward(work, prev_tokens)
 
-    eng.executor.forward = forward
+    eng.runner.forward = forward
     done = run_all(eng)
     assert fired == [ids[0], ids[2]]
     for v in fired:
         assert done[v].finish_reason == "abort"
-        assert not eng.executor.has_cache(v), "the aborted request's cache was re-created"
+        assert not eng.runner.has_cache(v), "the aborted request's cache was re-created"
     for rid, p in zip(ids, PROMPTS):
         if rid not in fired:
             assert done[rid].token_ids == solo(model, p, GREEDY).token_ids

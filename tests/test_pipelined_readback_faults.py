@@ -89,7 +89,7 @@ def solo(model, prompt, params):
 
 def assert_clean(eng):
     """No sequence, cache, block or pending output is left behind."""
-    ex = eng.executor
+    ex = eng.runner
     if ex.layout == "paged":
         ex.manager.check_invariants()
         assert not ex.manager.seqs, "a KV cache was left behind"
@@ -102,7 +102,7 @@ def assert_clean(eng):
 
 
 def holds_kv(eng, rid):
-    return eng.executor.has_cache(rid)
+    return eng.runner.has_cache(rid)
 
 
 class _Unreadable:
@@ -334,7 +334,7 @@ def test_ctrl_c_during_read_back_ends_the_steps_requests_then_propagates(model, 
             for rid in fault.step_requests:
                 assert rid not in eng._seqs and not holds_kv(eng, rid)
             if layout == "paged":
-                eng.executor.manager.check_invariants()
+                eng.runner.manager.check_invariants()
             if pipelined:
                 assert eng._inflight is not None, "the step queued behind the read-back was lost"
                 assert [s.request_id for s, _, _ in eng._inflight.rows] == fault.queued_behind
@@ -478,7 +478,7 @@ def test_evaluation_failure_ends_every_request_of_that_step_and_no_other(model, 
                                      max_num_batched_tokens=16))
     if fault_in == "model":
         faulty = FailsDuringEvaluation(model)
-        eng.executor.model = faulty
+        eng.runner.model = faulty
     else:
         faulty = FailingSampler(engine_module.sample)
         monkeypatch.setattr(engine_module, "sample", faulty)
@@ -502,7 +502,9 @@ def test_evaluation_failure_ends_every_request_of_that_step_and_no_other(model, 
     assert faulty.fired == 1
     print(f"\nthe failure reached the engine in {places[0]}")
     if fault_in == "sampler" and not pipelined:
-        assert places[0] == "_resolve", f"the failure did not surface at the read-back: {places}"
+        # the evaluation runs on MLX's worker while the step is still being launched: on a
+        # loaded machine it can fail before the launch's last MLX call, which then raises
+        assert places[0] in ("_resolve", "_launch"), f"the failure did not surface in the step: {places}"
     for rid, prompt, params in ((a, PROMPTS[0], GREEDY), (b, PROMPTS[1], SEEDED), (d, PROMPTS[4], d_params),
                                 (extra["L"], LONG_PROMPT, GREEDY)):
         out = finals[rid]
@@ -641,7 +643,7 @@ def test_ctrl_c_while_async_eval_waits_ends_that_steps_sampled_requests(model, l
             for rid in state["fired"]:
                 assert rid not in eng._seqs and not holds_kv(eng, rid)
             if layout == "paged":
-                eng.executor.manager.check_invariants()
+                eng.runner.manager.check_invariants()
             continue
         for o in outs:
             if o.finished:

@@ -53,12 +53,12 @@ def run_all(model, cfg, reqs):
 
 
 def assert_no_leak(eng):
-    mgr = eng.executor.manager
+    mgr = eng.runner.manager
     if mgr is not None:
         assert mgr.num_in_use == 0, "blocks were left behind"
         assert not mgr.seqs
     else:
-        assert not eng.executor._contiguous, "contiguous caches were left behind"
+        assert not eng.runner._contiguous, "contiguous caches were left behind"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -337,7 +337,7 @@ def test_generated_blocks_are_hashed_once_read_back(model):
     # the KV holds the prompt and every output but the last: 24 tokens, 3 full blocks of 8;
     # token 23 (output 16) was stored while it was still being sampled
     full = prompt + out.token_ids[:-1]
-    mgr = eng.executor.manager
+    mgr = eng.runner.manager
     assert mgr.longest_cached_prefix(full + [1]) == 24
 
 
@@ -359,7 +359,7 @@ def test_preemption_and_aborts_inside_the_lag_in_every_mode(model):
             steps += 1
             if steps == 6:
                 eng.abort(ids[3])
-            eng.executor.manager.check_invariants()
+            eng.runner.manager.check_invariants()
         assert eng.stats()["num_preemptions"] > 0
         results.append([done[i] for i in ids])
         assert_no_leak(eng)

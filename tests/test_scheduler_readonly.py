@@ -99,7 +99,7 @@ def test_scheduler_never_writes_the_manager(model, prefix_cache, speculative):
     engine = Engine(model, None, config(max_num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64,
                                         prefill_chunk_size=16, prefix_cache=prefix_cache, speculative=speculative,
                                         speculative_disable_by_batch_size=1 << 20))
-    manager = engine.executor.manager
+    manager = engine.runner.manager
     engine.scheduler.manager = ReadOnly(manager, MANAGER_WRITES)
     # warm the prefix cache with the shared prefixes, then the mixed workload
     engine.generate([p + [1] for p in prefixes], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -128,7 +128,7 @@ def test_prefix_cache_on_and_off_give_solo_tokens_under_preemption(model):
         if prefix_cache:
             assert any(final[rid].metrics.num_cached_tokens > 0 for rid in ids)
         outputs[prefix_cache] = {i: final[rid].token_ids for i, rid in enumerate(ids) if rid not in aborted}
-        manager = engine.executor.manager
+        manager = engine.runner.manager
         manager.check_invariants()
         assert manager.num_free == manager.num_blocks and not manager.seqs
     assert outputs[True] == outputs[False]

@@ -198,11 +198,11 @@ def test_greedy_batched_output_is_identical_with_and_without_speculation(model, 
     if proposer == "ngram":
         assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
     if layout == "paged":
-        mgr = eng.executor.manager
+        mgr = eng.runner.manager
         mgr.check_invariants()
         assert mgr.num_free == mgr.num_blocks and not mgr.seqs
         if prop is not None:
-            dm = prop.executor.manager
+            dm = prop.runner.manager
             dm.check_invariants()
             assert dm.num_free == dm.num_blocks and not dm.seqs
 
@@ -245,13 +245,13 @@ def test_no_block_leaks_after_many_rejections_under_kv_pressure(model, random_dr
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o
-        eng.executor.manager.check_invariants()
-        prop.executor.manager.check_invariants()
+        eng.runner.manager.check_invariants()
+        prop.runner.manager.check_invariants()
     st = eng.stats()
     assert st["spec_proposed_tokens"] - st["spec_accepted_tokens"] > 200, "too few rejections"
     assert st["num_preemptions"] > 0, "the pool was never under pressure"
     assert all(done[i].finish_reason == "length" for i in ids)
-    for m in (eng.executor.manager, prop.executor.manager):
+    for m in (eng.runner.manager, prop.runner.manager):
         assert m.num_free == m.num_blocks and not m.seqs
 
 
@@ -411,10 +411,10 @@ def test_prefix_cache_with_speculation_keeps_outputs_and_blocks_sound(model):
     for _ in range(2):  # the second round hits blocks written (and partly rolled back) by the first
         outs = eng.generate(prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-        eng.executor.manager.check_invariants()
+        eng.runner.manager.check_invariants()
     st = eng.stats()
     assert st["spec_accepted_tokens"] < st["spec_proposed_tokens"] and st["prefix_cache_hit_rate"] > 0
-    assert not eng.executor.manager.seqs
+    assert not eng.runner.manager.seqs
 
 
 @pytest.mark.slow

@@ -287,13 +287,13 @@ def _overlap_requests():
 def _spy_forward(eng) -> list:
     """Record, per forward pass of ``eng``, whether it was queued while the previous step's
     tokens were still on the device (the executor takes them as ``prev``)."""
-    forward, calls = eng.executor.forward, []
+    forward, calls = eng.runner.forward, []
 
     def spy(work, prev):
         calls.append(prev is not None)
         return forward(work, prev)
 
-    eng.executor.forward = spy
+    eng.runner.forward = spy
     return calls
 
 
@@ -334,7 +334,7 @@ def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, mode, 
         assert sum(calls) >= len(calls) // 2, calls
     else:
         assert not any(calls), calls
-    mgr = only.executor.manager
+    mgr = only.runner.manager
     if mgr is not None:
         assert mgr.num_in_use == 0 and not mgr.seqs
     assert not only.has_unfinished_requests()
@@ -402,7 +402,7 @@ def test_constrained_rows_draft_and_verify_against_per_position_masks(stories, k
     for out, p in zip(drafted, params):
         if out.finish_reason == "stop":
             _check_constraint(p.structured_outputs, out.text)
-    mgr = eng.executor.manager
+    mgr = eng.runner.manager
     if mgr is not None:
         assert mgr.num_in_use == 0 and not mgr.seqs
 
@@ -449,4 +449,4 @@ def test_a_failure_cutting_one_draft_leaves_the_other_rows_alone(stories, monkey
     outs = eng.generate(prompts, params)
     assert len(calls) >= 3
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
-    assert eng.executor.manager.num_in_use == 0 and not eng.executor.manager.seqs
+    assert eng.runner.manager.num_in_use == 0 and not eng.runner.manager.seqs

@@ -217,7 +217,7 @@ class AsyncEngine:
         if isinstance(prompt, (str, list, tuple)) and not _is_token_ids(prompt):
             # tokenize (and render the chat template) on a worker thread, holding no lock,
             # so a long prompt blocks neither the event loop nor the engine
-            vocab = getattr(getattr(self.engine.executor, "info", None), "vocab_size", None)
+            vocab = getattr(getattr(self.engine.runner, "info", None), "vocab_size", None)
             prompt = await asyncio.to_thread(encode_prompt, self.engine.tokenizer, prompt, vocab)
         if rid is None:
             rid = f"async-{id(self):x}-{next(self._ids)}"

@@ -294,11 +294,6 @@ class Engine:
         self._lora_slot_of: dict[str, int] = {}
         self._lora_waiting: collections.deque = collections.deque()
 
-    @property
-    def executor(self) -> ModelRunner:
-        """Alias of :attr:`runner`, kept for code written before the runner/executor split."""
-        return self.runner
-
     # ------------------------------------------------------ structured output
     def grammar_backend(self) -> GrammarBackend:
         """The engine's :class:`~mlx_ferrum.engine.structured.GrammarBackend` (built once).

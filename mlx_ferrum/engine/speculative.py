@@ -213,11 +213,6 @@ class DraftModelProposer:
         draft_config = dataclasses.replace(config, speculative=None, prefix_cache=False)
         self.runner = LlmRunner(model, draft_config, model_id="draft")
 
-    @property
-    def executor(self) -> LlmRunner:
-        """Alias of :attr:`runner` (the draft's model runner)."""
-        return self.runner
-
     def propose(self, requests: Sequence[SpeculativeRequest]) -> list[Proposal]:
         """One :class:`Proposal` per request; on a draft failure (pool full, context
         full) the affected batch proposes nothing this step."""

@@ -275,8 +275,8 @@ class OpenAIServing:
         self.model_names = list(served_model_names)
         self.chat_template = chat_template
         self.metrics = metrics
-        self.max_model_len = self.engine.executor.kv_capacity()
-        args = getattr(self.engine.executor, "args", None)
+        self.max_model_len = self.engine.runner.kv_capacity()
+        args = getattr(self.engine.runner, "args", None)
         self.vocab_size = getattr(args, "vocab_size", None) or self.tokenizer.backend.get_vocab_size()
         self.limits = limits if limits is not None else ServerLimits()
         # engine request id -> its prompt tokens, for every request not yet finished
