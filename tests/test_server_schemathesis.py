@@ -114,6 +114,20 @@ def test_openapi_description_has_a_request_schema_for_every_json_endpoint():
         assert name in spec["components"]["schemas"]
 
 
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": [], "guided_grammar": ""}),
+                                        ("/v1/completions", {"prompt": "", "guided_grammar": ""}),
+                                        ("/v1/completions", {"prompt": "Lily", "guided_grammar": "root ::= ("})])
+def test_a_grammar_llguidance_cannot_convert_is_a_400_naming_the_field(fuzz_target, path, body):
+    """Found by the fuzz: an empty or malformed GBNF ``guided_grammar`` was a 500."""
+    import httpx
+
+    _, base_url, _ = fuzz_target
+    response = httpx.post(base_url + path, json=body, timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_grammar" and "the grammar cannot be used" in error["message"]
+
+
 @pytest.mark.parametrize("path", JSON_ENDPOINTS)
 def test_generated_requests_get_no_5xx_and_well_formed_errors(fuzz_target, path):
     positive, negative = DEFAULT_EXAMPLES
