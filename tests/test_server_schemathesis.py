@@ -190,6 +190,19 @@ def test_a_grammar_llguidance_cannot_convert_is_a_400_naming_the_field(fuzz_targ
     assert error["param"] == "guided_grammar" and "the grammar cannot be used" in error["message"]
 
 
+@pytest.mark.parametrize("path, body", [("/v1/embeddings", {"input": [[None]]}), ("/v1/embeddings", {"input": [[5, None]]}),
+                                        ("/v1/completions", {"prompt": [[None]], "max_tokens": 1})])
+def test_a_null_token_id_is_a_400_naming_it(fuzz_target, path, body):
+    """Found by the fuzz: a null among an input's token ids passed the id check (which
+    returned the first bad id, None, as "no bad id"): embeddings failed later with a 500,
+    completions with the engine's message instead of the id check's."""
+    import httpx
+
+    response = httpx.post(fuzz_target[1] + path, json=body, timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 400, response.text
+    assert "None, which is not a token id" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path", JSON_ENDPOINTS)
 def test_generated_requests_get_no_5xx_and_well_formed_errors(fuzz_target, path):
     raw, narrowed, negative = DEFAULT_EXAMPLES
