@@ -154,8 +154,15 @@ def lora_module(raw: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
+def _add_gguf_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf-file", default=None, metavar="NAME",
+                   help="the .gguf file to load from the --model folder or hub repo (default: none; a .gguf "
+                        "path, or a folder holding one GGUF model, needs no flag)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
+    p.add_argument("--model", required=True, help="checkpoint folder, .gguf file or Hugging Face repo id")
+    _add_gguf_arg(p)
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="cast the weights to this dtype (default: the checkpoint's own)")
     p.add_argument("--paged", action="store_true", help="use the paged KV cache (same as FERRUM_METAL_PAGED_KV=1)")
@@ -353,7 +360,7 @@ class _Streamer:
 def _load(args, parallel=None):
     from .api import load
 
-    return load(args.model, dtype=args.dtype, parallel=parallel)
+    return load(args.model, dtype=args.dtype, parallel=parallel, gguf_file=getattr(args, "gguf_file", None))
 
 
 class _Parallel:
@@ -692,8 +699,11 @@ def _runtime_config(overrides: dict) -> RuntimeConfig:
         return RuntimeConfig(**overrides)
     except ConfigurationError as e:
         message = str(e)
-        for name in overrides:
+        for name in [*overrides, "pipeline_parallel_size", "tensor_parallel_size"]:
             message = message.replace(f"RuntimeConfig.{name}", "--" + name.replace("_", "-"))
+        # a flag the message asks for by its field name
+        message = message.replace("pipeline_parallel_size (FERRUM_PIPELINE_PARALLEL_SIZE)",
+                                  "--pipeline-parallel-size (FERRUM_PIPELINE_PARALLEL_SIZE)")
         raise ConfigurationError(message) from None
 
 
@@ -867,7 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
-    s.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
+    s.add_argument("--model", required=True, help="checkpoint folder, .gguf file or Hugging Face repo id")
+    _add_gguf_arg(s)
     s.add_argument("--dtype", default=None, choices=DTYPES,
                    help="cast the weights to this dtype (default: the checkpoint's own)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")

@@ -275,6 +275,9 @@ class Engine:
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
         self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
+        #: constrained requests (structured output) that ended at max_tokens or the context
+        #: before their grammar was complete: the output does not parse
+        self.num_structured_length = 0
         self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
@@ -386,8 +389,9 @@ class Engine:
         A request is refused at :meth:`add_request` when its prompt alone reaches this
         (it could never produce a token), and ends with ``finish_reason="length"`` and
         its output so far when it reaches it while generating, as when the context is
-        full. ``max_tokens`` beyond it is not refused, since clients commonly ask for
-        the rest of the context. Requests that fit alone but not together are preempted
+        full. ``max_tokens`` beyond it is not refused here, since clients of the Python
+        API commonly ask for the rest of the context (the OpenAI server refuses it with a
+        400, as vLLM does: leaving the field out there asks for the rest). Requests that fit alone but not together are preempted
         and recomputed instead, so a neighbour never ends early for lack of blocks.
         """
         cap = self.runner.kv_capacity()
@@ -426,6 +430,8 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if reason == "length" and seq.grammar is not None and not seq.grammar.done:
+            self.num_structured_length += 1
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
         self._release_lora_of(seq)
@@ -1059,6 +1065,10 @@ class Engine:
             if s.grammar is not None and tok not in s.stop_ids:
                 s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
                 grammar_done = s.grammar.done
+            if s.grammar is not None:
+                # in its error state the grammar's mask allows only EOS: that is a failure,
+                # never a finished reply
+                s.grammar.check()
             text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
             if grammar_done and reason == "length" and not out_of_room:
                 reason = "stop"  # the constraint is complete: nothing may follow
@@ -1345,6 +1355,7 @@ class Engine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
                 "generated_tokens": self.num_generated_tokens,
+                "structured_length_finishes": self.num_structured_length,
                 "ttft_mean": ttft.mean,
                 "ttft_p50": ttft.percentile(0.5),
                 "ttft_p90": ttft.percentile(0.9),

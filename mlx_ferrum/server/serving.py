@@ -193,9 +193,23 @@ def tool_mode(req: p.ChatCompletionRequest) -> ToolMode:
 def _template_message(m: p.ChatMessage, i: int) -> dict:
     """A message as chat templates read it: ``tool_calls`` with their arguments as dicts
     (vLLM does the same: templates write them with ``tojson``), ``tool_call_id`` and
-    ``name`` of tool results kept."""
-    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
+    ``name`` of tool results kept.
+
+    Raises:
+        ServingError: 400 for a ``tool`` message without ``tool_call_id`` (a string) or
+            without ``content``, as OpenAI answers: the template could not tie the
+            result to its call.
+    """
     extra = m.model_extra or {}
+    if m.role == "tool":
+        call_id = extra.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ServingError(400, "a message with role 'tool' needs 'tool_call_id', the id of the assistant tool "
+                               "call it answers", param=f"messages.{i}.tool_call_id")
+        if m.content is None:
+            raise ServingError(400, "a message with role 'tool' needs 'content', the tool's result",
+                               param=f"messages.{i}.content")
+    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
     calls = extra.get("tool_calls")
     if calls:
         out = []
@@ -472,6 +486,14 @@ class OpenAIServing:
             max_tokens = max(1, self.max_model_len - prompt_len)
             if "max_tokens" in default:
                 max_tokens = min(max_tokens, default["max_tokens"])
+        elif prompt_len + max_tokens > self.max_model_len:
+            # vLLM's policy: a limit the context cannot hold is refused, not silently cut
+            # (leave the field out for the rest of the context)
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise ServingError(
+                400, f"{name}={max_tokens} with a prompt of {prompt_len} tokens needs {prompt_len + max_tokens} tokens, "
+                f"over the context of {self.max_model_len}: ask for at most {self.max_model_len - prompt_len}, or leave "
+                f"{name} unset for the rest of the context", param=name)
         seed = req.seed
         if seed is not None and choice:
             seed = (seed + choice) % 2**64  # n choices of one seeded request differ, reproducibly
@@ -674,17 +696,24 @@ class OpenAIServing:
         its log-probability (null for the first) and top alternatives, offsets from 0."""
         lp = p.CompletionLogprobs()
         table = out.prompt_logprobs or [None] * len(prompt_ids)
-        offset = 0
+        # offsets into the echoed text, as the prompt decodes: a hidden special token
+        # (<s>) takes no characters
+        detok = self.tokenizer.detokenizer()
         for tid, entry in zip(prompt_ids, table):
             tok = self._token_str(tid)
             lp.tokens.append(tok)
             lp.token_logprobs.append(entry[tid] if entry is not None else None)
             lp.top_logprobs.append({self._token_str(a): v for a, v in entry.items()} if entry is not None else None)
-            lp.text_offset.append(offset)
-            offset += len(tok)
+            lp.text_offset.append(len(detok.text))
+            detok.add_token(tid)
         return lp
 
-    def _completion_logprobs(self, out: RequestOutput, start: int, offset: int) -> Optional[p.CompletionLogprobs]:
+    def _completion_logprobs(self, out: RequestOutput, start: int, offset: int, detok) -> Optional[p.CompletionLogprobs]:
+        """The generated tokens ``start:`` of a completion's ``logprobs``. ``detok``: a
+        :class:`~mlx_ferrum.tokenizer.StreamingDetokenizer` continuing the prompt, fed every
+        earlier token (this call feeds these); token ``i``'s ``text_offset`` is ``offset``
+        (where the completion's text starts in the returned text) plus its position in
+        the completion's text."""
         if out.logprobs is None:
             return None
         lp = p.CompletionLogprobs()
@@ -694,8 +723,8 @@ class OpenAIServing:
             lp.tokens.append(tok)
             lp.token_logprobs.append(out.logprobs[i])
             lp.top_logprobs.append({self._token_str(a): v for a, v in tops[i].items()} if i < len(tops) else None)
-            lp.text_offset.append(offset)
-            offset += len(tok)
+            lp.text_offset.append(offset + len(detok.text))
+            detok.add_token(out.token_ids[i])
         return lp
 
     # ---------------------------------------------------------------- chat
@@ -771,6 +800,9 @@ class OpenAIServing:
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
             if c.last.finish_reason == "error":
+                if (c.last.error or "").startswith(StructuredOutputError.__name__ + ": "):
+                    # the constraint failed (its grammar's error state): the request's fault
+                    raise ServingError(400, c.last.error.split(": ", 1)[1], param="response_format")
                 raise ServingError(500, c.last.error or "the request failed in the engine", type="internal_server_error")
 
     async def _chat_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
@@ -882,14 +914,14 @@ class OpenAIServing:
         with ``max_tokens: 0`` only the prompt (the one token generated is dropped)."""
         out = c.last
         if not req.echo:
-            return p.CompletionChoice(index=c.index, text=out.text, logprobs=self._completion_logprobs(out, 0, 0),
+            return p.CompletionChoice(index=c.index, text=out.text, logprobs=self._completion_logprobs(out, 0, 0, self.tokenizer.detokenizer(prompt_ids=c.prompt_ids)),
                                       finish_reason=out.finish_reason)
         head = plan.texts[c.prompt_index]
         logprobs = None
         if req.logprobs is not None:
             logprobs = self._echo_logprobs(out, c.prompt_ids)
             if not plan.prompt_only:
-                tail = self._completion_logprobs(out, 0, len(head))
+                tail = self._completion_logprobs(out, 0, len(head), self.tokenizer.detokenizer(prompt_ids=c.prompt_ids))
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, key).extend(getattr(tail, key))
         if plan.prompt_only:
@@ -939,7 +971,8 @@ class OpenAIServing:
         merged = self._merged(choices)
         try:
             sent = {c.index: 0 for c in choices}
-            offsets = {c.index: 0 for c in choices}
+            offsets = {c.index: 0 for c in choices}  # where each completion's text starts (after an echo)
+            detoks: dict = {}
             echoed: set[int] = set()
             async for c, out in merged:
                 if req.echo and c.index not in echoed:
@@ -959,10 +992,11 @@ class OpenAIServing:
                     continue
                 choice = {"index": c.index, "text": out.delta, "finish_reason": out.finish_reason}
                 if out.logprobs is not None:
-                    lp = self._completion_logprobs(out, sent[c.index], offsets[c.index])
+                    if c.index not in detoks:
+                        detoks[c.index] = self.tokenizer.detokenizer(prompt_ids=c.prompt_ids)
+                    lp = self._completion_logprobs(out, sent[c.index], offsets[c.index], detoks[c.index])
                     choice["logprobs"] = lp.model_dump(exclude_none=True)
                     sent[c.index] = _scored(out)
-                offsets[c.index] += len(out.delta)
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
                 u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices, plan.prompt_only))
