@@ -156,7 +156,7 @@ def test_responses_forced_tool_round_trip(server, oai):
     assert follow.status == "incomplete" and follow.output_text
     assert follow.usage.input_tokens == prompt_tokens(server, [
         {"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": ""},
-        {"role": "tool", "content": " it was sunny"}])
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": " it was sunny"}])
 
 
 def test_responses_required_tool_choice_and_none(oai):
@@ -253,7 +253,8 @@ def test_messages_forced_tool_round_trip(server, claude):
     assert follow.content and follow.stop_reason == "max_tokens"
     assert follow.usage.input_tokens == prompt_tokens(server, [
         {"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "Error:  it was sunny"}, {"role": "user", "content": " and"}])
+        {"role": "tool", "tool_call_id": uses[0].id, "content": "Error:  it was sunny"},
+        {"role": "user", "content": " and"}])
 
 
 def test_messages_structured_output(claude):
