@@ -28,9 +28,8 @@ schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 pytest.importorskip("fastapi")
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-
-from server_helpers import REPO, running_server  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings
+from server_helpers import REPO, running_server
 
 MODEL = "stories"
 ANTHROPIC_PREFIX = "/v1/messages"
