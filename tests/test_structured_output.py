@@ -236,6 +236,14 @@ def test_a_schema_that_does_not_compile_is_refused_quickly(stories):
     assert eng.generate(["Lily"], _json_params(1))[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("grammar", ["", "root ::= (", "%%%"])
+def test_a_gbnf_grammar_llguidance_cannot_convert_is_a_structured_output_error(grammar):
+    """An empty grammar, or GBNF with a syntax error, is the client's error (it came out of
+    llguidance's converter as a bare ValueError: a 500 at the server)."""
+    with pytest.raises(StructuredOutputError, match="the grammar cannot be used.*'root' rule"):
+        StructuredOutputsParams(grammar=grammar).llguidance_grammar()
+
+
 def test_structured_outputs_params_are_validated():
     assert issubclass(StructuredOutputError, SamplingParamsError)
     with pytest.raises(StructuredOutputError, match="exactly one"):

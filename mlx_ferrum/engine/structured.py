@@ -153,7 +153,8 @@ class StructuredOutputsParams:
         """The constraint as an llguidance grammar (text).
 
         Raises:
-            StructuredOutputError: the JSON schema text is not JSON, or not an object.
+            StructuredOutputError: the JSON schema text is not JSON, or not an object; the
+                grammar is GBNF that llguidance cannot convert (a syntax error, no ``root`` rule).
         """
         import llguidance
 
@@ -178,7 +179,11 @@ class StructuredOutputsParams:
             import re
 
             return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
-        return llguidance.grammar_from("grammar", self.grammar)
+        try:
+            return llguidance.grammar_from("grammar", self.grammar)
+        except ValueError as e:  # a GBNF grammar llguidance cannot convert (syntax error, no ``root`` rule)
+            raise StructuredOutputError(f"the grammar cannot be used: {e}: write a Lark grammar with a 'start' rule "
+                                        "or a GBNF grammar with a 'root' rule") from None
 
 
 def _short(error: Optional[str]) -> str:

@@ -125,10 +125,34 @@ async def _body(request: Request, model: type, limits: ServerLimits):
     return await run_in_threadpool(_parse, model, raw, limits)
 
 
+_COMPONENTS_REF = "#/components/schemas/{model}"
+
+
 def _json_body(model: type) -> dict:
     """The OpenAPI ``requestBody`` of a route that reads ``model`` itself (for ``app.openapi()``,
-    which fuzzers read; the routes parse bodies by hand, off the event loop)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    which fuzzers read; the routes parse bodies by hand, off the event loop).
+
+    The nested models' schemas are referenced under ``#/components/schemas`` (where an
+    OpenAPI reader resolves references from the document's root) and
+    :func:`_body_components` collects them there.
+    """
+    schema = model.model_json_schema(ref_template=_COMPONENTS_REF)
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _body_components(models: list) -> dict:
+    """``{name: schema}`` of the nested models that the ``_json_body`` schemas of ``models`` reference.
+
+    Raises:
+        ValueError: two models nest different models under one name (a reference would be ambiguous).
+    """
+    found: dict = {}
+    for model in models:
+        for name, schema in model.model_json_schema(ref_template=_COMPONENTS_REF).get("$defs", {}).items():
+            if found.setdefault(name, schema) != schema:
+                raise ValueError(f"two request models nest different schemas named {name!r}: rename one")
+    return found
 
 
 async def _until_disconnect(request: Request, coro):
@@ -225,11 +249,11 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=guarded, openapi_extra=_json_body(p.ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _answer(request, serving.chat(await _body(request, p.ChatCompletionRequest, limits)))
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=guarded, openapi_extra=_json_body(p.CompletionRequest))
     async def completions(request: Request):
         return await _answer(request, serving.completion(await _body(request, p.CompletionRequest, limits)))
 
@@ -254,12 +278,12 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
     async def models():
         return p.ModelList(data=serving.model_cards()).model_dump()
 
-    @app.post("/v1/load_lora_adapter", dependencies=guarded)
+    @app.post("/v1/load_lora_adapter", dependencies=guarded, openapi_extra=_json_body(p.LoadLoraAdapterRequest))
     async def load_lora_adapter(request: Request):
         body = await _body(request, p.LoadLoraAdapterRequest, limits)
         return PlainTextResponse(await run_in_threadpool(serving.load_lora_adapter, body))
 
-    @app.post("/v1/unload_lora_adapter", dependencies=guarded)
+    @app.post("/v1/unload_lora_adapter", dependencies=guarded, openapi_extra=_json_body(p.UnloadLoraAdapterRequest))
     async def unload_lora_adapter(request: Request):
         body = await _body(request, p.UnloadLoraAdapterRequest, limits)
         return PlainTextResponse(await run_in_threadpool(serving.unload_lora_adapter, body))
@@ -273,16 +297,27 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.post("/tokenize", dependencies=guarded, openapi_extra=_json_body(p.TokenizeRequest))
     async def tokenize(request: Request):
         body = await _body(request, p.TokenizeRequest, limits)
         return (await run_in_threadpool(serving.tokenize, body)).model_dump()
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize", dependencies=guarded, openapi_extra=_json_body(p.DetokenizeRequest))
     async def detokenize(request: Request):
         body = await _body(request, p.DetokenizeRequest, limits)
         return (await run_in_threadpool(serving.detokenize, body)).model_dump()
 
+    body_models = [p.ChatCompletionRequest, p.CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
+                   EmbeddingRequest, p.LoadLoraAdapterRequest, p.UnloadLoraAdapterRequest, p.TokenizeRequest,
+                   p.DetokenizeRequest]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(_body_components(body_models))
+        return app.openapi_schema
+
+    app.openapi = openapi
     if web_ui:
         add_web_ui(app)
     return app

@@ -369,8 +369,10 @@ class OpenAIServing:
 
     def _check_ids(self, ids: list[int], param: str = "prompt", what: str = "the prompt") -> list[int]:
         vocab = self.vocab_size
-        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)  # noqa: E721 - bool is no id
-        if bad is not None:
+        # the index of the first bad entry, not the entry: a bad entry may itself be None
+        at = next((i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab), None)  # noqa: E721 - bool is no id
+        if at is not None:
+            bad = ids[at]
             if type(bad) is not int:  # noqa: E721
                 raise ServingError(400, f"{what} holds {bad!r}, which is not a token id: send ints", param=param)
             raise ServingError(400, f"token id {bad!r} in {what} is outside the vocabulary [0, {vocab}): send valid ids", param=param)
