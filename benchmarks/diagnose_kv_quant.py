@@ -89,6 +89,10 @@ VARIANTS = {
     "int4, layers 0-1 in int8": {"k": int4(), "v": int4(), "int8_layers": (0, 1)},
     "int4 keys only, KIVI per channel over 64 tokens": {"k_tokens": 64},
     "int4 keys only, KIVI per channel over 16 tokens": {"k_tokens": 16},
+    "int4 keys only, KIVI per channel over 32 tokens": {"k_tokens": 32},
+    "int4, keys KIVI over 32 tokens, values rotated (0.297x)": {"k_tokens": 32, "v": int4(), "v_rotate": True},
+    "int4, keys KIVI over 16 tokens, values rotated in groups of 32 (0.344x)":
+        {"k_tokens": 16, "v": int4(32), "v_rotate": True},
     "int4 values only, rotated": {"v": int4(), "v_rotate": True},
     "int4 values only, groups of 32": {"v": int4(32)},
     "int4 values only, rotated, groups of 32": {"v": int4(32), "v_rotate": True},
