@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,12 +39,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_ferrum.layers.lora import lora_delta_gather, lora_delta_segmented  # noqa: E402
+from mlx_ferrum.layers.lora import lora_delta_gather  # noqa: E402
 
 QWEN_05B_PROJECTIONS = {  # (in, out) of one Qwen2.5-0.5B decoder layer
     "q": (896, 896), "k": (896, 128), "v": (896, 128), "o": (896, 896),
     "gate": (896, 4864), "up": (896, 4864), "down": (4864, 896),
 }
+
+
+def lora_delta_segmented(
+    x: mx.array, a: mx.array, b: mx.array, order: mx.array, inverse: mx.array,
+    segments: Sequence[tuple[int, int, int]],
+) -> mx.array:
+    """The same product as ``lora_delta_gather``, one dense matmul pair per adapter
+    present (S-LoRA's SGMV done segment by segment): the alternative this benchmark
+    measured against the gather that the runtime uses.
+
+    Args:
+        x: ``[N, in]``; a, b: as for :func:`lora_delta_gather`.
+        order: ``[N]`` int32 token order sorted by slot; inverse: its inverse permutation.
+        segments: ``(slot, start, stop)`` ranges of ``order`` per adapter present; tokens
+            outside every segment get zeros.
+
+    Returns:
+        ``[N, out]``.
+    """
+    xs = x[order]
+    out_dim = b.shape[-1]
+    parts = []
+    done = 0
+    for slot, start, stop in segments:
+        if start > done:
+            parts.append(mx.zeros((start - done, out_dim), dtype=x.dtype))
+        parts.append((xs[start:stop] @ a[slot]) @ b[slot])
+        done = stop
+    if done < x.shape[0]:
+        parts.append(mx.zeros((x.shape[0] - done, out_dim), dtype=x.dtype))
+    return mx.concatenate(parts, axis=0)[inverse]
 
 
 def _take(x, a, b, slots):

@@ -147,7 +147,7 @@ def run(model_path: Path, n: int, url: str | None = None, clients: int = 4) -> d
     start = time.perf_counter()
     if url is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_structured import Server
+        from server_process import Server
 
         with tempfile.TemporaryDirectory() as tmp:
             server = Server(model_path, clients, Path(tmp))

@@ -19,13 +19,14 @@ from .config import RuntimeConfig
 from .engine.engine import Engine, context_full_message
 from .engine.prompt import Prompt, encode_prompt
 from .engine.sampling import SamplingParams
-from .errors import FerrumError, LoraError, NonFiniteLogitsError, PromptTooLongError
+from .errors import ConfigurationError, FerrumError, LoraError, NonFiniteLogitsError, PromptTooLongError
 from .executor import LlmExecutor
 from .models.loader import check_tokenizer_vocabulary, load_model
 from .tokenizer import Tokenizer
 
 
-def load(path_or_repo_id: str, dtype: Any = None, parallel: Any = None) -> tuple[Any, Tokenizer]:
+def load(path_or_repo_id: str, dtype: Any = None, parallel: Any = None,
+         gguf_file: Optional[str] = None) -> tuple[Any, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
 
     Args:
@@ -37,6 +38,9 @@ def load(path_or_repo_id: str, dtype: Any = None, parallel: Any = None) -> tuple
             :func:`~mlx_ferrum.distributed.init_group`): the model is split across it
             (tensor or pipeline parallel) and this rank keeps only its part; None loads
             the whole model.
+        gguf_file: a GGUF file name inside the folder or hub repo ``path_or_repo_id``
+            (a ``.gguf`` path, or a folder with exactly one, needs none). GGUF models
+            keep their quantized tensors quantized (see the README's GGUF section).
 
     Returns:
         ``(model, tokenizer)``; ``model.path`` is the resolved folder.
@@ -51,9 +55,11 @@ def load(path_or_repo_id: str, dtype: Any = None, parallel: Any = None) -> tuple
     if parallel is not None:
         from .distributed import load_sharded
 
+        if gguf_file is not None:
+            raise ConfigurationError("gguf_file cannot be combined with a parallel load yet: load the GGUF file on one process")
         model, path = load_sharded(path_or_repo_id, parallel, dtype=dtype)
     else:
-        model, _config, path = load_model(path_or_repo_id, dtype=dtype)
+        model, _config, path = load_model(path_or_repo_id, dtype=dtype, gguf_file=gguf_file)
     tokenizer = Tokenizer.from_pretrained(path)
     check_tokenizer_vocabulary(model.args.vocab_size, tokenizer)
     model.path = path

@@ -154,8 +154,15 @@ def lora_module(raw: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
+def _add_gguf_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf-file", default=None, metavar="NAME",
+                   help="the .gguf file to load from the --model folder or hub repo (default: none; a .gguf "
+                        "path, or a folder holding one GGUF model, needs no flag)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
+    p.add_argument("--model", required=True, help="checkpoint folder, .gguf file or Hugging Face repo id")
+    _add_gguf_arg(p)
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="cast the weights to this dtype (default: the checkpoint's own)")
     p.add_argument("--paged", action="store_true", help="use the paged KV cache (same as FERRUM_METAL_PAGED_KV=1)")
@@ -177,21 +184,33 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help=f"{FIELD_HELP['distributed_backend']} (default: $FERRUM_DISTRIBUTED_BACKEND, else any)")
 
 
+#: The flags a model's ``generation_config.json`` may set a default for (vLLM's keys), as
+#: ``(args attribute, SamplingParams field)``.
+_MODEL_DEFAULT_FLAGS = (("temp", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                        ("repetition_penalty", "repetition_penalty"), ("max_tokens", "max_tokens"))
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, temp: float, max_tokens: Optional[int] = 256) -> None:
+    """The sampling flags of ``generate`` / ``chat``. Those a ``generation_config.json`` can
+    set default to None here; :func:`apply_generation_defaults` fills them after loading
+    (the flag, else the model's file, else the command's own default kept in
+    ``args.own_defaults``)."""
+    model = "the model's generation_config.json, else"
     if max_tokens is None:
-        max_tokens_help = ("most tokens per reply (default: the rest of the context; a reply cut by this limit "
-                           "ends with a marker on stderr)")
+        max_tokens_help = (f"most tokens per reply (default: {model} the rest of the context; a reply cut by this "
+                           "limit ends with a marker on stderr)")
     else:
-        max_tokens_help = "most tokens to generate"
-    p.add_argument("--max-tokens", "-m", type=positive_int, default=max_tokens, help=max_tokens_help)
-    p.add_argument("--temp", type=float, default=temp, help="temperature; 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                   "whose probability reaches this (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than this times the most likely one (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="penalise tokens already seen, prompt included (CTRL; > 1 discourages repeats, 1 = off)")
+        max_tokens_help = f"most tokens to generate (default: {model} {max_tokens})"
+    p.add_argument("--max-tokens", "-m", type=positive_int, default=None, help=max_tokens_help)
+    p.add_argument("--temp", type=float, default=None, help=f"temperature; 0 = greedy (default: {model} {temp:g})")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens "
+                   f"whose probability reaches this (1 = off; default: {model} 1)")
+    p.add_argument("--top-k", type=int, default=None, help=f"keep the k most likely tokens (0 = off; default: {model} 0)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens less likely than this times the most likely one (0 = off; default: {model} 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalise tokens already seen, prompt included (CTRL; > 1 discourages repeats, 1 = off; "
+                        f"default: {model} 1)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token already generated, in [-2, 2] (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -199,6 +218,40 @@ def _add_sampling_args(p: argparse.ArgumentParser, temp: float, max_tokens: Opti
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    p.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
+                   help="where the sampling defaults above come from (vLLM's flag): 'auto' reads the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), 'none' keeps this command's own defaults, a FOLDER reads its "
+                        "generation_config.json; a flag given always wins (default: auto)")
+    p.set_defaults(own_defaults=dict(temp=temp, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                                     max_tokens=max_tokens))
+
+
+def apply_generation_defaults(args, model) -> dict:
+    """Fill the sampling flags left unset from the model's ``generation_config.json``
+    (per ``--generation-config``), else from the command's own defaults.
+
+    Returns:
+        ``{flag attribute: value}`` of the defaults taken from the model's file (for the
+        note ``chat`` prints).
+
+    Raises:
+        ConfigurationError: the file or a value in it is refused (see
+            :func:`~mlx_ferrum.generation_defaults.generation_defaults`).
+    """
+    from .generation_defaults import generation_defaults
+
+    from_model = generation_defaults(getattr(model, "path", None), args.generation_config)
+    taken = {}
+    for attr, field in _MODEL_DEFAULT_FLAGS:
+        if getattr(args, attr) is not None:
+            continue  # the user's flag wins
+        if field in from_model:
+            taken[attr] = from_model[field]
+            setattr(args, attr, from_model[field])
+        else:
+            setattr(args, attr, args.own_defaults[attr])
+    return taken
 
 
 def _sampling(args) -> dict:
@@ -307,7 +360,7 @@ class _Streamer:
 def _load(args, parallel=None):
     from .api import load
 
-    return load(args.model, dtype=args.dtype, parallel=parallel)
+    return load(args.model, dtype=args.dtype, parallel=parallel, gguf_file=getattr(args, "gguf_file", None))
 
 
 class _Parallel:
@@ -376,16 +429,45 @@ def fit_history(tokenizer, messages: list, capacity: int, reserve: int, use_temp
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; stats to stderr (rank 0 of a parallel run; the
     other ranks run its steps)."""
+    check_generate_flags(args)
     return _run_with_parallelism(args, _generate)
 
 
+def check_generate_flags(args) -> None:
+    """Refuse ``generate`` flags that contradict each other, before the model loads.
+
+    Raises:
+        ConfigurationError: ``--system`` with ``--ignore-chat-template`` (a raw prompt has
+            no place for a system message).
+    """
+    if args.system is not None and args.ignore_chat_template:
+        raise ConfigurationError("--system needs the chat template, but --ignore-chat-template sends the prompt "
+                                 "raw: drop one of them (or write the system text into --prompt)")
+
+
+def generate_prompt(args, tokenizer, prompt: str):
+    """What ``generate`` sends: ``[system?, user]`` messages through the chat template when
+    the tokenizer has one (as mlx_lm.generate does), unless ``--ignore-chat-template``;
+    else the raw text.
+
+    Raises:
+        ConfigurationError: ``--system`` for a raw prompt (the model has no template).
+        ChatTemplateError: ``--chat`` for a model without a template.
+    """
+    use_template = args.chat or (tokenizer.chat_template is not None and not args.ignore_chat_template)
+    if not use_template:
+        if args.system is not None:
+            raise ConfigurationError("--system needs a chat template, and this model has none (its prompt is sent "
+                                     "raw): drop --system, or give a model whose tokenizer has a chat template")
+        return prompt
+    return ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+        {"role": "user", "content": prompt}
+    ]
+
+
 def _generate(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        prompt = msgs
+    prompt = generate_prompt(args, tokenizer, sys.stdin.read() if args.prompt == "-" else args.prompt)
+    apply_generation_defaults(args, model)
     last = None
     text_end = ""
     streamer = _Streamer(model, tokenizer, config, args.adapter_path, engine=engine)
@@ -455,6 +537,7 @@ def _run_with_parallelism(args, body) -> int:
 def _chat(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
     from .config import resolve_kv_capacity
 
+    from_model = apply_generation_defaults(args, model)
     streamer = _Streamer(model, tokenizer, config, args.adapter_path, engine=engine)
     capacity = resolve_kv_capacity(config, model.args.max_position_embeddings)
     # room the history trimming leaves for the reply (a reply may still run on to the context's end)
@@ -464,6 +547,9 @@ def _chat(args, model, tokenizer, config: RuntimeConfig, engine) -> int:
     use_template = tokenizer.chat_template is not None
     if not use_template:
         print("[this model has no chat template: each turn continues the plain text]", file=sys.stderr)
+    if from_model:
+        flags = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in from_model.items())
+        print(f"[sampling defaults from the model's generation_config.json: {flags}]", file=sys.stderr)
     print("Type a message; /reset clears the conversation, /exit quits.", file=sys.stderr)
     turn = 0
     while True:
@@ -613,8 +699,11 @@ def _runtime_config(overrides: dict) -> RuntimeConfig:
         return RuntimeConfig(**overrides)
     except ConfigurationError as e:
         message = str(e)
-        for name in overrides:
+        for name in [*overrides, "pipeline_parallel_size", "tensor_parallel_size"]:
             message = message.replace(f"RuntimeConfig.{name}", "--" + name.replace("_", "-"))
+        # a flag the message asks for by its field name
+        message = message.replace("pipeline_parallel_size (FERRUM_PIPELINE_PARALLEL_SIZE)",
+                                  "--pipeline-parallel-size (FERRUM_PIPELINE_PARALLEL_SIZE)")
         raise ConfigurationError(message) from None
 
 
@@ -677,6 +766,13 @@ def serve_config(args) -> RuntimeConfig:
     return _runtime_config(overrides)
 
 
+def _serve_sampling_defaults(args, model) -> dict:
+    """``serve``'s defaults for request fields left unset, per ``--generation-config``."""
+    from .generation_defaults import generation_defaults
+
+    return generation_defaults(getattr(model, "path", None), args.generation_config)
+
+
 def cmd_serve(args) -> int:
     """The OpenAI-compatible HTTP server (see ``mlx_ferrum.server``)."""
     import logging
@@ -723,7 +819,9 @@ def cmd_serve(args) -> int:
             model, tokenizer, config, host=args.host, port=port, served_model_names=names,
             api_key=args.api_key, chat_template=template, log_level=args.log_level, limits=limits,
             sockets=[sock], on_ready=banner, tool_call_parser=args.tool_call_parser,
-            lora_modules=dict(args.lora_modules or []), engine=engine,
+            lora_modules=dict(args.lora_modules or []), engine=engine, web_ui=args.web_ui,
+            sampling_defaults=_serve_sampling_defaults(args, model),
+            reasoning_parser=args.reasoning_parser, pooling=args.pooling,
         )
     # The server has shut down cleanly. Leave without interpreter teardown: on MLX's CPU
     # backend, destroying MLX state after the paged engine ran in a worker thread aborts
@@ -745,8 +843,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=HelpFormatter)
     _add_model_args(g)
     g.add_argument("--prompt", "-p", required=True, help="the prompt; '-' reads it from stdin")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--system", default=None, help="system message, with --chat (default: none)")
+    template = g.add_mutually_exclusive_group()
+    template.add_argument("--ignore-chat-template", action="store_true",
+                          help="send the prompt raw, without the chat template (mlx-lm's flag); by default the "
+                               "prompt goes through the model's chat template as a user message when the tokenizer "
+                               "has one, and raw when it has none")
+    template.add_argument("--chat", action="store_true",
+                          help="require the chat template: an error for a model without one (the template is "
+                               "applied by default anyway)")
+    g.add_argument("--system", default=None,
+                   help="system message, sent through the chat template: refused when the prompt is sent raw "
+                        "(default: none, i.e. the template's own)")
     g.add_argument("--newline", action="store_true", help="end the output with a newline")
     _add_sampling_args(g, temp=0.0)
     _add_speculative_args(g)
@@ -770,7 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter)
-    s.add_argument("--model", required=True, help="checkpoint folder or Hugging Face repo id")
+    s.add_argument("--model", required=True, help="checkpoint folder, .gguf file or Hugging Face repo id")
+    _add_gguf_arg(s)
     s.add_argument("--dtype", default=None, choices=DTYPES,
                    help="cast the weights to this dtype (default: the checkpoint's own)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
@@ -778,9 +886,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", default=None, help="names accepted in 'model' (default: --model)")
     s.add_argument("--api-key", type=api_key, default=None,
                    help="require 'Authorization: Bearer KEY' (default: no key needed)")
+    s.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                   help="do not serve the chat page at GET / (default: served)")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (vLLM's flag): hermes (<tool_call>{...}</tool_call>, Qwen2.5/3), "
                         "llama3_json, mistral ([TOOL_CALLS]); default: detected from the chat template, else hermes")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "gpt_oss"],
+                   help="keep a reasoning model's thinking apart from its answer (vLLM's flag): qwen3 / deepseek_r1 "
+                        "(<think>...</think>), gpt_oss (Harmony channels); returned as reasoning_content, Responses "
+                        "reasoning items and Messages thinking blocks (default: none, the text stays as written)")
+    s.add_argument("--pooling", default="last", choices=["last", "mean"],
+                   help="how /v1/embeddings pools the last hidden states: the last token's, or the mean over the "
+                        "tokens (L2-normalized either way; default: last)")
     s.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the checkpoint's own)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -789,6 +906,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve (PEFT or mlx-lm folders, or hub ids); a request whose 'model' is "
                         "NAME uses it; implies --enable-lora (default: none)")
+    s.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
+                   help="defaults for the sampling fields a request leaves unset (vLLM's flag): 'auto' reads the "
+                        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens as max_tokens), 'none' keeps OpenAI's defaults (temperature 1 ...), a FOLDER "
+                        "reads its generation_config.json; request fields always win (default: auto)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and mlx_ferrum's log level")
     _add_runtime_args(s)

@@ -520,11 +520,37 @@ class RuntimeConfig:
                 f"{n('distributed_backend')}={self.distributed_backend!r} is not valid: use one of "
                 f"{', '.join(DISTRIBUTED_BACKENDS)}"
             )
+        self._check_parallel_only(explicit)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigurationError(
                 f"{n('prompt_lookup_min')}={self.prompt_lookup_min} is above "
                 f"{n('prompt_lookup_max')}={self.prompt_lookup_max}: make min <= max"
             )
+
+    def _check_parallel_only(self, explicit: set) -> None:
+        """Settings that act only under model parallelism are refused without it, rather
+        than accepted and never used (a pipeline split checked against no pipeline).
+
+        Raises:
+            ConfigurationError: ``pipeline_split`` or ``pipeline_micro_batches`` set to
+                other than its default (by argument or variable) with
+                ``pipeline_parallel_size`` 1, or ``distributed_backend`` other than
+                ``"any"`` with both parallel sizes 1.
+        """
+        # a value other than the default (dataclasses.replace passes every field again)
+        given = lambda name: getattr(self, name) != _ENV[name][2]  # noqa: E731
+        size_hint = "RuntimeConfig.pipeline_parallel_size" if "pipeline_parallel_size" in explicit else \
+            "pipeline_parallel_size (FERRUM_PIPELINE_PARALLEL_SIZE)"
+        for name in ("pipeline_split", "pipeline_micro_batches"):
+            if given(name) and self.pipeline_parallel_size == 1:
+                raise ConfigurationError(
+                    f"{self._name(name, explicit)} needs pipeline parallelism, and {size_hint} is 1: set it to the "
+                    f"number of pipeline stages (ranks), or leave {self._name(name, explicit)} unset")
+        if given("distributed_backend") and self.world_size == 1:
+            raise ConfigurationError(
+                f"{self._name('distributed_backend', explicit)} needs tensor or pipeline parallelism, and "
+                "tensor_parallel_size and pipeline_parallel_size are both 1: set one of them above 1 (and start "
+                f"the ranks with mlx.launch), or leave {self._name('distributed_backend', explicit)} unset")
 
     @property
     def parallel(self) -> str:

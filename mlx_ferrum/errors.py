@@ -186,3 +186,20 @@ class DistributedPeerLostError(DistributedError, RuntimeError):
     """The connection to another rank of the group broke (the backend reported it, e.g.
     the ring's "connection to a peer was lost"): that rank died. The group cannot go on
     without it, so the rank that sees this exits; restart every rank with ``mlx.launch``."""
+
+
+class GGUFFormatError(ModelLoadError, ValueError):
+    """A GGUF file is damaged or inconsistent: bad magic, an unsupported version, a
+    truncated file, tensor data past the end, or tensor shapes that disagree with its
+    metadata (the message names the file, the tensor and what was expected)."""
+
+
+class UnsupportedTensorTypeError(UnsupportedQuantizationError):
+    """A GGUF file stores tensors in a type this loader does not read (IQ*, TQ*, Q8_K,
+    an unknown id): the message lists the types found, the tensors using them and the
+    supported types."""
+
+
+class AmbiguousCheckpointError(ModelLoadError, ValueError):
+    """A folder holds several GGUF models and none was named: the message lists them
+    and the flag (``--gguf-file``) or argument (``gguf_file=``) that picks one."""

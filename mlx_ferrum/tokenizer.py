@@ -338,6 +338,8 @@ class Tokenizer:
                 malformed (the message names the path).
         """
         folder = Path(path)
+        if folder.is_file() and folder.name.endswith(".gguf"):
+            return cls.from_gguf(folder)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a directory")
         tok_file = folder / "tokenizer.json"
@@ -371,6 +373,26 @@ class Tokenizer:
         elif template is None and legacy_file.is_file():
             template = _select_template((_read_json(legacy_file, required=True) or {}).get("chat_template"), legacy_file)
         return cls(backend, config, generation_config, template, folder)
+
+    @classmethod
+    def from_gguf(cls, path: Union[str, Path]) -> "Tokenizer":
+        """The tokenizer stored in a GGUF file's metadata (see
+        :mod:`mlx_ferrum.models.gguf.tokenizer`), with its chat template.
+
+        Raises:
+            TokenizerError: the file has no tokenizer metadata, or a tokenizer model /
+                pre-tokenizer that is not supported (named).
+            GGUFFormatError: the file is damaged.
+        """
+        from .models.gguf.reader import read_gguf
+        from .models.gguf.tokenizer import build_backend, tokenizer_config
+
+        from .models.gguf.tokenizer import end_token_ids
+
+        metadata = read_gguf(path).metadata
+        config = tokenizer_config(metadata)
+        generation_config = {"eos_token_id": end_token_ids(metadata)}
+        return cls(build_backend(metadata), config, generation_config, config.get("chat_template"), Path(path))
 
     def _id_of(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._backend.token_to_id(token)
@@ -438,9 +460,10 @@ class Tokenizer:
         except (TypeError, ValueError, OverflowError) as exc:
             raise TokenizerError(f"decode() needs a sequence of non-negative ints: {exc}") from exc
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "StreamingDetokenizer":
-        """A fresh :class:`StreamingDetokenizer` over this tokenizer."""
-        return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> "StreamingDetokenizer":
+        """A fresh :class:`StreamingDetokenizer` over this tokenizer, its first tokens read
+        after the last of ``prompt_ids`` (see the class)."""
+        return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
 
     # -- chat templates ------------------------------------------------------
 
@@ -544,6 +567,10 @@ class Tokenizer:
 # ---------------------------------------------------------------------------
 
 
+#: prompt tokens a completion's detokenizer starts after (vLLM's initial offset)
+_PROMPT_CONTEXT_TOKENS = 5
+
+
 class StreamingDetokenizer:
     """Turns a stream of token ids into text, emitting only text that is final.
 
@@ -558,23 +585,28 @@ class StreamingDetokenizer:
     Each step decodes a few tokens, not the whole sequence.
 
     Invariant: ``"".join(add_token(i) for i in ids) + finalize() == tokenizer.decode(ids)``
-    (with the same ``skip_special_tokens``). One exception, for invalid UTF-8 only: the
+    (with the same ``skip_special_tokens``). Given ``prompt_ids``, the stream continues the
+    prompt: its last few tokens (vLLM's offset of 5) are the first window and are never
+    emitted, so the text is ``decode(prompt + ids)`` past ``decode(prompt)``, as OpenAI
+    and vLLM return a completion (a SentencePiece token's leading space is kept on the
+    first generated token). One exception, for invalid UTF-8 only: the
     ``ByteFallback`` decoder turns a whole run of ``<0xXX>`` tokens into U+FFFD when any
     byte of the run is invalid, so a valid character already emitted from the start of
     such a run stays as it was, where ``decode`` of the whole ids would show U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        """Start an empty stream over ``tokenizer``."""
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
+        """Start an empty stream over ``tokenizer`` (continuing ``prompt_ids``)."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._context = [int(t) for t in list(prompt_ids)[-_PROMPT_CONTEXT_TOKENS:]]
         self.reset()
 
     def reset(self) -> None:
-        """Forget every token: start a new stream."""
-        self.token_ids: list[int] = []
+        """Forget every generated token: start a new stream (after the same prompt)."""
+        self.token_ids: list[int] = list(self._context)
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._context)
         self._chunks: list[str] = []
 
     def _decode(self, start: int, stop: Optional[int] = None) -> str:

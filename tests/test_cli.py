@@ -364,3 +364,24 @@ def test_speculation_policy_flags_reach_the_config(monkeypatch):
     assert (cfg.speculative_disable_by_batch_size, cfg.speculative_min_acceptance) == (3, 0.0)
     served = serve_config(build_parser().parse_args(["serve", "--model", "m", "--speculative-min-acceptance", "0.5"]))
     assert served.speculative_min_acceptance == 0.5
+
+
+@pytest.mark.parametrize("flags,named,needs", [
+    (["--pipeline-split", "9,9"], "--pipeline-split", "--pipeline-parallel-size"),
+    (["--pipeline-micro-batches", "4"], "--pipeline-micro-batches", "--pipeline-parallel-size"),
+    (["--distributed-backend", "ring"], "--distributed-backend", "tensor or pipeline parallelism"),
+    (["--tensor-parallel-size", "1", "--pipeline-split", "3,2"], "--pipeline-split", "--pipeline-parallel-size"),
+])
+def test_serve_refuses_parallel_flags_without_the_parallelism_they_need(stories_path, flags, named, needs):
+    """A flag that acts only under model parallelism is refused before the model loads, not
+    accepted and never used."""
+    r = run_cli(["serve", "--model", str(stories_path), "--port", "0", *flags])
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert named in line and needs in line, line
+
+
+def test_a_parallel_only_variable_without_parallelism_is_refused_by_name(stories_path):
+    r = run_cli(["generate", "--model", str(stories_path), "-p", "x", "-m", "2"], {"FERRUM_PIPELINE_SPLIT": "3,2"})
+    assert r.returncode == 2
+    assert "FERRUM_PIPELINE_SPLIT" in one_error_line(r.stderr)

@@ -96,8 +96,9 @@ def _check_consistent(outs, tok, mode):
         assert o.text == text
     last = outs[-1]
     assert last.finished
-    if mode != "stop":
-        assert last.text == tok.decode(last.token_ids)
+    if mode != "stop":  # the text continues the prompt, as decode reads prompt + output
+        prompt = list(last.prompt_token_ids)
+        assert last.text == tok.decode(prompt + list(last.token_ids))[len(tok.decode(prompt)):]
 
 
 @pytest.mark.parametrize("mode", MODES)

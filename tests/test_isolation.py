@@ -272,7 +272,7 @@ def test_ctrl_c_during_stream_generate_prefill_releases_the_cache(layout):
 class _NoTextTokenizer:
     eos_token_ids = ()
 
-    def detokenizer(self):
+    def detokenizer(self, prompt_ids=()):
         return None  # never used: the prefill is interrupted first
 
 

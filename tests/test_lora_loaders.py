@@ -81,6 +81,11 @@ def test_mlx_lm_reads_factors_and_scale(tmp_path):
     ("mlx_moe_3d", "mixture-of-experts"),
     ("no_config", "no adapter_config.json"),
     ("not_a_folder", "no LoRA adapter folder"),
+    ("peft_rank_disagrees", r"r = 4 in adapter_config.json but its factors have rank 8.*disagree"),
+    ("peft_rank_pattern_disagrees", r"r = 2 in adapter_config.json but its factors have rank 4.*disagree"),
+    ("peft_integer", "dtype int32"),
+    ("mlx_rank_disagrees", r"lora_parameters.rank = 4 in adapter_config.json but its factors have rank 8.*disagree"),
+    ("mlx_integer", "dtype int8"),
 ])
 def test_refusals_are_named(tmp_path, case, expected):
     pair = peft_pair(Q, 32, 32)
@@ -110,6 +115,16 @@ def test_refusals_are_named(tmp_path, case, expected):
                       lora_parameters={"rank": 4})
     elif case == "mlx_moe_3d":
         mlx_lm_folder(folder, {f"{Q}.lora_a": mx.ones((8, 32, 4)), f"{Q}.lora_b": mx.ones((8, 4, 32))})
+    elif case == "peft_rank_disagrees":  # the config's r is what lora_alpha / r scales by
+        peft_folder(folder, peft_pair(Q, 32, 32, r=8), r=4)
+    elif case == "peft_rank_pattern_disagrees":
+        peft_folder(folder, pair, rank_pattern={"q_proj": 2})
+    elif case == "peft_integer":
+        peft_folder(folder, {k: (v * 10).astype(mx.int32) for k, v in pair.items()})
+    elif case == "mlx_rank_disagrees":
+        mlx_lm_folder(folder, {f"{Q}.lora_a": mx.ones((32, 8)), f"{Q}.lora_b": mx.ones((8, 32))})
+    elif case == "mlx_integer":
+        mlx_lm_folder(folder, {f"{Q}.lora_a": mx.ones((32, 4), dtype=mx.int8), f"{Q}.lora_b": mx.ones((4, 32), dtype=mx.int8)})
     elif case == "no_config":
         folder.mkdir()
     elif case == "not_a_folder":
@@ -137,7 +152,7 @@ def test_mismatched_adapters_are_refused_by_name(tmp_path, case, expected):
         "rank": peft_pair(Q, 32, 32, r=32),
     }[case]
     with pytest.raises(LoraError, match=expected):
-        ex.add_lora(case, str(peft_folder(tmp_path / case, tensors)))
+        ex.add_lora(case, str(peft_folder(tmp_path / case, tensors, **({"r": 32} if case == "rank" else {}))))
     assert ex.list_loras() == []
 
 

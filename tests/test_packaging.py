@@ -35,6 +35,8 @@ def test_wheel_ships_the_runtime_and_kernels_only(tmp_path):
     for k in (REPO / "metal_kernels").glob("*.metal"):
         assert f"mlx_ferrum/metal_kernels/{k.name}" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+    for page_file in (REPO / "mlx_ferrum" / "server" / "web").iterdir():  # the chat page of mlx-ferrum serve
+        assert f"mlx_ferrum/server/web/{page_file.name}" in names
     shipped = [n for n in names if n.startswith("mlx_ferrum/")]
     assert not [n for n in shipped if "/testing/" in n or "metal_harness" in n or n.endswith((".cpp", ".hpp"))]
     assert not [n for n in shipped if n.startswith(("mlx_ferrum/tests/", "mlx_ferrum/benchmarks/"))]

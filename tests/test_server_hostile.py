@@ -5,7 +5,9 @@ and unknown fields, huge ``n`` / ``max_tokens`` / ids, lone surrogates, unimplem
 OpenAI fields, non-JSON and truncated bodies, wrong content types, oversized bodies,
 missing or wrong keys. Two rounds of the same number of requests; asserted:
 
-- no response has a 5xx status (every answer is a 2xx or a 4xx in OpenAI's error shape);
+- no response has a 5xx status (every answer is a 2xx or a 4xx in OpenAI's error shape,
+  Anthropic's under ``/v1/messages``), over every endpoint: chat, completions,
+  Responses, Messages, count_tokens, embeddings, tokenize;
 - ``/health``, polled from a thread the whole time, answers with p99 latency <= 100 ms;
 - the server's RSS grows by at most 10 % from the end of round one to the end of round two.
 """
@@ -61,7 +63,43 @@ def _chat(r: random.Random) -> dict:
     return body
 
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+def _responses(r: random.Random) -> dict:
+    item = r.choice([{"role": "user", "content": "Lily"}, {"type": "message", "role": "developer", "content": [
+        {"type": "input_text", "text": "Once"}]}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}, {"type": "reasoning", "summary": []}])
+    body = {"model": MODEL, "input": r.choice(["Lily", [item], [item, {"role": "user", "content": "One day"}]]),
+            "max_output_tokens": r.randint(1, 8), "temperature": 0}
+    if r.random() < 0.3:
+        body["stream"] = True
+    if r.random() < 0.3:
+        body["tools"] = [{"type": "function", "name": "f", "parameters": {"type": "object"}}, {"type": "web_search"}]
+        body["tool_choice"] = r.choice(["auto", "none", "required", {"type": "function", "name": "f"}])
+    if r.random() < 0.2:
+        body["previous_response_id"] = r.choice(["resp_nope", "", 5])
+    if r.random() < 0.2:
+        body["text"] = {"format": r.choice([{"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {}}])}
+    return body
+
+
+def _messages(r: random.Random) -> dict:
+    content = r.choice(["Lily", [{"type": "text", "text": "Once"}], [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}],
+                        [{"type": "image", "source": {}}]])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": r.randint(1, 8),
+            "temperature": 0, "system": r.choice(["Ben", [{"type": "text", "text": "Ben"}], None])}
+    if r.random() < 0.3:
+        body["stream"] = True
+    if r.random() < 0.3:
+        body["tools"] = [{"name": "f", "input_schema": {"type": "object"}}]
+        body["tool_choice"] = r.choice([{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "f"}, {"type": "x"}])
+    return body
+
+
+def _embeddings(r: random.Random) -> dict:
+    return {"model": MODEL, "input": r.choice(["Lily", ["a", "b"], [1, 400], [[1], [2, 3]], [], ""]),
+            "encoding_format": r.choice(["float", "base64", "x"])}
+
+
+FIELDS = ["model", "prompt", "messages", "input", "max_output_tokens", "system", "stop_sequences", "instructions", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "stream",
           "stream_options", "logit_bias", "stop_token_ids", "ignore_eos", "suffix", "best_of", "echo", "functions",
           "tools", "response_format", "user", "max_completion_tokens", "unknown_field"]
@@ -71,7 +109,10 @@ def make_request(r: random.Random):
     """(method, path, headers, content) of one generated request."""
     auth = {"Authorization": f"Bearer {KEY}"}
     kind = r.random()
-    path = r.choice(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+    path = r.choice(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/responses",
+                     "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"])
+    if path.startswith("/v1/messages") and r.random() < 0.5:
+        auth = {"x-api-key": KEY}  # Anthropic's clients send the key so
     if kind < 0.05:  # wrong or missing key
         return "POST", "/v1/completions", r.choice([{}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}]), \
             json.dumps(_completion(r))
@@ -89,6 +130,12 @@ def make_request(r: random.Random):
         body = r.choice([{"prompt": "Lily"}, {"messages": [{"role": "user", "content": "Lily"}]}, {}])
     elif path == "/detokenize":
         body = {"tokens": r.choice([[1, 400], [], [-1], [99999], "x", [1.5]])}
+    elif path == "/v1/responses":
+        body = _responses(r)
+    elif path.startswith("/v1/messages"):
+        body = _messages(r)
+    elif path == "/v1/embeddings":
+        body = _embeddings(r)
     else:
         body = _completion(r) if path == "/v1/completions" else _chat(r)
     for _ in range(r.randint(0, 3)):  # mutations

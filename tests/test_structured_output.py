@@ -133,6 +133,92 @@ def test_a_constraint_longer_than_max_tokens_ends_with_length(stories):
     out = eng.generate(["Lily"], SamplingParams(temperature=1.0, seed=3, max_tokens=5,
                                                 structured_outputs=StructuredOutputsParams(regex="a{40}")))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5 and set(out.text) <= {"a"}
+    # counted (the server's /metrics shows it): a cut constrained reply does not parse
+    assert eng.stats()["structured_length_finishes"] == 1
+    eng.generate(["Lily"], SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True))  # unconstrained
+    done = eng.generate(["Lily"], SamplingParams(temperature=1.0, seed=3, max_tokens=50,
+                                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))[0]
+    assert done.finish_reason == "stop" and eng.stats()["structured_length_finishes"] == 1
+
+
+def _byte_ids(tok, text):
+    """``text`` as byte-fallback tokens (one per UTF-8 byte): what the grammar allows of a
+    text, apart from how the tokenizer would split it."""
+    return [tok.backend.token_to_id(f"<0x{b:02X}>") for b in text.encode()]
+
+
+def _allows(matcher, tok, text):
+    ids = _byte_ids(tok, text)
+    m = matcher.matcher.deep_copy()
+    if m.validate_tokens(ids) != len(ids):
+        return False
+    for t in ids:
+        assert m.consume_token(t)
+    return m.is_accepting()
+
+
+def test_json_object_is_bounded_where_a_value_could_not_mean_more(stories):
+    """json_object: strings of at most 1024 characters, nesting at most 16 deep, numbers of
+    at most 17 digits each side of the point (a float64's worth) and 3 of exponent."""
+    from mlx_ferrum.engine.structured import JSON_OBJECT_MAX_DEPTH, JSON_OBJECT_MAX_STRING, GrammarBackend
+
+    _, tok = stories
+    backend = GrammarBackend(tok, 512)
+    m = backend.matcher(StructuredOutputsParams(json_object=True))
+    assert JSON_OBJECT_MAX_STRING == 1024 and JSON_OBJECT_MAX_DEPTH == 16
+    for text, ok in [
+        ('{"a":[1,-2.5e10,true,null,{"b":"\\u00e9\\n"}],"c":"é"}', True),
+        ('{"k":"' + "a" * 1024 + '"}', True),
+        ('{"k":"' + "a" * 1025 + '"}', False),
+        ('{"' + "k" * 1025 + '":1}', False),
+        ('{"n":0.00800000000000000}', True),  # 17 digits after the point
+        ('{"n":0.008000000000000000}', False),  # 18
+        ('{"n":12345678901234567}', True),
+        ('{"n":123456789012345678}', False),
+        ('{"n":1e308}', True),
+        ('{"n":1e3080}', False),
+        ('{"n":01}', False),
+        ("{" + '"a":{' * 15 + "}" * 15 + "}", True),  # depth 16
+        ("{" + '"a":{' * 16 + "}" * 16 + "}", False),  # depth 17
+        ('{"a":' + "[" * 15 + "]" * 15 + "}", True),
+        ('{"a":' + "[" * 16 + "]" * 16 + "}", False),
+        ("[1]", False),
+        ('{"a": 1}', False),  # compact: no free whitespace
+    ]:
+        assert _allows(m, tok, text) is ok, text
+        for string in [v for v in [text] if ok]:
+            json.loads(string)
+
+
+def test_a_grammar_in_its_error_state_is_refused_the_same_fresh_or_cached(stories):
+    """A schema with no finite instance puts the grammar in its error state at its first
+    mask: refused at admission with the same message on every try (the first compiles it,
+    the later ones copy the cached grammar), never a finished empty reply."""
+    eng = _engine(stories, "pipelined-paged")
+    messages = []
+    for _ in range(3):
+        with pytest.raises(StructuredOutputError) as e:
+            eng.add_request("Lily", _json_params(0, schema={"$ref": "#"}))
+        messages.append(str(e.value))
+    assert len(set(messages)) == 1 and "json_schema constraint" in messages[0] and "\n" not in messages[0]
+    assert not eng.has_unfinished_requests()
+    # a grammar whose state turns to an error while generating ends its request with "error"
+    from mlx_ferrum.engine.structured import GrammarMatcher
+
+    spec = StructuredOutputsParams(regex="a{40}")
+    seen = []
+
+    def broken_check(self):
+        seen.append(self.kind)
+        raise StructuredOutputError("the regex constraint cannot be used: lexer error")
+
+    original = GrammarMatcher.check
+    GrammarMatcher.check = broken_check
+    try:
+        out = eng.generate(["Lily"], SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_outputs=spec))[0]
+    finally:
+        GrammarMatcher.check = original
+    assert out.finish_reason == "error" and "regex constraint" in out.error and seen == ["regex"]
 
 
 def test_a_schema_that_does_not_compile_is_refused_quickly(stories):

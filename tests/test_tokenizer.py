@@ -436,3 +436,27 @@ def test_template_bos_token_comes_from_the_tokenizer_config_only(tmp_path, byte_
         {"bos_token_id": byte_bpe_backend.token_to_id("<|endoftext|>")},
     )
     _check_against_transformers(folder, CONVERSATIONS)
+
+
+@pytest.mark.parametrize("model", ["stories260K", "SmolLM2-135M-Instruct"])
+def test_a_detokenizer_after_a_prompt_continues_it_as_decode_does(stories_path, model):
+    """Seeded with the prompt, the stream's text is decode(prompt + ids) past decode(prompt)
+    (OpenAI's and vLLM's completion text): SentencePiece's leading space on the first
+    generated token is kept; byte-level BPE reads the same either way."""
+    path = stories_path.parent / model
+    if not (path / "tokenizer.json").exists():
+        pytest.skip(f"{model} not found")
+    tok = Tokenizer.from_pretrained(path)
+    hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    rng = random.Random(0)
+    prompt = tok.encode("Once upon")
+    for text in (" a time, there was a", " a café 🙂 and", "\nLily"):
+        for ids in (tok.encode(text, add_special_tokens=False),
+                    [rng.randrange(3, min(tok.vocab_size, 500)) for _ in range(12)]):
+            detok = tok.detokenizer(prompt_ids=prompt)
+            streamed = "".join(detok.add_token(t) for t in ids) + detok.finalize()
+            head = hf.decode(prompt)
+            assert streamed == hf.decode(prompt + ids)[len(head):] == detok.text, (model, ids)
+            detok.reset()
+            assert detok.text == ""  # after the same prompt again
+            assert "".join(detok.add_token(t) for t in ids) + detok.finalize() == streamed

@@ -57,6 +57,15 @@ def _shutdown_live_engines() -> None:
         engine.shutdown()
 
 
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 def _put_all(items: list) -> None:
     for queue, out in items:
         queue.put_nowait(out)
@@ -101,6 +110,8 @@ class AsyncEngine:
         # for the engine's lock, which a step holds while it schedules and emits
         self._submissions: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()
+        # functions to run on the stepping thread between two steps (run_between_steps)
+        self._calls: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="mlx-ferrum-engine", daemon=True)
         self._thread.start()
@@ -144,6 +155,16 @@ class AsyncEngine:
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - it finished meanwhile, or was never admitted
+                pass
+        while self._calls:
+            fn, loop, future = self._calls.popleft()
+            try:
+                result, error = fn(), None
+            except Exception as e:  # noqa: BLE001 - the caller's failure only: it gets the exception
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the caller's event loop is closed
                 pass
 
     def _deliver_all(self, outs: list[RequestOutput]) -> None:
@@ -232,6 +253,24 @@ class AsyncEngine:
                 self._aborts.append(rid)
                 self._wake.set()
 
+    async def run_between_steps(self, fn):
+        """Run ``fn()`` on the stepping thread between two engine steps and await its result.
+
+        For work that uses the model outside the engine's requests (an embedding's forward
+        pass): on the stepping thread it can never overlap a step's forward pass, and MLX
+        arrays the step left scheduled stay on the thread that owns their stream.
+
+        Raises:
+            EngineShutdownError: the engine was shut down; else whatever ``fn`` raised.
+        """
+        if self._stop:
+            raise EngineShutdownError(_SHUTDOWN_MESSAGE)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.append((fn, loop, future))
+        self._wake.set()
+        return await future
+
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> RequestOutput:
         """Await the final output of one request.
 
@@ -266,5 +305,11 @@ class AsyncEngine:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, _Shutdown())
             except RuntimeError:  # the client's event loop is closed: nobody is listening
+                pass
+        while self._calls:  # functions that never ran: their callers raise
+            _, loop, future = self._calls.popleft()
+            try:
+                loop.call_soon_threadsafe(_settle, future, None, EngineShutdownError(_SHUTDOWN_MESSAGE))
+            except RuntimeError:
                 pass
         _live_engines.discard(self)

@@ -34,10 +34,11 @@ from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
-from .speculative import Proposal, SpeculationPolicy, SpeculativeRequest, make_proposer, token_logprobs, verify
+from .rejection_sampler import Proposal, token_logprobs, verify
+from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
 from .stop import emit_token
 from . import prompt_logprobs as _prompt_lp
-from .structured import GrammarBackend, apply_token_bitmask
+from .structured import GrammarBackend
 
 _req_ids = itertools.count()
 
@@ -274,6 +275,9 @@ class Engine:
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
         self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
+        #: constrained requests (structured output) that ended at max_tokens or the context
+        #: before their grammar was complete: the output does not parse
+        self.num_structured_length = 0
         self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
@@ -385,8 +389,9 @@ class Engine:
         A request is refused at :meth:`add_request` when its prompt alone reaches this
         (it could never produce a token), and ends with ``finish_reason="length"`` and
         its output so far when it reaches it while generating, as when the context is
-        full. ``max_tokens`` beyond it is not refused, since clients commonly ask for
-        the rest of the context. Requests that fit alone but not together are preempted
+        full. ``max_tokens`` beyond it is not refused here, since clients of the Python
+        API commonly ask for the rest of the context (the OpenAI server refuses it with a
+        400, as vLLM does: leaving the field out there asks for the rest). Requests that fit alone but not together are preempted
         and recomputed instead, so a neighbour never ends early for lack of blocks.
         """
         cap = self.runner.kv_capacity()
@@ -425,6 +430,8 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        if reason == "length" and seq.grammar is not None and not seq.grammar.done:
+            self.num_structured_length += 1
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
         self._release_lora_of(seq)
@@ -1058,6 +1065,10 @@ class Engine:
             if s.grammar is not None and tok not in s.stop_ids:
                 s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
                 grammar_done = s.grammar.done
+            if s.grammar is not None:
+                # in its error state the grammar's mask allows only EOS: that is a failure,
+                # never a finished reply
+                s.grammar.check()
             text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
             if grammar_done and reason == "length" and not out_of_room:
                 reason = "stop"  # the constraint is complete: nothing may follow
@@ -1069,19 +1080,17 @@ class Engine:
                 break
         return self._output(s, delta, new_ids)
 
-    def _draft_rows(self, seq: Sequence, logits: mx.array, proposal: Proposal) -> mx.array:
-        """The ``[1 + m, V]`` logits a draft is verified against: undecodable ids masked,
-        and, for a constrained row, each position masked by its grammar state after the
-        draft's earlier tokens, so acceptance and the bonus token follow the grammar."""
-        logits = self._mask_undecodable(logits)
+    def _draft_mask(self, seq: Sequence, proposal: Proposal) -> Optional[mx.array]:
+        """The ``[1 + m, ceil(V / 32)]`` grammar bitmask a constrained row's draft is verified
+        under (each position: its grammar state after the draft's earlier tokens), or None
+        for an unconstrained row."""
         if seq.grammar is None:
-            return logits
-        mask = seq.grammar.draft_bitmask(proposal.token_ids, self._grammar_backend.words)
-        return apply_token_bitmask(logits, mx.array(mask))
+            return None
+        return mx.array(seq.grammar.draft_bitmask(proposal.token_ids, self._grammar_backend.words))
 
     def _verify(self, verified: list) -> list[RequestOutput]:
         """The sampling stage of rows that carried a draft: accept a prefix of each draft
-        and add one token of the target's (:func:`~mlx_ferrum.engine.speculative.verify`:
+        and add one token of the target's (:func:`~mlx_ferrum.engine.rejection_sampler.verify`:
         the target's own choice for greedy rows, rejection sampling for sampled ones), trim
         each cache to the accepted length (whole blocks past it are freed, with the draft
         model's cache), and emit the tokens. Call with the lock held.
@@ -1092,21 +1101,21 @@ class Engine:
         live = [(s, row, prop) for s, row, prop in verified if not s.finished]
         if not live:
             return []
-        outs, masked = [], []
+        outs, kept, masks = [], [], []
         for s, row, prop in live:
             try:
-                masked.append(self._draft_rows(s, row, prop))
+                masks.append(self._draft_mask(s, prop))
+                kept.append((s, row, prop))
             except Exception as e:  # noqa: BLE001 - a grammar failure ends its own request only
                 outs.extend(self._fail_seqs([s], e))
-                masked.append(None)
-        live = [x for x, m in zip(live, masked) if m is not None]
-        masked = [m for m in masked if m is not None]
+        live = kept
         if not live:
             return outs
         seqs = [s for s, _, _ in live]
         try:
             finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
-            results = verify(masked, [p for _, _, p in live], [s.sampler for s in seqs], also=[finite_rows])
+            results = verify([self._mask_undecodable(row) for _, row, _ in live], [p for _, _, p in live],
+                             [s.sampler for s in seqs], also=[finite_rows], allowed=masks)
             finite = finite_rows.tolist()
         except Exception as e:  # noqa: BLE001 - this step's drafts only
             return outs + self._fail_seqs(seqs, e)
@@ -1346,6 +1355,7 @@ class Engine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
                 "generated_tokens": self.num_generated_tokens,
+                "structured_length_finishes": self.num_structured_length,
                 "ttft_mean": ttft.mean,
                 "ttft_p50": ttft.percentile(0.5),
                 "ttft_p90": ttft.percentile(0.9),

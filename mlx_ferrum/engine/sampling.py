@@ -1,57 +1,31 @@
-"""Sampling: ``SamplingParams``, logits processors and a batched, per-row-seeded sampler.
+"""Sampling: ``SamplingParams``, per-request sampler state and the batched, per-row-seeded sampler.
 
-Processing order for one step (Hugging Face ``generate``'s warper order, also vLLM's):
-
-1. repetition penalty on the raw logits (Keskar et al. 2019, "CTRL", section 4.1;
-   HF ``RepetitionPenaltyLogitsProcessor``), then presence and frequency penalties on
-   the generated tokens (OpenAI's API reference, "Parameter details"; vLLM's
-   ``apply_penalties``);
-2. the per-request additive ``logit_bias`` (OpenAI's ``logit_bias``: ``{token id: bias}``,
-   bias in [-100, 100], added to that token's logit before sampling);
-3. temperature;
-4. top-k (Fan et al. 2018, "Hierarchical Neural Story Generation");
-5. top-p / nucleus (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration");
-6. min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and
-   Coherent LLM Outputs");
-7. a categorical draw by the Gumbel-max trick (``argmax(logits + Gumbel noise)``), the
-   noise drawn from the row's own PRNG key.
-
-Rows with ``temperature == 0`` take the argmax of the penalised and biased logits instead.
+The logits chain (penalties, ``logit_bias``, grammar mask, temperature, top-k, top-p,
+min-p) lives in :mod:`~mlx_ferrum.engine.logits_processors`; :func:`sample` runs it, then
+draws one token per row by the Gumbel-max trick (``argmax(logits + Gumbel noise)``), the
+noise drawn from the row's own PRNG key. Rows with ``temperature == 0`` take the argmax.
 Reported log-probabilities are those of the raw logits (before any processor).
-
-Every processor takes ``logits`` of shape ``[B, V]`` (cast to float32) and per-row
-parameters (a Python scalar shared by all rows, or a length-``B`` sequence / mx array),
-and returns a new ``[B, V]`` float32 array; filtered entries become ``-inf``. Ties at a
-top-k / top-p threshold are all kept.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
 from ..errors import ExecutorError, SamplingParamsError
-from .structured import StructuredOutputsParams, apply_token_bitmask
+from .logits_processors import process_logits
+from .structured import StructuredOutputsParams
 
 __all__ = [
     "SamplingParams",
     "SamplerState",
     "SampleResult",
-    "apply_repetition_penalty",
-    "apply_presence_frequency_penalty",
-    "apply_logit_bias",
-    "apply_temperature",
-    "apply_top_k",
-    "apply_top_p",
-    "apply_min_p",
     "sample",
 ]
 
-_NEG_INF = float("-inf")
-RowParam = Union[float, int, Sequence[float], mx.array]
 
 
 # ---------------------------------------------------------------------------
@@ -67,10 +41,6 @@ def _is_int(x) -> bool:
 #: denormal (flushed to zero on some backends) whose reciprocal overflows float32, so
 #: dividing the logits by it gives inf/NaN rather than a sharper distribution.
 _GREEDY_BELOW = 1.1754943508222875e-38
-
-#: Below this temperature ``sample`` checks a sampled row for logits that overflowed when
-#: scaled (``logit / temperature`` beyond float32's range) and takes its argmax instead.
-_OVERFLOW_CHECK_BELOW = 1e-20
 
 
 def _is_number(x) -> bool:
@@ -226,255 +196,6 @@ class SamplingParams:
 
 
 # ---------------------------------------------------------------------------
-# logits processors
-# ---------------------------------------------------------------------------
-
-
-def _rows(value: RowParam, batch: int, dtype=mx.float32) -> mx.array:
-    """A per-row parameter as a ``[B, 1]`` array (a scalar is broadcast)."""
-    if isinstance(value, mx.array):
-        arr = value.astype(dtype)
-    elif isinstance(value, (int, float)):
-        arr = mx.full((batch,), value, dtype=dtype)
-    else:
-        arr = mx.array(list(value), dtype=dtype)
-    if arr.size != batch:
-        raise ExecutorError(f"a per-row sampling parameter has {arr.size} values for a batch of {batch} rows")
-    return arr.reshape(batch, 1)
-
-
-def _as_2d(logits: mx.array) -> mx.array:
-    if logits.ndim != 2:
-        raise ExecutorError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
-    return logits.astype(mx.float32)
-
-
-def _pending_hits(pending: Optional[mx.array], batch: int, vocab: int) -> Optional[mx.array]:
-    """``[B, V]`` bool: row ``b`` holds ``pending[b]`` (a token sampled on the device and not
-    yet in the host history; ``-1``: none), or None without pending tokens."""
-    if pending is None:
-        return None
-    pending = pending.astype(mx.int32).reshape(batch, 1)
-    return mx.arange(vocab, dtype=mx.int32)[None, :] == pending
-
-
-def apply_repetition_penalty(
-    logits: mx.array, history: Sequence[Sequence[int]], penalty: RowParam, pending: Optional[mx.array] = None
-) -> mx.array:
-    """Penalise every token id that occurs in a row's history.
-
-    For each id in ``history[b]`` (counted once, however often it occurs), a positive
-    logit is divided by ``penalty[b]`` and a negative one multiplied by it (CTRL,
-    Keskar et al. 2019; the same as HF ``RepetitionPenaltyLogitsProcessor``).
-    Ids outside ``[0, V)`` are ignored.
-
-    Args:
-        logits: ``[B, V]``, any float dtype.
-        history: ``B`` sequences of token ids (prompt and generated).
-        penalty: > 0 per row; ``1`` leaves the row unchanged.
-        pending: optional ``[B]`` int32 device array: one more token per row that the
-            host history lacks (the pipelined step's token still being read back; ``-1``
-            for none), counted as part of the history.
-
-    Returns:
-        ``[B, V]`` float32.
-
-    Raises:
-        ExecutorError: ``logits`` is not 2-D, or ``history`` / ``penalty`` have the wrong length.
-    """
-    x = _as_2d(logits)
-    batch, vocab = x.shape
-    if len(history) != batch:
-        raise ExecutorError(f"repetition penalty got {len(history)} histories for {batch} rows")
-    pen = _rows(penalty, batch)
-    rows: list[int] = []
-    cols: list[int] = []
-    for b, ids in enumerate(history):
-        unique = {int(t) for t in ids if 0 <= int(t) < vocab}
-        rows.extend([b] * len(unique))
-        cols.extend(unique)
-    extra = _pending_hits(pending, batch, vocab)
-    if not rows and extra is None:
-        return x
-    seen = mx.zeros((batch, vocab), dtype=mx.bool_)
-    if rows:
-        seen = seen.at[mx.array(rows), mx.array(cols)].add(True)
-    if extra is not None:
-        seen = seen | extra
-    penalised = mx.where(x < 0, x * pen, x / pen)
-    return mx.where(seen, penalised, x)
-
-
-def apply_presence_frequency_penalty(
-    logits: mx.array, generated: Sequence[Sequence[int]], presence: RowParam, frequency: RowParam,
-    pending: Optional[mx.array] = None,
-) -> mx.array:
-    """Subtract ``presence * [count > 0] + frequency * count`` from each logit.
-
-    ``count[b, v]`` is how often id ``v`` occurs in ``generated[b]`` (the output only,
-    not the prompt, as in OpenAI's API and vLLM). Ids outside ``[0, V)`` are ignored.
-
-    Args:
-        logits: ``[B, V]``, any float dtype.
-        generated: ``B`` sequences of generated token ids.
-        presence, frequency: per row, in [-2, 2]; ``0`` leaves the row unchanged.
-        pending: optional ``[B]`` int32 device array of one more generated token per row
-            that ``generated`` lacks (``-1`` for none); see :func:`apply_repetition_penalty`.
-
-    Returns:
-        ``[B, V]`` float32.
-
-    Raises:
-        ExecutorError: ``logits`` is not 2-D, or the per-row arguments have the wrong length.
-    """
-    x = _as_2d(logits)
-    batch, vocab = x.shape
-    if len(generated) != batch:
-        raise ExecutorError(f"presence/frequency penalty got {len(generated)} histories for {batch} rows")
-    rows: list[int] = []
-    cols: list[int] = []
-    for b, ids in enumerate(generated):
-        for t in ids:
-            if 0 <= int(t) < vocab:
-                rows.append(b)
-                cols.append(int(t))
-    extra = _pending_hits(pending, batch, vocab)
-    if not rows and extra is None:
-        return x
-    counts = mx.zeros((batch, vocab), dtype=mx.float32)
-    if rows:
-        counts = counts.at[mx.array(rows), mx.array(cols)].add(1.0)
-    if extra is not None:
-        counts = counts + extra.astype(mx.float32)
-    return x - _rows(presence, batch) * (counts > 0).astype(mx.float32) - _rows(frequency, batch) * counts
-
-
-def apply_logit_bias(logits: mx.array, biases: Sequence[Optional[dict[int, float]]]) -> mx.array:
-    """Add each row's ``{token id: bias}`` to its logits, in one scatter-add for the batch.
-
-    Args:
-        logits: ``[B, V]``, any float dtype.
-        biases: ``B`` dicts (or None for no bias) of token id -> bias (float).
-
-    Returns:
-        ``[B, V]`` float32.
-
-    Raises:
-        ExecutorError: ``logits`` is not 2-D, ``biases`` has the wrong length, or an id is
-            outside ``[0, V)`` (the engine checks ids when it takes a request).
-    """
-    x = _as_2d(logits)
-    batch, vocab = x.shape
-    if len(biases) != batch:
-        raise ExecutorError(f"logit_bias got {len(biases)} rows of biases for {batch} rows of logits")
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
-    for b, bias in enumerate(biases):
-        if bias:
-            rows.extend([b] * len(bias))
-            cols.extend(bias.keys())
-            values.extend(bias.values())
-    if not rows:
-        return x
-    if min(cols) < 0 or max(cols) >= vocab:
-        raise ExecutorError(f"a logit_bias token id is outside the vocabulary [0, {vocab})")
-    # ids of one row are unique (dict keys), so add == set-on-zeros; one scatter for all rows
-    delta = mx.zeros((batch, vocab), dtype=mx.float32).at[mx.array(rows), mx.array(cols)].add(mx.array(values, dtype=mx.float32))
-    return x + delta
-
-
-def apply_temperature(logits: mx.array, temperature: RowParam) -> mx.array:
-    """``logits / temperature`` per row.
-
-    Args:
-        logits: ``[B, V]``.
-        temperature: > 0 per row (greedy rows must be handled by the caller).
-
-    Returns:
-        ``[B, V]`` float32.
-    """
-    x = _as_2d(logits)
-    return x / _rows(temperature, x.shape[0])
-
-
-def apply_top_k(logits: mx.array, top_k: Union[int, Sequence[int], mx.array]) -> mx.array:
-    """Keep each row's ``k`` largest logits (and any tied with the k-th); ``k <= 0`` is off.
-
-    Top-k sampling, Fan et al. 2018. ``k >= V`` keeps everything.
-
-    Args:
-        logits: ``[B, V]``.
-        top_k: int per row.
-
-    Returns:
-        ``[B, V]`` float32, filtered entries ``-inf``.
-    """
-    x = _as_2d(logits)
-    batch, vocab = x.shape
-    if isinstance(top_k, int):
-        if top_k <= 0 or top_k >= vocab:
-            return x
-        # One shared k: a partial selection is enough.
-        kth = mx.min(mx.topk(x, top_k, axis=-1), axis=-1, keepdims=True)
-        return mx.where(x < kth, _NEG_INF, x)
-    if not isinstance(top_k, mx.array):  # clamp before int32 conversion: huge k means "keep all"
-        top_k = [min(int(t), vocab) for t in top_k]
-    k = _rows(top_k, batch, mx.int32)
-    k = mx.where(k <= 0, vocab, mx.minimum(k, vocab))
-    ascending = mx.sort(x, axis=-1)
-    kth = mx.take_along_axis(ascending, vocab - k, axis=-1)
-    return mx.where(x < kth, _NEG_INF, x)
-
-
-def apply_top_p(logits: mx.array, top_p: RowParam) -> mx.array:
-    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches ``p``.
-
-    Holtzman et al. 2019. A token is kept when the probability mass of the tokens
-    ranked strictly above it is below ``p``, so the most likely token always survives.
-    ``p >= 1`` is off.
-
-    Args:
-        logits: ``[B, V]`` (already temperature-scaled).
-        top_p: in (0, 1] per row.
-
-    Returns:
-        ``[B, V]`` float32, filtered entries ``-inf``.
-    """
-    x = _as_2d(logits)
-    batch = x.shape[0]
-    p = _rows(top_p, batch)
-    order = mx.argsort(-x, axis=-1)
-    sorted_logits = mx.take_along_axis(x, order, axis=-1)
-    sorted_probs = mx.softmax(sorted_logits, axis=-1)
-    mass_above = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-    n_keep = mx.maximum(mx.sum(mass_above < p, axis=-1, keepdims=True), 1)
-    threshold = mx.take_along_axis(sorted_logits, n_keep - 1, axis=-1)
-    filtered = mx.where(x < threshold, _NEG_INF, x)
-    return mx.where(p >= 1.0, x, filtered)
-
-
-def apply_min_p(logits: mx.array, min_p: RowParam) -> mx.array:
-    """Min-p filter: drop tokens with probability below ``min_p`` times the top probability.
-
-    Nguyen et al. 2024. Computed in log space: keep ``logit >= max_logit + log(min_p)``.
-    ``min_p == 0`` is off.
-
-    Args:
-        logits: ``[B, V]`` (already temperature-scaled).
-        min_p: in [0, 1] per row.
-
-    Returns:
-        ``[B, V]`` float32, filtered entries ``-inf``.
-    """
-    x = _as_2d(logits)
-    m = _rows(min_p, x.shape[0])
-    log_ratio = mx.where(m > 0, mx.log(mx.maximum(m, 1e-38)), _NEG_INF)
-    threshold = mx.max(x, axis=-1, keepdims=True) + log_ratio
-    return mx.where(x < threshold, _NEG_INF, x)
-
-
-# ---------------------------------------------------------------------------
 # per-request state and the batched sampler
 # ---------------------------------------------------------------------------
 
@@ -626,56 +347,28 @@ def sample(
     """
     if logits.ndim == 3 and logits.shape[1] == 1:
         logits = logits.reshape(logits.shape[0], logits.shape[2])
-    raw = _as_2d(logits)
+    if logits.ndim != 2:
+        raise ExecutorError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    raw = logits.astype(mx.float32)
     batch, vocab = raw.shape
     if len(states) != batch:
         raise ExecutorError(f"sample() got {len(states)} sampler states for {batch} rows of logits")
     params = [s.params for s in states]
+    generated = ([s.history[s.num_prompt_tokens:] for s in states]
+                 if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params) else None)
+    chain = process_logits(raw, params, [s.history for s in states], generated, pending=pending, allowed=allowed)
 
-    x = raw
-    if any(p.repetition_penalty != 1.0 for p in params):
-        x = apply_repetition_penalty(x, [s.history for s in states], [p.repetition_penalty for p in params],
-                                     pending=pending)
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        x = apply_presence_frequency_penalty(
-            x,
-            [s.history[s.num_prompt_tokens :] for s in states],
-            [p.presence_penalty for p in params],
-            [p.frequency_penalty for p in params],
-            pending=pending,
-        )
-    if any(p.logit_bias for p in params):
-        x = apply_logit_bias(x, [p.logit_bias for p in params])
-    if allowed is not None:
-        x = apply_token_bitmask(x, allowed)
-
-    greedy_rows = [p.greedy for p in params]
-    argmax = mx.argmax(x, axis=-1).astype(mx.int32)
-    if all(greedy_rows):
+    argmax = mx.argmax(chain.penalised, axis=-1).astype(mx.int32)
+    if chain.filtered is None:
         tokens = argmax
     else:
-        y = apply_temperature(x, [p.temperature if not p.greedy else 1.0 for p in params])
-        overflowed = None
-        if any(not p.greedy and p.temperature < _OVERFLOW_CHECK_BELOW for p in params):
-            # a tiny temperature can push finite logits past float32's range: such a row
-            # is as sharp as greedy, and its scaled logits no longer rank the tokens
-            overflowed = mx.any(mx.isinf(y) & mx.isfinite(x), axis=-1)
-        ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]  # top_k > vocab keeps all
-        if any(ks):
-            y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
-        if any(p.top_p < 1.0 for p in params):
-            y = apply_top_p(y, [p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            y = apply_min_p(y, [p.min_p for p in params])
+        greedy_rows = [p.greedy for p in params]
         noise = _gumbel_rows(vocab, [s for g, s in zip(greedy_rows, states) if not g])
         if len(greedy_rows) != noise.shape[0]:
             at = mx.array([b for b, g in enumerate(greedy_rows) if not g], dtype=mx.int32)
             noise = mx.zeros((batch, vocab), dtype=mx.float32).at[at].add(noise)
-        sampled = mx.argmax(y + noise, axis=-1).astype(mx.int32)
-        take_argmax = mx.array(greedy_rows)
-        if overflowed is not None:
-            take_argmax = take_argmax | overflowed
-        tokens = mx.where(take_argmax, argmax, sampled)
+        sampled = mx.argmax(chain.filtered + noise, axis=-1).astype(mx.int32)
+        tokens = mx.where(chain.take_argmax, argmax, sampled)
 
     result = SampleResult(tokens=tokens)
     asked = [p.logprobs for p in params if p.logprobs is not None]

@@ -144,7 +144,7 @@ class Sequence:
             prompt_ids=list(prompt_ids),
             params=params,
             sampler=SamplerState.create(params, prompt_ids),
-            detok=tokenizer.detokenizer() if tokenizer is not None else None,
+            detok=tokenizer.detokenizer(prompt_ids=prompt_ids) if tokenizer is not None else None,
             matcher=StopStringMatcher(params.stop),
             stop_ids=frozenset(stop_ids),
             metrics=RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_ids)),

@@ -1,10 +1,10 @@
-"""Speculative decoding: proposers and the acceptance rule.
+"""Speculative decoding: the proposers and the policy that decides where drafting pays.
 
 A decoding request with ``k`` proposed tokens ``d_1 .. d_k`` becomes a ``(k+1)``-token
 row ``[x, d_1, .., d_k]`` in the engine's ordinary batched forward pass (``x`` is the
-request's last sampled token). Row ``i`` of its logits is the target model's
-distribution ``p_i`` after ``d_i``; :func:`verify` then keeps a prefix of the proposal
-and adds one token of its own, so every verified row yields 1 to ``k+1`` tokens.
+request's last sampled token); :func:`~mlx_ferrum.engine.rejection_sampler.verify` then
+keeps a prefix of the proposal and adds one token of its own, so every verified row
+yields 1 to ``k+1`` tokens.
 
 Proposers:
 
@@ -16,20 +16,8 @@ Proposers:
 - :class:`DraftModelProposer`: a smaller model sharing the tokenizer runs ``k``
   autoregressive steps on its own model runner and KV cache (Leviathan et al. 2023,
   "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023,
-  "Accelerating Large Language Model Decoding with Speculative Sampling").
-
-Acceptance (:func:`verify`):
-
-- greedy rows (``temperature == 0``) accept while the target's argmax equals the
-  proposal, then take the target's argmax: the output is token for token what
-  greedy decoding without speculation gives;
-- sampled rows use the rejection rule of Leviathan et al. (Algorithm 1) / Chen et al.
-  (Algorithm 2): accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the
-  first rejection draw from ``normalize(max(0, p_i - q_i))``; when all ``k`` are accepted
-  draw a bonus token from ``p_k``. Each emitted token is then distributed exactly as
-  under ``p`` (the fully processed target distribution: repetition penalty,
-  temperature, top-k, top-p, min-p, as in :func:`~mlx_ferrum.engine.sampling.sample`).
-  A deterministic proposal (n-gram) has ``q_i`` = a point mass on ``d_i``.
+  "Accelerating Large Language Model Decoding with Speculative Sampling"), drawing each
+  draft token from the same logits chain the target's tokens come from.
 """
 
 from __future__ import annotations
@@ -44,30 +32,17 @@ import numpy as np
 from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
 from ..runner import LlmRunner, SeqWork
-from .sampling import (
-    apply_logit_bias,
-    apply_presence_frequency_penalty,
-    SamplerState,
-    SamplingParams,
-    apply_min_p,
-    apply_repetition_penalty,
-    apply_temperature,
-    apply_top_k,
-    apply_top_p,
-)
+from .logits_processors import process_logits
+from .rejection_sampler import Proposal, distributions, draw, uniforms
+from .sampling import SamplerState
 
 __all__ = [
     "SpeculationPolicy",
     "SpeculativeRequest",
-    "Proposal",
-    "Verified",
     "ngram_propose",
     "NgramProposer",
     "DraftModelProposer",
     "make_proposer",
-    "processed_logits",
-    "verify",
-    "token_logprobs",
 ]
 
 
@@ -86,195 +61,6 @@ class SpeculativeRequest:
     token_ids: list[int]
     num_speculative_tokens: int
     state: SamplerState
-
-
-@dataclass
-class Proposal:
-    """Proposed tokens of one request.
-
-    Attributes:
-        token_ids: ``d_1 .. d_m`` with ``0 <= m <= k``.
-        draft_probs: ``[m, vocab]`` float64 numpy: the distribution ``q_i`` each ``d_i``
-            was drawn from, or None for a deterministic proposal (a point mass on ``d_i``).
-    """
-
-    token_ids: list[int]
-    draft_probs: Optional[np.ndarray] = None
-
-
-@dataclass
-class Verified:
-    """Result of verifying one proposal: ``token_ids`` (the accepted ``d_1 .. d_n`` and
-    one target token, so ``n + 1`` ids) and ``num_accepted`` (``n``)."""
-
-    token_ids: list[int]
-    num_accepted: int
-
-
-# ---------------------------------------------------------------------------
-# shared math
-# ---------------------------------------------------------------------------
-
-
-def processed_logits(
-    logits: mx.array,
-    params: Sequence[SamplingParams],
-    histories: Sequence[Sequence[int]],
-    generated: Optional[Sequence[Sequence[int]]] = None,
-) -> tuple[mx.array, Optional[mx.array]]:
-    """The logits :func:`~mlx_ferrum.engine.sampling.sample` draws from, one row per entry.
-
-    Args:
-        logits: ``[R, V]`` raw logits, any float dtype.
-        params: ``R`` sampling parameters (one per row).
-        histories: ``R`` token-id histories (for the repetition penalty).
-        generated: ``R`` lists of generated ids only (for the presence and frequency
-            penalties); None when no row has them.
-
-    Returns:
-        ``(penalised, filtered)``: ``[R, V]`` float32 logits after the penalties and
-        ``logit_bias`` (their argmax is the greedy choice), and ``[R, V]`` float32 logits after
-        temperature, top-k, top-p and min-p (``softmax`` of a row is that row's sampling
-        distribution; ``-inf`` where filtered), or None when every row is greedy.
-    """
-    x = logits.astype(mx.float32)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        x = apply_repetition_penalty(x, histories, [p.repetition_penalty for p in params])
-    if generated is not None and any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        x = apply_presence_frequency_penalty(
-            x, generated, [p.presence_penalty for p in params], [p.frequency_penalty for p in params]
-        )
-    if any(p.logit_bias for p in params):
-        x = apply_logit_bias(x, [p.logit_bias for p in params])
-    if all(p.greedy for p in params):
-        return x, None
-    y = apply_temperature(x, [p.temperature if not p.greedy else 1.0 for p in params])
-    ks = [p.top_k if p.top_k > 0 else 0 for p in params]
-    if any(ks):
-        y = apply_top_k(y, ks[0] if len(set(ks)) == 1 else ks)
-    if any(p.top_p < 1.0 for p in params):
-        y = apply_top_p(y, [p.top_p for p in params])
-    if any(p.min_p > 0.0 for p in params):
-        y = apply_min_p(y, [p.min_p for p in params])
-    return x, y
-
-
-def _uniforms(state: SamplerState, n: int) -> np.ndarray:
-    """``n`` uniforms in [0, 1) from the request's own key (split once)."""
-    return np.array(mx.random.uniform(shape=(n,), key=state.next_key()), dtype=np.float64)
-
-
-def _draw(weights: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw of an index from non-negative ``weights`` with the uniform ``u``."""
-    cdf = np.cumsum(weights)
-    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return min(i, len(weights) - 1)
-
-
-def _softmax(y: mx.array) -> np.ndarray:
-    return np.array(mx.softmax(y, axis=-1), dtype=np.float64)
-
-
-def token_logprobs(logits: mx.array, token_ids: Sequence[int], top: int):
-    """Log-probabilities under the raw logits, as :func:`sample` reports them.
-
-    Args:
-        logits: ``[R, V]`` raw logits.
-        token_ids: ``R`` chosen ids.
-        top: how many top alternatives per row (0 = none).
-
-    Returns:
-        ``(chosen [R] list of float, top_ids [R][top] or None, top_logprobs [R][top] or None)``.
-    """
-    raw = logits.astype(mx.float32)
-    logp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    idx = mx.array(list(token_ids), dtype=mx.int32).reshape(-1, 1)
-    chosen = mx.take_along_axis(logp, idx, axis=-1).reshape(-1).tolist()
-    if top <= 0:
-        return chosen, None, None
-    k = min(top, raw.shape[-1])
-    part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
-    part_lp = mx.take_along_axis(logp, part, axis=-1)
-    order = mx.argsort(-part_lp, axis=-1)
-    return chosen, mx.take_along_axis(part, order, axis=-1).tolist(), mx.take_along_axis(part_lp, order, axis=-1).tolist()
-
-
-# ---------------------------------------------------------------------------
-# acceptance
-# ---------------------------------------------------------------------------
-
-
-def verify(logits: Sequence[mx.array], proposals: Sequence[Proposal], states: Sequence[SamplerState],
-           also: Sequence[mx.array] = ()) -> list[Verified]:
-    """Accept a prefix of each proposal and add one target token (see the module docstring).
-
-    Args:
-        logits: per request, ``[m_b + 1, V]`` target logits for ``[x, d_1 .. d_m]``.
-        proposals: per request, its :class:`Proposal` (``m_b`` tokens).
-        states: per request, its sampler state. Sampled rows split its key once; the
-            history is read, not changed (the caller appends the emitted tokens).
-        also: arrays of the caller's evaluated in the same ``mx.eval`` as the
-            acceptance's own (one wait for the device instead of two).
-
-    Returns:
-        One :class:`Verified` per request.
-
-    Raises:
-        ValueError: a logits block does not have ``m_b + 1`` rows.
-    """
-    params, histories, generated = [], [], []
-    for lg, prop, st in zip(logits, proposals, states):
-        m = len(prop.token_ids)
-        if lg.shape[0] != m + 1:
-            raise ValueError(f"verify got {lg.shape[0]} logits rows for {m} proposed tokens: expected {m + 1}")
-        penalised = st.params.presence_penalty != 0.0 or st.params.frequency_penalty != 0.0
-        for i in range(m + 1):
-            params.append(st.params)
-            histories.append(st.history + prop.token_ids[:i] if st.params.repetition_penalty != 1.0 else st.history)
-            generated.append(st.history[st.num_prompt_tokens:] + prop.token_ids[:i] if penalised else [])
-    rows = mx.concatenate(list(logits), axis=0)
-    x, y = processed_logits(rows, params, histories, generated)
-    argmax_array = mx.argmax(x, axis=-1)
-    probs_array = mx.softmax(y, axis=-1) if y is not None else None
-    # one wait for everything the host reads (and for ``also``, the caller's arrays)
-    mx.eval(argmax_array, *([] if probs_array is None else [probs_array]), *also)
-    argmax = argmax_array.tolist()
-    probs = np.array(probs_array, dtype=np.float64) if probs_array is not None else None
-
-    out: list[Verified] = []
-    off = 0
-    for prop, st in zip(proposals, states):
-        d = prop.token_ids
-        m = len(d)
-        if st.params.greedy:
-            n = 0
-            while n < m and argmax[off + n] == d[n]:
-                n += 1
-            out.append(Verified(d[:n] + [argmax[off + n]], n))
-        else:
-            u = _uniforms(st, m + 1)
-            tok: Optional[int] = None
-            n = 0
-            while n < m:
-                p = probs[off + n]
-                q_d = 1.0 if prop.draft_probs is None else prop.draft_probs[n][d[n]]
-                if u[n] * q_d < p[d[n]]:  # u < p/q without dividing by a zero q
-                    n += 1
-                    continue
-                if prop.draft_probs is None:
-                    residual = p.copy()
-                    residual[d[n]] = 0.0
-                else:
-                    residual = np.maximum(p - prop.draft_probs[n], 0.0)
-                if residual.sum() <= 0.0:  # only by rounding: p == q, so p itself is exact
-                    residual = p
-                tok = _draw(residual, u[m])
-                break
-            if tok is None:
-                tok = _draw(probs[off + m], u[m])
-            out.append(Verified(d[:n] + [tok], n))
-        off += m + 1
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -460,9 +246,10 @@ class DraftModelProposer:
                 st = requests[b].state
                 params.append(st.params)
                 histories.append(st.history + tokens[b] if st.params.repetition_penalty != 1.0 else st.history)
-            x, y = processed_logits(mx.concatenate(logits, axis=0), params, histories)
-            argmax = mx.argmax(x, axis=-1).tolist()
-            probs = _softmax(y) if y is not None else None
+            argmax_array, probs_array = distributions(
+                process_logits(mx.concatenate(logits, axis=0), params, histories))
+            argmax = argmax_array.tolist()
+            probs = np.array(probs_array, dtype=np.float64) if probs_array is not None else None
             feed = {}
             for j, b in enumerate(order):
                 st = requests[b].state
@@ -470,7 +257,7 @@ class DraftModelProposer:
                     tok = argmax[j]
                 else:
                     q = probs[j]
-                    tok = _draw(q, float(_uniforms(st, 1)[0]))
+                    tok = draw(q, float(uniforms(st, 1)[0]))
                     qs[b].append(q)
                 tokens[b].append(tok)
                 if len(tokens[b]) < requests[b].num_speculative_tokens:

@@ -19,7 +19,11 @@ microseconds at 100K+ vocabularies. outlines-core compiles a schema's whole rege
 token index up front (seconds for large schemas); xgrammar's wheel brings torch along.
 
 Errors: a constraint the library cannot compile raises :class:`StructuredOutputError`
-(a :class:`~mlx_ferrum.errors.SamplingParamsError`, so the server answers 400 naming it).
+(a :class:`~mlx_ferrum.errors.SamplingParamsError`, so the server answers 400 naming it),
+and so does one whose first mask leaves the grammar in its error state (no finite output,
+a work limit spent): the first mask is computed at compile time, before the grammar is
+cached. llguidance's "stopped" state covers both a complete output and an error; an error
+met while generating ends the request with ``finish_reason="error"``, never ``"stop"``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,39 @@ __all__ = [
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+#: Bounds of a ``json_object`` reply (any JSON object), where the value could not mean
+#: more: a string holds at most this many characters (an escape counts as one) ...
+JSON_OBJECT_MAX_STRING = 1024
+#: ... objects and arrays nest at most this deep (the reply's own object is depth 1) ...
+JSON_OBJECT_MAX_DEPTH = 16
+#: ... and a number has at most 17 digits before and 17 after its point and 3 in its
+#: exponent: 17 significant digits are all a float64 carries, so a sampled run of digits
+#: (0.0080000000000000000200000...) can never keep the reply from closing.
+JSON_NUMBER_REGEX = r"-?(0|[1-9][0-9]{0,16})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?"
+
+
+def json_object_grammar(max_string: int = JSON_OBJECT_MAX_STRING, max_depth: int = JSON_OBJECT_MAX_DEPTH) -> str:
+    """A Lark grammar (llguidance's dialect) of one compact JSON object (RFC 8259, no free
+    whitespace) within the bounds above: each nesting level is its own rule, so depth is
+    bounded by construction; strings and numbers are bounded lexemes.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+    if max_string < 1 or max_depth < 1:
+        raise ValueError("json_object bounds must be positive")
+    lines = ["start: object1",
+             r'STRING: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4}){0,%d}"/' % max_string,
+             f"NUMBER: /{JSON_NUMBER_REGEX}/"]
+    for k in range(1, max_depth + 1):
+        deeper = f" | object{k + 1} | array{k + 1}" if k < max_depth else ""
+        lines += [f'object{k}: "{{" (pair{k} ("," pair{k})*)? "}}"',
+                  f'pair{k}: STRING ":" value{k}',
+                  f'array{k}: "[" (value{k} ("," value{k})*)? "]"',
+                  f'value{k}: STRING | NUMBER | "true" | "false" | "null"{deeper}']
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One request's output constraint; exactly one field is set.
@@ -57,7 +94,10 @@ class StructuredOutputsParams:
     Fields:
         json: a JSON schema (a dict, or its JSON text): the output is one JSON value
             that validates against it.
-        json_object: True: the output is any JSON object.
+        json_object: True: the output is any JSON object, within documented bounds:
+            strings of at most ``JSON_OBJECT_MAX_STRING`` characters, nesting at most
+            ``JSON_OBJECT_MAX_DEPTH`` deep, numbers of at most 17 digits each side of the
+            point (:func:`json_object_grammar`).
         regex: the output matches this regular expression (Rust ``regex`` syntax).
         grammar: a Lark grammar in llguidance's dialect (or a GBNF grammar); its start
             rule is ``start`` (Lark) / ``root`` (GBNF).
@@ -94,6 +134,16 @@ class StructuredOutputsParams:
     def __hash__(self):
         return hash(self.key())
 
+    @property
+    def kind(self) -> str:
+        """The constraint's kind as errors name it: json_schema, json_object, regex, grammar or choice."""
+        if self.json is not None:
+            return "json_schema"
+        for name in ("json_object", "regex", "grammar", "choice"):
+            if getattr(self, name):
+                return name
+        return "none"
+
     def key(self) -> str:
         """A string naming the constraint exactly (the compile cache's key)."""
         value = self.json if not isinstance(self.json, dict) else json.dumps(self.json, sort_keys=True)
@@ -107,8 +157,10 @@ class StructuredOutputsParams:
         """
         import llguidance
 
-        if self.json is not None or self.json_object:
-            schema: Any = {"type": "object"} if self.json_object else self.json
+        if self.json_object:
+            return llguidance.grammar_from("lark", json_object_grammar())
+        if self.json is not None:
+            schema: Any = self.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
@@ -127,6 +179,18 @@ class StructuredOutputsParams:
 
             return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
         return llguidance.grammar_from("grammar", self.grammar)
+
+
+def _short(error: Optional[str]) -> str:
+    """The library's error without its state dump (its first line)."""
+    return (error or "").strip().splitlines()[0] if (error or "").strip() else ""
+
+
+def _failed_message(kind: str, error: Optional[str]) -> str:
+    reason = _short(error)
+    if reason == "NoExtensionBias":  # llguidance: no token can extend the output to a complete one
+        reason = "it allows no complete output (e.g. a schema that only refers to itself)"
+    return f"the {kind} constraint cannot be used: {reason or 'the grammar library reported an error'}"
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -160,8 +224,9 @@ class GrammarMatcher:
     mask with :meth:`GrammarBackend.fill_bitmask` before each sample.
     """
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, kind: str = "grammar"):
         self.matcher = matcher
+        self.kind = kind
         self.num_tokens = 0
 
     def accept(self, token_id: int) -> None:
@@ -173,8 +238,18 @@ class GrammarMatcher:
         """
         if not self.matcher.consume_token(int(token_id)):
             raise StructuredOutputError(
-                f"the grammar rejected token {token_id}: {self.matcher.get_error() or 'not allowed here'}")
+                f"the {self.kind} constraint rejected token {token_id}: {_short(self.matcher.get_error()) or 'not allowed here'}")
         self.num_tokens += 1
+
+    def check(self) -> None:
+        """Raise when the grammar is in its error state: an error is never a finished output.
+
+        Raises:
+            StructuredOutputError: naming the constraint and the library's reason (a work
+                limit ran out, or the grammar allows no complete output from here).
+        """
+        if self.matcher.is_error():
+            raise StructuredOutputError(_failed_message(self.kind, self.matcher.get_error()))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (a rejected speculative draft)."""
@@ -225,8 +300,9 @@ class GrammarMatcher:
 
     @property
     def done(self) -> bool:
-        """True when the grammar allows no further token (the output is complete)."""
-        return self.matcher.is_stopped()
+        """True when the grammar allows no further token because the output is complete
+        (llguidance's stopped state is also its error state: an error is not done)."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     @property
     def error(self) -> Optional[str]:
@@ -267,7 +343,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self._executor = llguidance.LLExecutor()
-        self._limits = llguidance.LLParserLimits()
+        # verbose errors would put the parser's internal state into a client's 400
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -292,17 +369,27 @@ class GrammarBackend:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-                return GrammarMatcher(cached.deep_copy())
+                return GrammarMatcher(cached.deep_copy(), spec.kind)
         grammar = spec.llguidance_grammar()
         # compiling drops the GIL; the parser limits bound its work
         m = self._llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
         if m.is_error():
-            raise StructuredOutputError(f"the constraint cannot be compiled: {m.get_error()}")
+            raise StructuredOutputError(_failed_message(spec.kind, m.get_error()))
+        # The first mask is computed here, once per distinct constraint: llguidance builds
+        # the lexer lazily, so a grammar with no finite output (a schema that is only
+        # {"$ref": "#"}) or one over the work limits shows its error state only then; and a
+        # copy taken before that first mask does not share the lexer work, so it may fail
+        # where the original passed. Caching the state after the first mask makes every
+        # request of a constraint, fresh or cached, start from the same state.
+        probe = np.empty(self.words, dtype=np.int32)
+        m.unsafe_compute_mask_ptr(probe.ctypes.data, self.words * 4)
+        if m.is_error():
+            raise StructuredOutputError(_failed_message(spec.kind, m.get_error()))
         with self._lock:
             self._cache[key] = m.deep_copy()
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return GrammarMatcher(m)
+        return GrammarMatcher(m, spec.kind)
 
     def fill_bitmask(self, matchers: Sequence[Optional[GrammarMatcher]]) -> np.ndarray:
         """The packed ``[B, ceil(V / 32)]`` int32 mask of a batch: row ``b`` from

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,37 +55,6 @@ def lora_delta_gather(x: mx.array, a: mx.array, b: mx.array, slots: mx.array) ->
     """
     h = mx.gather_mm(x[:, None, :], a, rhs_indices=slots)
     return mx.gather_mm(h, b, rhs_indices=slots)[:, 0, :]
-
-
-def lora_delta_segmented(
-    x: mx.array, a: mx.array, b: mx.array, order: mx.array, inverse: mx.array,
-    segments: Sequence[tuple[int, int, int]],
-) -> mx.array:
-    """The same product as :func:`lora_delta_gather`, one dense matmul pair per adapter
-    present (S-LoRA's SGMV done segment by segment); kept for the benchmark that chose
-    :func:`lora_delta_gather`.
-
-    Args:
-        x: ``[N, in]``; a, b: as for :func:`lora_delta_gather`.
-        order: ``[N]`` int32 token order sorted by slot; inverse: its inverse permutation.
-        segments: ``(slot, start, stop)`` ranges of ``order`` per adapter present; tokens
-            outside every segment get zeros.
-
-    Returns:
-        ``[N, out]``.
-    """
-    xs = x[order]
-    out_dim = b.shape[-1]
-    parts = []
-    done = 0
-    for slot, start, stop in segments:
-        if start > done:
-            parts.append(mx.zeros((start - done, out_dim), dtype=x.dtype))
-        parts.append((xs[start:stop] @ a[slot]) @ b[slot])
-        done = stop
-    if done < x.shape[0]:
-        parts.append(mx.zeros((x.shape[0] - done, out_dim), dtype=x.dtype))
-    return mx.concatenate(parts, axis=0)[inverse]
 
 
 class LoraContext:

@@ -161,6 +161,19 @@ def _read_tensors(file: Path) -> dict[str, mx.array]:
         raise LoraError(f"{file} cannot be read as safetensors: {e}") from None
 
 
+def _check_float(name: str, module: str, *factors: mx.array) -> None:
+    """LoRA factors are trained floats: integer (or boolean) tensors would round the update
+    to nothing, or mean a quantization this loader does not know.
+
+    Raises:
+        LoraError: naming the module and the dtype.
+    """
+    for factor in factors:
+        if not mx.issubdtype(factor.dtype, mx.floating):
+            raise LoraError(f"adapter {name!r}: module {module!r} has a LoRA factor of dtype {str(factor.dtype).rpartition('.')[2]}; LoRA factors "
+                            "must be floating point (float32, float16 or bfloat16): save the adapter unquantized")
+
+
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the first key that names the
     module exactly, or matches its dotted suffix as a regular expression."""
@@ -217,7 +230,14 @@ def _load_peft(folder: Path, config: dict, name: str) -> LoraAdapter:
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LoraError(f"adapter {name!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
                             f"{tuple(b.shape)}; expected [r, in] and [out, r]")
+        _check_float(name, module, a, b)
         rank = int(a.shape[0])
+        declared = _pattern_value(config.get("rank_pattern"), module, config["r"])
+        if int(declared) != rank:
+            # the scale is lora_alpha / r: a wrong r would scale the update silently wrong
+            raise LoraError(f"adapter {name!r}: module {module!r} has r = {int(declared)} in adapter_config.json but its "
+                            f"factors have rank {rank} (lora_A {tuple(a.shape)}): adapter_config.json and the weights "
+                            "disagree; fix 'r' (or 'rank_pattern')")
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, default_alpha))
         scale = alpha / math.sqrt(rank) if rslora else alpha / rank
         modules[module] = LoraModule(a.T.astype(mx.float32), (b.T.astype(mx.float32) * scale), scale)
@@ -263,6 +283,12 @@ def _load_mlx_lm(folder: Path, config: dict, name: str) -> LoraAdapter:
             raise LoraError(f"adapter {name!r}: module {module!r} has lora_a {tuple(a.shape)} and lora_b "
                             f"{tuple(b.shape)}; expected [in, r] and [r, out] (a 3-D factor is a mixture-of-"
                             "experts LoRA, which is not served)")
+        _check_float(name, module, a, b)
+        declared = params.get("rank")
+        if declared is not None and int(declared) != int(a.shape[1]):
+            raise LoraError(f"adapter {name!r}: module {module!r} has lora_parameters.rank = {declared} in "
+                            f"adapter_config.json but its factors have rank {int(a.shape[1])} (lora_a {tuple(a.shape)}): "
+                            "adapter_config.json and the weights disagree; fix lora_parameters.rank")
         modules[module] = LoraModule(a.astype(mx.float32), b.astype(mx.float32) * scale, scale)
     if not modules:
         raise LoraError(f"adapter {name!r}: {weights_file} holds no LoRA factors")

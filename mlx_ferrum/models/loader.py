@@ -101,7 +101,15 @@ def resolve_model_path(path_or_repo_id: Union[str, os.PathLike], revision: Optio
     if local.is_dir():
         return local
     if local.exists():
-        raise ModelLoadError(f"{name!r} is a file; pass the checkpoint folder that holds config.json")
+        if name.endswith(".gguf"):
+            raise ModelLoadError(
+                f"{name!r} is a GGUF file, which loads on one process (mf.load / --model) but not in a "
+                "pipeline-parallel run: convert it to an MLX folder for that"
+            )
+        raise ModelLoadError(
+            f"{name!r} is a file but not a .gguf model; pass the checkpoint folder that holds config.json, "
+            "or a .gguf file"
+        )
     if _looks_like_local_path(name):
         raise ModelLoadError(
             f"no checkpoint folder at {name!r} (and it is not a hub repo id of the form 'owner/name')"
@@ -162,7 +170,10 @@ def load_config(path: Union[str, os.PathLike]) -> dict:
     """
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise ConfigNotFoundError(f"{file} not found: a checkpoint folder needs a config.json")
+        raise ConfigNotFoundError(
+            f"{file} not found: a checkpoint folder needs a config.json (for a GGUF model, pass the .gguf "
+            "file, or name it with --gguf-file / gguf_file=)"
+        )
     return _read_json(file)
 
 
@@ -298,6 +309,7 @@ def load_model(
     path_or_repo_id: Union[str, os.PathLike], dtype: Any = None, revision: Optional[str] = None,
     shard: Optional[Callable[[nn.Module], Any]] = None,
     stage: Any = None,
+    gguf_file: Optional[str] = None,
 ) -> tuple[nn.Module, dict, Path]:
     """Load a checkpoint folder or hub id into an evaluated model of its family
     (see :mod:`mlx_ferrum.models.registry`).
@@ -317,10 +329,14 @@ def load_model(
             ``stage.wants(name)`` selects the tensors (and shards) read, and
             ``stage.prune(model, weights)`` keeps the stage's layers in the model and
             returns the weights renamed to them, before they are checked and set.
+        gguf_file: the GGUF file to load inside a folder or hub repo (see
+            :func:`~mlx_ferrum.models.gguf.find_gguf`). A ``.gguf`` path, or a folder
+            holding one ``.gguf`` and no ``config.json``, loads without it.
 
     Returns:
         ``(model, config, folder)``: the model in eval mode with its parameters
-        evaluated, the ``config.json`` dict, and the local folder it came from.
+        evaluated, the ``config.json`` dict, and the local folder it came from (for a
+        GGUF model: the config built from its metadata, and the ``.gguf`` file's path).
 
     Raises:
         ConfigNotFoundError, MalformedConfigError: see :func:`load_config`.
@@ -333,10 +349,21 @@ def load_model(
             not read (see :mod:`mlx_ferrum.models.quantization`).
         InvalidWeightError: a quantized tensor's dtype disagrees with its mode.
         ConfigurationError: ``dtype`` is not a floating type.
+        GGUFFormatError, UnsupportedTensorTypeError, AmbiguousCheckpointError: a GGUF
+            source that is damaged, holds tensor types not read, or is not one file
+            (see :mod:`mlx_ferrum.models.gguf`).
     """
     target = _resolve_dtype(dtype)
-    folder = resolve_model_path(path_or_repo_id, revision=revision)
-    config = load_config(folder)
+    from .gguf import find_gguf, load_gguf_checkpoint
+
+    gguf_path = find_gguf(path_or_repo_id, gguf_file=gguf_file, revision=revision)
+    if gguf_path is not None:
+        config, gguf_weights, _file = load_gguf_checkpoint(gguf_path)
+        folder = gguf_path
+    else:
+        gguf_weights = None
+        folder = resolve_model_path(path_or_repo_id, revision=revision)
+        config = load_config(folder)
     model_type = config.get("model_type")
     if model_type is None:
         raise MalformedConfigError(f"{folder / CONFIG_FILE} has no 'model_type'")
@@ -348,7 +375,11 @@ def load_model(
     module = family(model_type)
     args = module.ModelArgs.from_dict(config)
     quant = quantization_spec(config)
-    weights = load_weights(folder, wanted=stage.wants if stage is not None else None)
+    if gguf_weights is not None:
+        weights = gguf_weights if stage is None else {k: v for k, v in gguf_weights.items() if stage.wants(k)}
+        del gguf_weights
+    else:
+        weights = load_weights(folder, wanted=stage.wants if stage is not None else None)
     model = module.Model(args)
     weights = model.sanitize(weights)
     # int/bool dtypes (beyond quantized codes and scales) and NaN/Inf refused

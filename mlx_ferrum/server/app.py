@@ -1,8 +1,11 @@
 """The FastAPI app of ``mlx-ferrum serve`` and its uvicorn runner.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(:mod:`.responses`), ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+(:mod:`.anthropic_messages`), ``POST /v1/embeddings`` (:mod:`.embeddings`), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Every error
-is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, except
+under ``/v1/messages``, where it takes Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
 Request bodies pass :class:`~mlx_ferrum.server.limits.BodySizeLimitMiddleware` (413 over
 ``--max-request-body-bytes``), must be JSON (``Content-Type: application/json``), and are
@@ -12,6 +15,8 @@ request never delays ``/health`` or the streams of other requests.
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, then every in-flight
 request is aborted, so each open stream and each waiting response ends with finish
 reason ``abort``; uvicorn then waits for those responses to finish and the process exits 0.
+
+``GET /`` serves the chat page (:mod:`.web_ui`) unless the server runs with ``--no-web-ui``.
 """
 
 from __future__ import annotations
@@ -30,13 +35,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as p
+from .anthropic_messages import CountTokensRequest, MessagesRequest, MessagesServing, error_body
+from .embeddings import EmbeddingRequest, EmbeddingsServing
 from .limits import BodySizeLimitMiddleware, ServerLimits, count_json_containers, flag_of
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .responses import ResponsesRequest, ResponsesServing
 from .serving import OpenAIServing, ServingError
+from .web_ui import add_web_ui
 
 logger = logging.getLogger("mlx_ferrum.server")
 
 _DISCONNECT_POLL_S = 0.25
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 #: What a field that takes one of several shapes accepts, for errors about it (pydantic
@@ -115,8 +125,10 @@ async def _body(request: Request, model: type, limits: ServerLimits):
     return await run_in_threadpool(_parse, model, raw, limits)
 
 
-def _error(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(ServingError(status, message, type, param).body().model_dump(), status_code=status)
+def _json_body(model: type) -> dict:
+    """The OpenAPI ``requestBody`` of a route that reads ``model`` itself (for ``app.openapi()``,
+    which fuzzers read; the routes parse bodies by hand, off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 async def _until_disconnect(request: Request, coro):
@@ -137,15 +149,17 @@ async def _until_disconnect(request: Request, coro):
 
 
 def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
-              limits: Optional[ServerLimits] = None) -> FastAPI:
+              limits: Optional[ServerLimits] = None, web_ui: bool = True, pooling: str = "last") -> FastAPI:
     """The FastAPI app over ``serving``.
 
     Args:
         serving: the :class:`OpenAIServing` that answers requests.
         metrics: the registry served at ``/metrics`` (None: built over ``serving.engine``).
         api_key: when set, every path but ``/health`` and ``/metrics`` needs
-            ``Authorization: Bearer <api_key>`` (else 401).
+            ``Authorization: Bearer <api_key>`` or ``x-api-key: <api_key>`` (else 401).
         limits: the server's limits (None: ``serving.limits``); the body limit is applied here.
+        web_ui: serve the chat page at ``GET /`` (see :mod:`.web_ui`).
+        pooling: ``/v1/embeddings``' pooling, ``last`` or ``mean``.
     """
     metrics = metrics if metrics is not None else (serving.metrics or ServerMetrics(serving.engine))
     serving.metrics = metrics
@@ -154,36 +168,50 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
     app = FastAPI(title="mlx-ferrum", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
-                       on_refused=lambda: metrics.http_errors.labels(status="413").inc())
+                       on_refused=lambda: metrics.http_errors.labels(status="413").inc(),
+                       anthropic_prefix=ANTHROPIC_PREFIX)
+    responses = ResponsesServing(serving)
+    messages = MessagesServing(serving)
+    embeddings = EmbeddingsServing(serving, pooling)
 
-    def fail(status: int, message: str, type: str, param: Optional[str] = None) -> JSONResponse:
+    def fail(status: int, message: str, type: str, param: Optional[str] = None, request: Optional[Request] = None,
+             code=None) -> JSONResponse:
+        if request is not None and request.url.path.startswith(ANTHROPIC_PREFIX):
+            status, body = error_body(status, message)
+            metrics.http_errors.labels(status=str(status)).inc()
+            return JSONResponse(body, status_code=status)
         metrics.http_errors.labels(status=str(status)).inc()
-        return _error(status, message, type, param)
+        return JSONResponse(ServingError(status, message, type, param, code).body().model_dump(), status_code=status)
 
     @app.exception_handler(ServingError)
     async def _serving_error(request: Request, exc: ServingError):
-        return fail(exc.status, exc.message, exc.type, exc.param)
+        return fail(exc.status, exc.message, exc.type, exc.param, request, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         message, param = describe_validation_errors(list(exc.errors()))
-        return fail(400, message, "invalid_request_error", param)
+        return fail(400, message, "invalid_request_error", param, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return fail(exc.status_code, str(exc.detail), "invalid_request_error")
+        return fail(exc.status_code, str(exc.detail), "invalid_request_error", request=request)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("request failed")
-        return fail(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+        return fail(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error", request=request)
 
     async def check_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ServingError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+        # OpenAI's clients send "Authorization: Bearer", Anthropic's "x-api-key"
+        bearer = request.headers.get("authorization", "")
+        given = request.headers.get("x-api-key")
+        if given is not None and secrets.compare_digest(given.encode(), api_key.encode()):
+            return
+        if not secrets.compare_digest(bearer.encode(), f"Bearer {api_key}".encode()):
+            raise ServingError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                               "authentication_error")
 
     guarded = [Depends(check_key)]
 
@@ -193,6 +221,8 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
             return Response(status_code=499)
         if isinstance(result, p.BaseModel):
             return JSONResponse(result.model_dump(exclude_none=True))
+        if isinstance(result, dict):
+            return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions", dependencies=guarded)
@@ -202,6 +232,23 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
         return await _answer(request, serving.completion(await _body(request, p.CompletionRequest, limits)))
+
+    @app.post("/v1/responses", dependencies=guarded, openapi_extra=_json_body(ResponsesRequest))
+    async def create_response(request: Request):
+        return await _answer(request, responses.create(await _body(request, ResponsesRequest, limits)))
+
+    @app.post("/v1/messages", dependencies=guarded, openapi_extra=_json_body(MessagesRequest))
+    async def create_message(request: Request):  # ?beta=true and anthropic-beta headers change nothing here
+        return await _answer(request, messages.create(await _body(request, MessagesRequest, limits)))
+
+    @app.post("/v1/messages/count_tokens", dependencies=guarded, openapi_extra=_json_body(CountTokensRequest))
+    async def count_tokens(request: Request):
+        body = await _body(request, CountTokensRequest, limits)
+        return await run_in_threadpool(messages.count_tokens, body)
+
+    @app.post("/v1/embeddings", dependencies=guarded, openapi_extra=_json_body(EmbeddingRequest))
+    async def create_embeddings(request: Request):
+        return await _answer(request, embeddings.create(await _body(request, EmbeddingRequest, limits)))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -236,6 +283,8 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         body = await _body(request, p.DetokenizeRequest, limits)
         return (await run_in_threadpool(serving.detokenize, body)).model_dump()
 
+    if web_ui:
+        add_web_ui(app)
     return app
 
 
@@ -282,6 +331,10 @@ def run_server(
     tool_call_parser: Optional[str] = None,
     lora_modules: Optional[dict[str, str]] = None,
     engine=None,
+    web_ui: bool = True,
+    sampling_defaults: Optional[dict] = None,
+    reasoning_parser: Optional[str] = None,
+    pooling: str = "last",
 ) -> int:
     """Serve ``model`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -303,6 +356,11 @@ def run_server(
         engine: an engine built by the caller (a parallel run's rank-0
             :class:`~mlx_ferrum.distributed.lockstep.LockstepEngine`) instead of a new
             ``Engine``; its ``close()``, if any, is called when the server stops.
+        web_ui: serve the chat page at ``GET /``.
+        sampling_defaults: defaults for request fields left unset, ``{SamplingParams field:
+            value}`` (the model's ``generation_config.json``; None: OpenAI's defaults).
+        reasoning_parser: ``qwen3``, ``deepseek_r1`` or ``gpt_oss`` (None: replies as written).
+        pooling: ``/v1/embeddings``' pooling over the last hidden states, ``last`` or ``mean``.
 
     Raises:
         LoraError: an adapter of ``lora_modules`` is refused (before the server listens).
@@ -315,8 +373,12 @@ def run_server(
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(async_engine, served_model_names or ["default"], chat_template, metrics, limits,
-                            tool_call_parser=tool_call_parser)
-    app = build_app(serving, metrics, api_key, limits)
+                            tool_call_parser=tool_call_parser, sampling_defaults=sampling_defaults,
+                            reasoning_parser=reasoning_parser)
+    if sampling_defaults:
+        logger.info("sampling defaults from the model's generation_config.json (request fields win): %s",
+                    ", ".join(f"{k}={v}" for k, v in sampling_defaults.items()))
+    app = build_app(serving, metrics, api_key, limits, web_ui=web_ui, pooling=pooling)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30,
         backlog=2048, timeout_keep_alive=30,

@@ -99,12 +99,16 @@ class BodySizeLimitMiddleware:
     Args:
         app: the ASGI app.
         max_bytes: largest body accepted (bytes).
+        anthropic_prefix: a path prefix whose refusals take Anthropic's error shape, or None.
         on_refused: called once per refusal (e.g. to count it), or None.
         drain_bytes: at most this many bytes of a refused body are read and dropped.
     """
 
-    def __init__(self, app, max_bytes: int, on_refused: Optional[Callable[[], None]] = None, drain_bytes: int = 256 * 1024 * 1024):
+    def __init__(self, app, max_bytes: int, on_refused: Optional[Callable[[], None]] = None, drain_bytes: int = 256 * 1024 * 1024,
+                 anthropic_prefix: Optional[str] = None):
         self.app = app
+        #: paths under it (Anthropic's Messages API) get Anthropic's error shape
+        self.anthropic_prefix = anthropic_prefix
         self.max_bytes = max_bytes
         self.on_refused = on_refused
         self.drain_bytes = drain_bytes
@@ -138,7 +142,8 @@ class BodySizeLimitMiddleware:
                 continue
             chunks.append(body)
         if too_large:
-            await self._refuse(send, declared if declared is not None else total)
+            anthropic = self.anthropic_prefix is not None and scope.get("path", "").startswith(self.anthropic_prefix)
+            await self._refuse(send, declared if declared is not None else total, anthropic)
             return
         body = b"".join(chunks)
         delivered = False
@@ -152,14 +157,17 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send, size: int) -> None:
+    async def _refuse(self, send, size: int, anthropic: bool = False) -> None:
         if self.on_refused is not None:
             self.on_refused()
         message = (f"the request body (at least {size} bytes) exceeds the server's limit of {self.max_bytes} bytes "
                    f"({flag_of('max_request_body_bytes')}): send a smaller request, or start the server with a larger "
                    f"{flag_of('max_request_body_bytes')}")
-        payload = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                        "param": None, "code": 413}}).encode()
+        if anthropic:
+            body = {"type": "error", "error": {"type": "request_too_large", "message": message}}
+        else:
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
+        payload = json.dumps(body).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"connection", b"close")]})

@@ -57,6 +57,10 @@ class _EngineCollector:
         generated.add_metric([], s["generated_tokens"])
         prefilled = CounterMetricFamily("mlx_ferrum:prompt_tokens", "Prompt tokens run through the model (prefix-cache hits excluded).")
         prefilled.add_metric([], s["prefilled_tokens"])
+        cut = CounterMetricFamily("mlx_ferrum:structured_output_length_finishes",
+                                  "Constrained (structured-output) requests cut by max_tokens or the context before their "
+                                  "grammar was complete: their output does not parse.")
+        cut.add_metric([], s.get("structured_length_finishes", 0))
         # speculative decoding, under vLLM's spec_decode names (all 0 when it is off)
         drafts = CounterMetricFamily("mlx_ferrum:spec_decode_num_drafts", "Verified rows that carried proposed tokens.")
         drafts.add_metric([], s.get("spec_num_drafts", 0))
@@ -64,7 +68,7 @@ class _EngineCollector:
         draft_tokens.add_metric([], s.get("spec_proposed_tokens", 0))
         accepted = CounterMetricFamily("mlx_ferrum:spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.")
         accepted.add_metric([], s.get("spec_accepted_tokens", 0))
-        return [running, waiting, usage, blocks, *kv_bytes, hit_rate, hits, preempt, generated, prefilled,
+        return [running, waiting, usage, blocks, *kv_bytes, hit_rate, hits, preempt, generated, prefilled, cut,
                 drafts, draft_tokens, accepted] + self._lora()
 
     def _lora(self) -> list:

@@ -83,6 +83,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Any] = None
     #: False: at most one call per reply (``tool_choice: "required"`` then asks for exactly one)
     parallel_tool_calls: bool = True
+    #: more variables for the chat template (vLLM's field), e.g. ``{"enable_thinking": false}``;
+    #: the ones the server sets itself (``messages``, ``tools`` ...) cannot be replaced
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     # OpenAI fields the server does not implement: refused by name when set
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
@@ -165,6 +168,8 @@ class ChatResponseMessage(BaseModel):
 
     role: str = "assistant"
     content: Optional[str] = None
+    #: the reasoning a ``--reasoning-parser`` kept apart from ``content`` (vLLM's field)
+    reasoning_content: Optional[str] = None
     #: ``[{"id", "type": "function", "function": {"name", "arguments" (JSON text)}}]``
     tool_calls: Optional[list[dict[str, Any]]] = None
 
@@ -194,6 +199,7 @@ class DeltaMessage(BaseModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

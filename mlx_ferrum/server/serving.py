@@ -11,6 +11,10 @@ never hold) becomes a 400 before any byte of a stream is sent. Then either colle
 final outputs or stream SSE chunks. Leaving a stream early (client disconnect, shutdown)
 closes the engine streams, which aborts their requests and frees their KV blocks.
 
+Chat requests of every API (chat completions here, Responses and Anthropic Messages
+translated into a chat request by their modules) share :meth:`OpenAIServing.prepare_chat`
+and the output processing of :class:`~mlx_ferrum.server.translation.TurnProcessor`.
+
 The shapes follow OpenAI's chat/completions API; the batching of ``n`` choices and the
 ``usage`` fields follow vLLM's ``serving_chat.py`` / ``serving_completion.py``.
 """
@@ -35,20 +39,26 @@ from ..errors import (ChatTemplateError, FerrumError, LoraError, PromptTooLongEr
 from . import protocol as p
 from . import tool_parsers
 from .limits import ServerLimits, flag_of
+from .reasoning import get_reasoning_parser
+from .translation import RESERVED_TEMPLATE_VARIABLES, ToolMode, TurnProcessor
 
 
 class ServingError(Exception):
     """An error answered in OpenAI's shape: ``status`` and ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
+        #: OpenAI's error ``code`` where one names the problem (``context_length_exceeded``); else the status
+        self.code = code
 
     def body(self) -> p.ErrorResponse:
-        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
+        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code or self.status))
 
 
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
@@ -143,17 +153,7 @@ def _constraint(req: p._SamplingFields) -> tuple[Optional[StructuredOutputsParam
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
-@dataclass
-class _ToolMode:
-    """How a chat request uses tools: ``kind`` ``auto`` (parse the model's own syntax),
-    ``required`` or ``named`` (the output is constrained JSON), or None (no tools)."""
-
-    kind: Optional[str] = None
-    name: Optional[str] = None
-    tools: Optional[list] = None
-
-
-def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
+def tool_mode(req: p.ChatCompletionRequest) -> ToolMode:
     """Validate ``tools`` / ``tool_choice``.
 
     Raises:
@@ -164,7 +164,7 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
     if tools in (None, []):
         if choice not in (None, "none", "auto"):
             raise ServingError(400, "tool_choice needs tools: send the functions in 'tools'", param="tool_choice")
-        return _ToolMode()
+        return ToolMode()
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
@@ -176,16 +176,16 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
             raise ServingError(400, f"tool {t['function']['name']!r}: parameters must be a JSON schema object", param="tools")
     names = [t["function"]["name"] for t in tools]
     if choice in (None, "auto"):
-        return _ToolMode("auto", tools=tools)
+        return ToolMode("auto", tools=tools)
     if choice == "none":
-        return _ToolMode()
+        return ToolMode()
     if choice == "required":
-        return _ToolMode("required", tools=tools)
+        return ToolMode("required", tools=tools)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise ServingError(400, f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
-        return _ToolMode("named", name=name, tools=tools)
+        return ToolMode("named", name=name, tools=tools)
     raise ServingError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
@@ -193,9 +193,23 @@ def _tool_mode(req: p.ChatCompletionRequest) -> _ToolMode:
 def _template_message(m: p.ChatMessage, i: int) -> dict:
     """A message as chat templates read it: ``tool_calls`` with their arguments as dicts
     (vLLM does the same: templates write them with ``tojson``), ``tool_call_id`` and
-    ``name`` of tool results kept."""
-    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
+    ``name`` of tool results kept.
+
+    Raises:
+        ServingError: 400 for a ``tool`` message without ``tool_call_id`` (a string) or
+            without ``content``, as OpenAI answers: the template could not tie the
+            result to its call.
+    """
     extra = m.model_extra or {}
+    if m.role == "tool":
+        call_id = extra.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ServingError(400, "a message with role 'tool' needs 'tool_call_id', the id of the assistant tool "
+                               "call it answers", param=f"messages.{i}.tool_call_id")
+        if m.content is None:
+            raise ServingError(400, "a message with role 'tool' needs 'content', the tool's result",
+                               param=f"messages.{i}.content")
+    msg = {"role": m.role, "content": _content_text(m.content, f"messages.{i}")}
     calls = extra.get("tool_calls")
     if calls:
         out = []
@@ -240,10 +254,19 @@ class OpenAIServing:
         limits: the :class:`ServerLimits` (None: the defaults).
         tool_call_parser: ``hermes`` / ``llama3_json`` / ``mistral``; None detects it from
             the chat template (``hermes`` when it shows none).
+        sampling_defaults: ``{SamplingParams field: value}`` for request fields left unset
+            (the model's ``generation_config.json``, see
+            :func:`~mlx_ferrum.generation_defaults.generation_defaults`); a field the file
+            does not give keeps the OpenAI default, and ``max_tokens`` is capped by the
+            room left in the context.
+        reasoning_parser: ``qwen3`` / ``deepseek_r1`` / ``gpt_oss`` (see
+            :mod:`~mlx_ferrum.server.reasoning`); None keeps replies as written.
     """
 
     def __init__(self, async_engine: AsyncEngine, served_model_names: list[str], chat_template: Optional[str] = None, metrics=None,
-                 limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None):
+                 limits: Optional[ServerLimits] = None, tool_call_parser: Optional[str] = None,
+                 sampling_defaults: Optional[dict] = None, reasoning_parser: Optional[str] = None):
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -270,6 +293,7 @@ class OpenAIServing:
                 source = None
             tool_call_parser = tool_parsers.detect_parser(source if isinstance(source, str) else None)
         self.tool_parser = tool_parsers.get_parser(tool_call_parser)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser)
 
     # -------------------------------------------------------------- checks
     def check_model(self, name: Optional[str]) -> Optional[str]:
@@ -386,9 +410,11 @@ class OpenAIServing:
             raise ServingError(400, str(e), param=param) from None
 
     def _messages_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                      tools: Optional[list] = None) -> list[int]:
+                      tools: Optional[list] = None, template_kwargs: Optional[dict] = None) -> list[int]:
         msgs = [_template_message(m, i) for i, m in enumerate(messages)]
-        kwargs = {"tools": tools} if tools else {}
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_VARIABLES}
+        if tools:
+            kwargs["tools"] = tools
         try:
             return list(self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=self.chat_template, **kwargs
@@ -430,7 +456,8 @@ class OpenAIServing:
             if len(ids) >= self.max_model_len:
                 # the engine would refuse it too, but only after checking every id on the event loop
                 message = context_full_message(len(ids), self.max_model_len, self.engine.model.args.max_position_embeddings)
-                raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt")
+                raise ServingError(400, message if len(prompts) == 1 else f"prompt {i}: {message}", param="prompt",
+                                   code="context_length_exceeded")
         bias = self._logit_bias(req.logit_bias)
         return [(pi, ids, self._params(req, len(ids), max_tokens, logprobs, j, bias, extra))
                 for pi, ids in enumerate(prompts) for j in range(req.n)]
@@ -452,17 +479,29 @@ class OpenAIServing:
 
     def _params(self, req: p._SamplingFields, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int], choice: int,
                 logit_bias: Optional[dict[int, float]] = None, extra: Optional[dict] = None) -> SamplingParams:
+        default = self.sampling_defaults
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
+            if "max_tokens" in default:
+                max_tokens = min(max_tokens, default["max_tokens"])
+        elif prompt_len + max_tokens > self.max_model_len:
+            # vLLM's policy: a limit the context cannot hold is refused, not silently cut
+            # (leave the field out for the rest of the context)
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise ServingError(
+                400, f"{name}={max_tokens} with a prompt of {prompt_len} tokens needs {prompt_len + max_tokens} tokens, "
+                f"over the context of {self.max_model_len}: ask for at most {self.max_model_len - prompt_len}, or leave "
+                f"{name} unset for the rest of the context", param=name)
         seed = req.seed
         if seed is not None and choice:
             seed = (seed + choice) % 2**64  # n choices of one seeded request differ, reproducibly
         fields = dict(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=default.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=default.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=default.get("top_k", 0) if req.top_k is None else req.top_k,
+            min_p=default.get("min_p", 0.0) if req.min_p is None else req.min_p,
+            repetition_penalty=(default.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                else req.repetition_penalty),
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             seed=seed,
@@ -655,17 +694,24 @@ class OpenAIServing:
         its log-probability (null for the first) and top alternatives, offsets from 0."""
         lp = p.CompletionLogprobs()
         table = out.prompt_logprobs or [None] * len(prompt_ids)
-        offset = 0
+        # offsets into the echoed text, as the prompt decodes: a hidden special token
+        # (<s>) takes no characters
+        detok = self.tokenizer.detokenizer()
         for tid, entry in zip(prompt_ids, table):
             tok = self._token_str(tid)
             lp.tokens.append(tok)
             lp.token_logprobs.append(entry[tid] if entry is not None else None)
             lp.top_logprobs.append({self._token_str(a): v for a, v in entry.items()} if entry is not None else None)
-            lp.text_offset.append(offset)
-            offset += len(tok)
+            lp.text_offset.append(len(detok.text))
+            detok.add_token(tid)
         return lp
 
-    def _completion_logprobs(self, out: RequestOutput, start: int, offset: int) -> Optional[p.CompletionLogprobs]:
+    def _completion_logprobs(self, out: RequestOutput, start: int, offset: int, detok) -> Optional[p.CompletionLogprobs]:
+        """The generated tokens ``start:`` of a completion's ``logprobs``. ``detok``: a
+        :class:`~mlx_ferrum.tokenizer.StreamingDetokenizer` continuing the prompt, fed every
+        earlier token (this call feeds these); token ``i``'s ``text_offset`` is ``offset``
+        (where the completion's text starts in the returned text) plus its position in
+        the completion's text."""
         if out.logprobs is None:
             return None
         lp = p.CompletionLogprobs()
@@ -675,13 +721,14 @@ class OpenAIServing:
             lp.tokens.append(tok)
             lp.token_logprobs.append(out.logprobs[i])
             lp.top_logprobs.append({self._token_str(a): v for a, v in tops[i].items()} if i < len(tops) else None)
-            lp.text_offset.append(offset)
-            offset += len(tok)
+            lp.text_offset.append(offset + len(detok.text))
+            detok.add_token(out.token_ids[i])
         return lp
 
     # ---------------------------------------------------------------- chat
-    async def chat(self, req: p.ChatCompletionRequest):
-        """A :class:`ChatCompletionResponse`, or an async iterator of SSE lines when ``stream``.
+    async def prepare_chat(self, req: p.ChatCompletionRequest) -> "ChatPlan":
+        """Check a chat request and plan its engine requests (template, tools, sampling,
+        grammar); the shared first half of every chat API (chat, Responses, Messages).
 
         Raises:
             ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
@@ -694,33 +741,49 @@ class OpenAIServing:
             raise ServingError(400, f"top_logprobs={req.top_logprobs} is invalid: use 0 to {_TOP_LOGPROBS_MAX}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ServingError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        mode = _tool_mode(req)
-        choices = await self._submit(await run_in_threadpool(self._chat_plan, req, mode), lora)
+        mode = tool_mode(req)
+        items = await run_in_threadpool(self._chat_plan, req, mode)
+        constrained = any(params.structured_outputs is not None for _, _, params in items)
+        return ChatPlan(items, mode, lora, constrained, req.model or self.model_names[0])
+
+    def processor(self, plan: "ChatPlan") -> TurnProcessor:
+        """A fresh :class:`TurnProcessor` for one choice of ``plan``."""
+        return TurnProcessor(self.tokenizer, plan.mode, self.tool_parser, self.reasoning_parser, plan.constrained)
+
+    async def chat(self, req: p.ChatCompletionRequest):
+        """A :class:`ChatCompletionResponse`, or an async iterator of SSE lines when ``stream``.
+
+        Raises:
+            ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
+        """
+        plan = await self.prepare_chat(req)
+        mode = plan.mode
+        choices = await self._submit(plan.items, plan.lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        name = req.model or self.model_names[0]
+        name = plan.name
         if req.stream:
-            if mode.kind is not None:
-                return self._chat_tool_stream(req, choices, rid, name, mode)
+            if mode.kind is not None or self.reasoning_parser is not None:
+                return self._chat_tool_stream(req, choices, rid, name, plan)
             return self._chat_stream(req, choices, rid, name)
         async for _ in self._merged(choices):
             pass
         self._raise_failed(choices)
         out_choices = []
         for c in choices:
-            content, calls = self._tool_result(mode, c.last)
-            finish = "tool_calls" if calls and c.last.finish_reason == "stop" else c.last.finish_reason
+            turn = self.processor(plan).finish(c.last)
             out_choices.append(p.ChatCompletionChoice(
-                index=c.index, message=p.ChatResponseMessage(content=content, tool_calls=[k.openai() for k in calls] or None),
-                logprobs=self._chat_logprobs(c.last, 0), finish_reason=finish,
+                index=c.index, message=p.ChatResponseMessage(content=turn.content, reasoning_content=turn.reasoning,
+                                                             tool_calls=[k.openai() for k in turn.calls] or None),
+                logprobs=self._chat_logprobs(c.last, 0), finish_reason=turn.finish_reason,
             ))
         return p.ChatCompletionResponse(id=rid, model=name, usage=self._usage(choices), choices=out_choices)
 
-    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[_ToolMode] = None) -> list:
+    def _chat_plan(self, req: p.ChatCompletionRequest, mode: Optional[ToolMode] = None) -> list:
         """Render and tokenize the messages (with the tools), compile the output
         constraint, then build each choice's parameters (worker thread)."""
-        mode = mode or _ToolMode()
-        ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools), param="messages",
-                              what="the rendered chat prompt")
+        mode = mode or ToolMode()
+        ids = self._check_ids(self._messages_ids(req.messages, tools=mode.tools, template_kwargs=req.chat_template_kwargs),
+                              param="messages", what="the rendered chat prompt")
         self._count_prompt_tokens(len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -732,22 +795,12 @@ class OpenAIServing:
             spec, field = StructuredOutputsParams(json=tool_parsers.required_schema(mode.tools, req.parallel_tool_calls)), "tools"
         return self._plan(req, [ids], max_tokens, logprobs, self._constraint_fields(spec, field))
 
-    def _tool_result(self, mode: _ToolMode, out: RequestOutput) -> tuple[Optional[str], list]:
-        """``(content, tool calls)`` of a finished chat choice."""
-        if mode.kind is None:
-            return out.text, []
-        if mode.kind in ("required", "named"):
-            calls = tool_parsers.forced_calls(out.text, mode.name)
-            return (None if calls else out.text), calls
-        # the model's own syntax may use special tokens (Mistral's [TOOL_CALLS]): read them too
-        eos = getattr(self.tokenizer, "eos_token_ids", set())
-        full = self.tokenizer.decode([t for t in out.token_ids if t not in eos], skip_special_tokens=False)
-        content, calls = self.tool_parser.parse(full)
-        return (content if calls else out.text), calls
-
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
             if c.last.finish_reason == "error":
+                if (c.last.error or "").startswith(StructuredOutputError.__name__ + ": "):
+                    # the constraint failed (its grammar's error state): the request's fault
+                    raise ServingError(400, c.last.error.split(": ", 1)[1], param="response_format")
                 raise ServingError(500, c.last.error or "the request failed in the engine", type="internal_server_error")
 
     async def _chat_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
@@ -780,37 +833,43 @@ class OpenAIServing:
         finally:
             await merged.aclose()
 
-    async def _chat_tool_stream(self, req, choices, rid, name, mode: _ToolMode) -> AsyncIterator[str]:
-        """A streamed chat completion with tools: content streams until the text may be
-        starting a tool call (auto), and the calls come as ``tool_calls`` deltas once the
-        reply is complete (each call whole, OpenAI's delta shape with ``index``)."""
+    async def _chat_tool_stream(self, req, choices, rid, name, plan: "ChatPlan") -> AsyncIterator[str]:
+        """A streamed chat completion read by a :class:`TurnProcessor` (tools or a
+        reasoning parser): reasoning streams as ``reasoning_content`` deltas, content
+        until the text may be starting a tool call (auto), and the calls come as
+        ``tool_calls`` deltas once the reply is complete (each call whole, OpenAI's delta
+        shape with ``index``)."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = _chunk_head(rid, "chat.completion.chunk", name)
         merged = self._merged(choices)
+        processors = {c.index: self.processor(plan) for c in choices}
+
+        def delta_chunk(index: int, reasoning: str, content: str) -> str:
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+            return head + _json({"index": index, "delta": delta}) + "]}\n\n" if delta else ""
+
         try:
             for c in choices:
                 yield head + _json({"index": c.index, "delta": {"role": "assistant", "content": ""}}) + "]}\n\n"
-            sent = {c.index: 0 for c in choices}
             async for c, out in merged:
+                proc = processors[c.index]
                 if not out.finished:
-                    if mode.kind == "auto":
-                        end = self.tool_parser.content_end(out.text)
-                        if end > sent[c.index]:
-                            delta = out.text[sent[c.index]:end]
-                            sent[c.index] = end
-                            yield head + _json({"index": c.index, "delta": {"content": delta}}) + "]}\n\n"
+                    text = delta_chunk(c.index, *proc.step(out))
+                    if text:
+                        yield text
                     continue
-                content, calls = self._tool_result(mode, out)
-                if calls:
-                    rest = (content or "")[sent[c.index]:] if mode.kind == "auto" else ""
-                    if rest:
-                        yield head + _json({"index": c.index, "delta": {"content": rest}}) + "]}\n\n"
-                    deltas = [k.openai(index=i) for i, k in enumerate(calls)]
+                turn = proc.finish(out)
+                text = delta_chunk(c.index, *proc.rest(turn))
+                if text:
+                    yield text
+                if turn.calls:
+                    deltas = [k.openai(index=i) for i, k in enumerate(turn.calls)]
                     yield head + _json({"index": c.index, "delta": {"tool_calls": deltas}}) + "]}\n\n"
-                elif out.text[sent[c.index]:]:
-                    yield head + _json({"index": c.index, "delta": {"content": out.text[sent[c.index]:]}}) + "]}\n\n"
-                finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-                yield head + _json({"index": c.index, "delta": {}, "finish_reason": finish}) + "]}\n\n"
+                yield head + _json({"index": c.index, "delta": {}, "finish_reason": turn.finish_reason}) + "]}\n\n"
             if include_usage:
                 u = p.ChatCompletionChunk(id=rid, model=name, choices=[], usage=self._usage(choices))
                 yield f"data: {u.model_dump_json(exclude_none=True)}\n\n"
@@ -853,14 +912,14 @@ class OpenAIServing:
         with ``max_tokens: 0`` only the prompt (the one token generated is dropped)."""
         out = c.last
         if not req.echo:
-            return p.CompletionChoice(index=c.index, text=out.text, logprobs=self._completion_logprobs(out, 0, 0),
+            return p.CompletionChoice(index=c.index, text=out.text, logprobs=self._completion_logprobs(out, 0, 0, self.tokenizer.detokenizer(prompt_ids=c.prompt_ids)),
                                       finish_reason=out.finish_reason)
         head = plan.texts[c.prompt_index]
         logprobs = None
         if req.logprobs is not None:
             logprobs = self._echo_logprobs(out, c.prompt_ids)
             if not plan.prompt_only:
-                tail = self._completion_logprobs(out, 0, len(head))
+                tail = self._completion_logprobs(out, 0, len(head), self.tokenizer.detokenizer(prompt_ids=c.prompt_ids))
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, key).extend(getattr(tail, key))
         if plan.prompt_only:
@@ -910,7 +969,8 @@ class OpenAIServing:
         merged = self._merged(choices)
         try:
             sent = {c.index: 0 for c in choices}
-            offsets = {c.index: 0 for c in choices}
+            offsets = {c.index: 0 for c in choices}  # where each completion's text starts (after an echo)
+            detoks: dict = {}
             echoed: set[int] = set()
             async for c, out in merged:
                 if req.echo and c.index not in echoed:
@@ -930,10 +990,11 @@ class OpenAIServing:
                     continue
                 choice = {"index": c.index, "text": out.delta, "finish_reason": out.finish_reason}
                 if out.logprobs is not None:
-                    lp = self._completion_logprobs(out, sent[c.index], offsets[c.index])
+                    if c.index not in detoks:
+                        detoks[c.index] = self.tokenizer.detokenizer(prompt_ids=c.prompt_ids)
+                    lp = self._completion_logprobs(out, sent[c.index], offsets[c.index], detoks[c.index])
                     choice["logprobs"] = lp.model_dump(exclude_none=True)
                     sent[c.index] = _scored(out)
-                offsets[c.index] += len(out.delta)
                 yield head + _json(choice) + "]}\n\n"
             if include_usage:
                 u = p.CompletionResponse(id=rid, model=name, choices=[], usage=self._usage(choices, plan.prompt_only))
@@ -966,6 +1027,23 @@ class OpenAIServing:
         if req.tokens:
             self._check_ids(list(req.tokens), param="tokens", what="tokens")
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+@dataclass
+class ChatPlan:
+    """A checked chat request (of any chat API): its engine requests ``items``
+    (``(prompt index, ids, SamplingParams)``), tool ``mode``, LoRA adapter, whether a
+    grammar constrains the output, and the model ``name`` to report."""
+
+    items: list
+    mode: ToolMode
+    lora: Optional[str]
+    constrained: bool
+    name: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.items[0][1])
 
 
 @dataclass

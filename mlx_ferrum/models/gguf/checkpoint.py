@@ -1,0 +1,176 @@
+"""Where a GGUF model is (a file, a folder holding one, a hub repo + file name) and
+its conversion to the loader's ``(config, weights)``.
+
+The weights come out under the Hugging Face parameter names with MLX's quantized
+layout (``p.weight`` packed ``uint32``, ``p.scales``, ``p.biases``), and the config
+carries mlx-lm's per-module ``quantization`` entries, so the loader builds the model
+exactly as it builds an MLX-quantized folder (:mod:`mlx_ferrum.models.loader`).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+
+from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
+from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
+from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
+from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, to_mlx
+
+SUFFIX = ".gguf"
+#: threads converting tensors at load (numpy work on every byte of the file)
+_CONVERT_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _model_files(folder: Path) -> list[Path]:
+    """The ``.gguf`` files of ``folder`` that start a model (a split model counts once)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(SUFFIX))
+    starts = []
+    for f in files:
+        match = SPLIT_PATTERN.match(f.name)
+        if match is None or int(match["index"]) == 1:
+            starts.append(f)
+    return starts
+
+
+def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str] = None,
+              revision: Optional[str] = None) -> Optional[Path]:
+    """The GGUF file a model source names, or None when it is not a GGUF source.
+
+    A GGUF source is: a ``.gguf`` file; a folder without ``config.json`` holding
+    ``.gguf`` files (exactly one model, or the one ``gguf_file`` names); or a hub repo
+    id with ``gguf_file`` (downloaded once with ``huggingface_hub.hf_hub_download`` into
+    the Hugging Face cache, with every part of a split model).
+
+    Args:
+        path_or_repo_id: a file, a folder, or a hub repo id.
+        gguf_file: the file name inside the folder or repo (``--gguf-file``).
+        revision: hub revision, for hub ids.
+
+    Returns:
+        The local path of the (first part of the) GGUF file, or None.
+
+    Raises:
+        AmbiguousCheckpointError: a folder holds several GGUF models and ``gguf_file``
+            names none (the message lists them).
+        ModelLoadError: ``gguf_file`` is not in the folder, or the download failed.
+    """
+    name = os.fspath(path_or_repo_id)
+    local = Path(name).expanduser()
+    if local.is_file():
+        return local if local.name.endswith(SUFFIX) else None
+    if local.is_dir():
+        if gguf_file is not None:
+            chosen = local / gguf_file
+            if not chosen.is_file():
+                raise ModelLoadError(
+                    f"{gguf_file!r} is not in {local}; GGUF files there: "
+                    f"{', '.join(p.name for p in _model_files(local)) or 'none'}"
+                )
+            return chosen
+        if (local / "config.json").is_file():
+            return None
+        models = _model_files(local)
+        if len(models) > 1:
+            raise AmbiguousCheckpointError(
+                f"{local} holds {len(models)} GGUF models ({', '.join(p.name for p in models)}); pick one with "
+                "--gguf-file NAME (or gguf_file=NAME), or pass the file's path"
+            )
+        return models[0] if models else None
+    if gguf_file is None:
+        return None
+    from ..loader import _looks_like_local_path, hub_error_message
+
+    if _looks_like_local_path(name):
+        raise ModelLoadError(f"no folder at {name!r} to find {gguf_file!r} in")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        first = Path(hf_hub_download(repo_id=name, filename=gguf_file, revision=revision))
+        match = SPLIT_PATTERN.match(Path(gguf_file).name)
+        if match is not None:
+            folder = str(Path(gguf_file).parent) if Path(gguf_file).parent != Path(".") else None
+            for i in range(2, int(match["count"]) + 1):
+                part = f"{match['stem']}-{i:05d}-of-{match['count']}.gguf"
+                hf_hub_download(repo_id=name, filename=part if folder is None else f"{folder}/{part}",
+                                revision=revision)
+        return first
+    except Exception as exc:  # hub errors have many types
+        raise ModelLoadError(hub_error_message(name, exc).replace(
+            f"`hf download {name}`", f"`hf download {name} {gguf_file}`")) from exc
+
+
+def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
+    """Convert a GGUF model to the loader's ``(config, weights)``.
+
+    Args:
+        path: the ``.gguf`` file (or first part).
+
+    Returns:
+        ``(config, weights, file)``: the config dict (with a per-module
+        ``quantization`` entry for every quantized tensor: bits from its type, group
+        32, affine), ``{parameter name: array}`` (quantized tensors as packed
+        ``weight`` + ``scales`` + ``biases``, q/k rows un-permuted for llama), and the
+        opened file (metadata for the tokenizer).
+
+    Raises:
+        GGUFFormatError: see :func:`~mlx_ferrum.models.gguf.reader.read_gguf`; a
+            tensor name the architecture does not have.
+        UnsupportedArchitectureError: see
+            :func:`~mlx_ferrum.models.gguf.config.config_from_metadata`.
+        UnsupportedTensorTypeError: a tensor type not in
+            :data:`~mlx_ferrum.models.gguf.tensors.SUPPORTED_TYPES` (all are listed).
+    """
+    model_file = read_gguf(path)
+    tensors = model_file.tensors
+    config = config_from_metadata(model_file.metadata, set(tensors))
+    check_types_supported({t.name: t.type_name for t in tensors.values()})
+    unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")
+    if unknown:
+        raise GGUFFormatError(
+            f"{path.name}: tensors this loader does not know for architecture "
+            f"{model_file.metadata.get('general.architecture')!r}: {', '.join(unknown[:8])}"
+        )
+    arch = model_file.metadata["general.architecture"]
+    permute = arch in PERMUTED_ARCHITECTURES
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    quantization: dict[str, Any] = {}
+    weights: dict[str, mx.array] = {}
+    inexact: list[str] = []
+    wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
+    # numpy releases the GIL in its array loops, so tensors convert in parallel; the
+    # results are consumed in file order, so the outcome does not depend on the threads
+    with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
+        results = pool.map(lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape), wanted)
+        converted_all = list(results)
+    for (name, tensor), numpy_result in zip(wanted, converted_all):
+        converted = to_mlx(numpy_result)  # MLX arrays made on this thread
+        target = hf_name(name)
+        parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
+        role = name.split(".")[-2]
+        if permute and role in heads and name.endswith((".weight", ".bias")):
+            parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
+        module = target.rpartition(".")[0]
+        if converted.bits is None:
+            weights[target] = parts["weight"]
+            continue
+        if not target.endswith(".weight"):
+            raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
+        weights[target] = parts["weight"]
+        weights[f"{module}.scales"] = parts["scales"]
+        weights[f"{module}.biases"] = parts["biases"]
+        quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
+        if not converted.exact:
+            inexact.append(name)
+    if quantization:
+        first = next(iter(quantization.values()))
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
+    config["gguf"] = {"file": str(path), "architecture": arch, "requantized_8bit": inexact}
+    return config, weights, model_file
+
+
+__all__ = ["find_gguf", "load_gguf_checkpoint"]

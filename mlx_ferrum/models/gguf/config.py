@@ -1,0 +1,153 @@
+"""GGUF metadata -> a Hugging Face style ``config.json`` dict, and llama.cpp tensor
+names -> the model's parameter names.
+
+The keys are llama.cpp's (``{arch}.block_count``, ``{arch}.attention.head_count`` ...,
+``gguf-py/gguf/constants.py`` ``Keys``), and so are the tensor names (``token_embd``,
+``blk.N.attn_q`` ..., ``MODEL_TENSORS``). llama.cpp's converter permutes the rows of
+Llama-style q/k projections into its interleaved RoPE order (``LlamaModel.permute`` in
+``convert_hf_to_gguf.py``); :func:`unpermute_rows` undoes it so the rotate-half RoPE
+of :mod:`mlx_ferrum.models.llama` applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ...errors import GGUFFormatError, UnsupportedArchitectureError
+
+#: general.architecture -> model_type of the family that runs it
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+#: architectures whose q/k rows llama.cpp's converter permutes
+PERMUTED_ARCHITECTURES = ("llama",)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+#: tensors llama.cpp stores that the model computes itself
+_IGNORED = ("rope_freqs.weight",)
+
+
+def hf_name(name: str) -> Optional[str]:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for an
+    unknown name."""
+    module, _, kind = name.rpartition(".")
+    if module in _TOP_NAMES:
+        return f"{_TOP_NAMES[module]}.{kind}"
+    parts = module.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def _get(metadata: dict, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
+    if key not in metadata:
+        if required:
+            raise GGUFFormatError(f"GGUF metadata lacks {key!r}; the file is incomplete or not a model file")
+        return default
+    value = metadata[key]
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise GGUFFormatError(f"GGUF metadata {key!r} = {value!r} is not a {kind.__name__}") from None
+
+
+def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """Build the ``config.json`` dict of the model a GGUF file describes.
+
+    Args:
+        metadata: the file's metadata (``{key: value}``).
+        tensor_names: llama.cpp names of its tensors (decides tied embeddings and
+            Qwen2's q/k/v bias).
+
+    Returns:
+        A config dict for :mod:`mlx_ferrum.models.llama` (no ``quantization`` entry).
+
+    Raises:
+        UnsupportedArchitectureError: ``general.architecture`` is not in
+            :data:`ARCHITECTURES` (the message lists them), or the file uses a RoPE
+            scaling this loader cannot express (``rope_freqs`` factors).
+        GGUFFormatError: a required key is missing or has the wrong type.
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise UnsupportedArchitectureError(
+            "this GGUF file carries per-frequency RoPE factors (rope_freqs, Llama 3.1+ long-context scaling), "
+            "which this loader does not map yet; use the Hugging Face checkpoint of the model"
+        )
+    prefix = f"{arch}."
+    hidden = _get(metadata, prefix + "embedding_length", int, required=True)
+    heads = _get(metadata, prefix + "attention.head_count", int, required=True)
+    kv_heads = _get(metadata, prefix + "attention.head_count_kv", int, heads)
+    head_dim = _get(metadata, prefix + "attention.key_length", int, None) or hidden // heads
+    vocab = _get(metadata, prefix + "vocab_size", int, None)
+    if vocab is None:
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            raise GGUFFormatError(f"GGUF metadata lacks {prefix}vocab_size and tokenizer.ggml.tokens")
+        vocab = len(tokens)
+    config: dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch],
+        "hidden_size": hidden,
+        "num_hidden_layers": _get(metadata, prefix + "block_count", int, required=True),
+        "intermediate_size": _get(metadata, prefix + "feed_forward_length", int, required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": _get(metadata, prefix + "attention.layer_norm_rms_epsilon", float, 1e-5),
+        "rope_theta": _get(metadata, prefix + "rope.freq_base", float, 10000.0),
+        "max_position_embeddings": _get(metadata, prefix + "context_length", int, 4096),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+    scaling = metadata.get(prefix + "rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        factor = _get(metadata, prefix + "rope.scaling.factor", float, 1.0)
+        if factor != 1.0:
+            if scaling == "yarn":
+                raise UnsupportedArchitectureError(
+                    "this GGUF file uses YaRN RoPE scaling, which this loader does not map yet"
+                )
+            config["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": factor}
+    window = _get(metadata, prefix + "attention.sliding_window", int, None)
+    if window:
+        config["sliding_window"] = window
+        if arch != "llama":
+            config["use_sliding_window"] = True
+    return config
+
+
+def unpermute_rows(rows: Any, heads: int) -> Any:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp reorders each head's rows ``[0, 2, 4, ..., 1, 3, 5, ...]``-wise (its RoPE
+    rotates adjacent pairs; Hugging Face's rotates halves): rows of head ``h``, viewed
+    as ``[2, head_dim/2]``, were transposed to ``[head_dim/2, 2]``. Transposing back
+    restores them. Works on any array whose first axis is the output rows (packed codes,
+    scales and biases alike).
+
+    Args:
+        rows: ``[heads * head_dim, ...]``, a numpy or MLX array.
+        heads: attention heads of the projection (KV heads for k).
+    """
+    shape = tuple(rows.shape)
+    return rows.reshape((heads, shape[0] // heads // 2, 2) + shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+__all__ = ["ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata", "hf_name", "unpermute_rows"]

@@ -1,0 +1,268 @@
+"""Open GGUF files (one, or the parts of a split model) and check them before use.
+
+Reading is the ``gguf`` package's ``GGUFReader`` (the reader llama.cpp maintains): it
+memory-maps the file, so tensor bytes are read only when converted. This module adds
+what the loader needs on top: damaged files refused with a named error before any
+tensor is converted (magic, version, truncation, tensor data past the end of the
+file), and the parts of a split model (``NAME-00001-of-00003.gguf``) merged.
+
+Format: llama.cpp's ``docs/gguf.md`` (magic ``GGUF``, versions 2 and 3, little-endian).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import GGUFFormatError
+
+MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+SPLIT_PATTERN = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file.
+
+    Attributes:
+        name: the llama.cpp name (``blk.0.attn_q.weight``).
+        type_name: the GGUF type (``Q4_K``...).
+        shape: logical shape in numpy order (``[rows, cols]``; GGUF stores it reversed).
+        data: the memory-mapped values (float types) or ``uint8`` blocks.
+        file: the file holding it.
+    """
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    data: Any
+    file: Path
+
+
+@dataclass
+class GGUFModelFile:
+    """The metadata and tensors of a GGUF model (all parts of a split model).
+
+    Attributes:
+        metadata: ``{key: python value}`` of the first part (strings, numbers, lists).
+        tensors: ``{name: GGUFTensor}`` of every part.
+        files: the parts, in order.
+    """
+
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes on disk of all parts."""
+        return sum(os.path.getsize(f) for f in self.files)
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the model ``path`` belongs to: every ``-0000i-of-0000n`` part
+    beside it when its name has that form, else ``[path]``.
+
+    Raises:
+        GGUFFormatError: a part of a split model is missing (named).
+    """
+    match = SPLIT_PATTERN.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise GGUFFormatError(
+            f"split GGUF model {path.name}: parts {', '.join(missing)} are missing from {path.parent}; "
+            "download every part"
+        )
+    return parts
+
+
+def _check_header(path: Path) -> None:
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+    except OSError as exc:
+        raise GGUFFormatError(f"cannot read {path}: {exc}") from exc
+    if len(head) < 8:
+        raise GGUFFormatError(f"{path} is truncated ({len(head)} bytes): not a GGUF file; download it again")
+    if head[:4] != MAGIC:
+        raise GGUFFormatError(
+            f"{path} does not start with the GGUF magic (found {head[:4]!r}, expected {MAGIC!r}): "
+            "it is not a GGUF file, or it is damaged"
+        )
+    version = struct.unpack("<I", head[4:8])[0]
+    if version not in SUPPORTED_VERSIONS:
+        raise GGUFFormatError(
+            f"{path} is GGUF version {version}; supported versions: "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))} (re-convert it with a current llama.cpp)"
+        )
+
+
+# GGUF value type ids (docs/gguf.md, "gguf_metadata_value_type") -> struct format
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF's little-endian values from a byte buffer; running past its end
+    raises ``EOFError``."""
+
+    def __init__(self, buffer: Any):
+        self.buffer, self.pos = buffer, 0
+
+    def take(self, n: int) -> Any:
+        if n < 0 or self.pos + n > len(self.buffer):
+            raise EOFError(f"needs {n} bytes at offset {self.pos}, past the end ({len(self.buffer)} bytes)")
+        view = self.buffer[self.pos:self.pos + n]
+        self.pos += n
+        return view
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` consecutive strings (a vocabulary: one tight loop, it is most of the header)."""
+        buffer, pos, end, out = self.buffer, self.pos, len(self.buffer), []
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                raise EOFError(f"a string length at offset {pos} is past the end ({end} bytes)")
+            (n,) = unpack(buffer, pos)
+            pos += 8
+            if pos + n > end:
+                raise EOFError(f"a string of {n} bytes at offset {pos} runs past the end ({end} bytes)")
+            out.append(str(buffer[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.scalar("<I"), self.scalar("<Q")
+            if item in _NUMPY:
+                dtype = np.dtype(_NUMPY[item])
+                return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+            if item == _STRING:
+                return self.strings(count)
+            return [self.value(item) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {kind}")
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_header(path: Path, size: int, mtime_ns: int) -> tuple[dict[str, Any], list, int]:
+    """Parse one file's header, metadata and tensor table (the layout of llama.cpp's
+    ``docs/gguf.md``): ``(metadata, [(name, dims, type id, offset)], end of the table)``.
+
+    The ``gguf`` package's ``GGUFReader`` reads the same, but builds one memory-mapped
+    view per vocabulary string (2 s for a 49k-token vocabulary, six times the whole load
+    of the same model from an MLX folder), so the header is parsed here and only the
+    tensor bytes are memory-mapped. Cached per file version (the model and the tokenizer
+    both read it)."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor = _Cursor(memoryview(data))
+    try:
+        cursor.take(8)
+        tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
+        metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.scalar("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = cursor.string()
+            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            infos.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
+    except (EOFError, ValueError, struct.error, UnicodeDecodeError, MemoryError, OverflowError) as exc:
+        raise GGUFFormatError(
+            f"{path} cannot be parsed as GGUF ({exc}); the file is truncated or damaged: download it again"
+        ) from None
+    return metadata, infos, cursor.pos
+
+
+def _read_one(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _check_header(path)
+    stat = os.stat(path)
+    size = stat.st_size
+    metadata, infos, table_end = _parse_header(path.resolve(), size, stat.st_mtime_ns)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise GGUFFormatError(f"{path}: general.alignment = {alignment!r} is not a positive integer")
+    start = -(-table_end // alignment) * alignment
+    tensors = []
+    for name, dims, type_id, offset in infos:
+        try:
+            tensor_type = GGMLQuantizationType(type_id)
+            type_name = tensor_type.name
+            block, type_size = GGML_QUANT_SIZES[tensor_type]
+        except (ValueError, KeyError):
+            type_name, block, type_size = f"unknown type id {type_id}", 1, 0
+        shape = tuple(int(n) for n in reversed(dims))
+        count = int(np.prod(shape)) if shape else 1
+        expected = count // block * type_size
+        at = start + offset
+        if count % block or at + expected > size:
+            raise GGUFFormatError(
+                f"{path}: tensor {name!r} ({type_name}, shape {list(shape)}) needs {expected} bytes at "
+                f"offset {at}, beyond the file's {size} bytes or not a whole number of blocks: "
+                "the file is truncated or damaged; download it again"
+            )
+        raw = data[at:at + expected]
+        if type_name in ("F32", "F16"):
+            values = raw.view(np.float32 if type_name == "F32" else np.float16).reshape(shape)
+        else:
+            values = raw.reshape(-1, expected // max(1, count // shape[-1])) if shape and type_size else raw
+        tensors.append(GGUFTensor(name, type_name, shape, values, path))
+    return metadata, tensors
+
+
+def read_gguf(path: os.PathLike) -> GGUFModelFile:
+    """Open a GGUF model: ``path``, plus the other parts when it is one part of a split model.
+
+    Args:
+        path: a ``.gguf`` file.
+
+    Returns:
+        A :class:`GGUFModelFile` (tensor bytes memory-mapped, not read yet).
+
+    Raises:
+        GGUFFormatError: bad magic, unsupported version, truncated file, tensor data
+            past the end of the file, a missing part, or a tensor name in two parts
+            (the message names the file and the tensor).
+    """
+    first = Path(path)
+    parts = split_parts(first)
+    model = GGUFModelFile(metadata={}, files=parts)
+    for index, part in enumerate(parts):
+        metadata, tensors = _read_one(part)
+        if index == 0:
+            model.metadata = metadata
+        for tensor in tensors:
+            if tensor.name in model.tensors:
+                raise GGUFFormatError(f"tensor {tensor.name!r} appears in two parts of {first.name}")
+            model.tensors[tensor.name] = tensor
+    return model
+
+
+__all__ = ["GGUFModelFile", "GGUFTensor", "SPLIT_PATTERN", "read_gguf", "split_parts"]

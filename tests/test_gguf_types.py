@@ -1,0 +1,147 @@
+"""Every supported GGUF tensor type, on a tiny llama written with the ``gguf`` package:
+the weights we load, dequantized, equal the ``gguf`` package's own dequantization
+exactly (or within the documented 8-bit bound for the 16-weight-group types); logits
+match transformers' GGUF loader in float32 at every position; 32 greedy tokens agree
+in both KV layouts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+
+from gguf_fixtures import HEADS, KV_HEADS, VOCAB, unpermute, write_llama_gguf  # noqa: E402
+from mlx_ferrum.config import RuntimeConfig  # noqa: E402
+from mlx_ferrum.executor import LlmExecutor  # noqa: E402
+from mlx_ferrum.models import load_model  # noqa: E402
+from mlx_ferrum.models.gguf.config import hf_name  # noqa: E402
+
+EXACT = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"]
+REQUANTIZED = ["Q6_K", "Q3_K", "Q2_K"]
+ATOL = 1e-3
+NEW_TOKENS = 32
+
+
+def _module_weight(model, name: str) -> np.ndarray:
+    """The float32 weight of the parameter ``name`` (dequantized when quantized)."""
+    path = name.rsplit(".", 1)[0]
+    module = dict(model.named_modules())[path]
+    if hasattr(module, "scales"):
+        return np.array(mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+                                      bits=module.bits).astype(mx.float32))
+    return np.array(module.weight.astype(mx.float32))
+
+
+def _reference_rows(name: str, values: np.ndarray) -> np.ndarray:
+    if ".attn_q." in name:
+        return unpermute(values, HEADS)
+    if ".attn_k." in name:
+        return unpermute(values, KV_HEADS)
+    return values
+
+
+@pytest.fixture(scope="module", params=EXACT + REQUANTIZED)
+def case(request, tmp_path_factory):
+    type_name = request.param
+    folder = tmp_path_factory.mktemp(type_name)
+    reference = write_llama_gguf(folder / "model.gguf", type_name)
+    model, config, _ = load_model(folder / "model.gguf", dtype="float32")
+    return type_name, folder, reference, model
+
+
+def test_loaded_weights_equal_gguf_dequantization(case):
+    type_name, _, reference, model = case
+    for name, values in reference.items():
+        ours = _module_weight(model, hf_name(name))
+        expected = _reference_rows(name, values)
+        if type_name in EXACT:
+            assert np.array_equal(ours, expected), (type_name, name)
+        else:
+            # 8-bit affine over 32 weights: within half a step of that group's range
+            groups = expected.reshape(expected.shape[0], -1, 32)
+            step = (groups.max(-1) - groups.min(-1)) / 255
+            err = np.abs(ours - expected).reshape(groups.shape).max(-1)
+            assert (err <= step * 0.5 + 1e-6).all(), (type_name, name)
+
+
+def test_quantized_types_stay_quantized(case):
+    type_name, _, _, model = case
+    module = model.model.layers[0].mlp.down_proj
+    if type_name in ("F32", "F16", "BF16"):
+        assert not hasattr(module, "scales")
+    else:
+        bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}.get(type_name, 8)
+        assert (module.bits, module.group_size) == (bits, 32)
+
+
+@pytest.fixture(scope="module")
+def transformers_case(case):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    type_name, folder, _, model = case
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf", dtype=torch.float32)
+    ref.eval()
+    for seed in range(8):
+        prompt = [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, 12)]
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+            ids = [int(t) for t in out[0]]
+            logits = ref(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+        top2 = np.sort(logits[len(prompt) - 1:-1], axis=-1)[:, -2:]
+        if (top2[:, 1] - top2[:, 0]).min() > 10 * ATOL:
+            return type_name, model, prompt, ids[len(prompt):], logits
+    pytest.skip("no prompt without near-ties in the reference")
+
+
+def test_logits_match_transformers_gguf_loader(transformers_case):
+    type_name, model, prompt, expected, ref_logits = transformers_case
+    ours = np.array(model(mx.array([prompt + expected]))[0].astype(mx.float32))
+    # the requantized types differ from the file by up to half an 8-bit step per weight
+    tolerance = ATOL if type_name in EXACT else 5e-2
+    assert np.abs(ours - ref_logits).max() <= tolerance, type_name
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_greedy_tokens_match_transformers(transformers_case, layout):
+    from hf_reference import executor_greedy
+
+    type_name, model, prompt, expected, ref_logits = transformers_case
+    if type_name not in EXACT:
+        pytest.skip("requantized types are checked by their logits bound")
+    cfg = RuntimeConfig(kv_layout=layout, kv_capacity=128, block_size=8, max_num_blocks=64 if layout == "paged" else None)
+    tokens, ours = executor_greedy(LlmExecutor(model, config=cfg), prompt, len(prompt) // 2 if layout == "paged" else
+                                   len(prompt), NEW_TOKENS)
+    assert tokens == expected, type_name
+    assert np.abs(ours - ref_logits[: ours.shape[0]]).max() <= ATOL, type_name
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packed_codes_are_what_mlx_dequantizes(bits):
+    from mlx_ferrum.models.gguf.tensors import pack_codes
+
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, (3, 96)).astype(np.uint8)
+    unpacked = mx.dequantize(mx.array(pack_codes(codes, bits)), mx.ones((3, 3)), mx.zeros((3, 3)), group_size=32,
+                             bits=bits)
+    assert np.array_equal(np.array(unpacked), codes)
+
+
+#: loaded bytes / file tensor bytes: the legacy types store float16 scale + bias per 32
+#: weights (Q4_0: 5 bits against 4.5), the K-quants float32 ones (Q4_K: 6 against 4.5)
+MEMORY_BOUND = {"Q8_0": 1.15, "Q4_0": 1.15, "Q4_1": 1.15, "Q5_0": 1.15, "Q5_1": 1.15, "Q4_K": 1.4, "Q5_K": 1.4}
+
+
+def test_loaded_bytes_stay_near_the_file(case):
+    from mlx.utils import tree_flatten
+
+    from mlx_ferrum.models.gguf.reader import read_gguf
+
+    type_name, folder, _, _ = case
+    if type_name not in MEMORY_BOUND:
+        pytest.skip("float types are stored as they are; requantized types cost 10 bits per weight")
+    model, _, _ = load_model(folder / "model.gguf")  # the stored dtypes, no float32 cast
+    loaded = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    stored = sum(np.asarray(t.data).nbytes for t in read_gguf(folder / "model.gguf").tensors.values())
+    assert loaded <= MEMORY_BOUND[type_name] * stored, (type_name, loaded / stored)
