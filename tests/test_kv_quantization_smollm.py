@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +34,10 @@ import mlx.core as mx
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.kv_cache.pool import PagedKvPool
 from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool
+from smollm_support import dequantized_float32, smollm_path
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "benchmarks" / "data" / "public_domain_passages.txt"
-SHARED = Path(os.environ.get("FERRUM_SHARED_MODELS", HERE.parents[1] / "shared" / "models"))
-SMOLLM = SHARED / "SmolLM2-135M-Instruct"
 
 #: the chunk each teacher-forced pass takes (the whole text is read: 4,366 tokens)
 CHUNK = 512
@@ -51,22 +49,10 @@ TOP1_TARGET = {"int8": 0.99, "int4": 0.95}
 BYTES_TARGET = {"int8": 0.53, "int4": 0.30}
 
 
-def _smollm_path() -> Path:
-    if not (SMOLLM / "config.json").exists() or not (SMOLLM / "greedy_chat.json").exists():
-        pytest.skip(f"SmolLM2-135M-Instruct not found at {SMOLLM} (set FERRUM_SHARED_MODELS)")
-    return SMOLLM
-
-
 @pytest.fixture(scope="module")
 def smollm_float32():
     """The 4-bit folder computing in float32, its weights dequantized to plain matrices."""
-    import mlx_ferrum as mf
-
-    utils = pytest.importorskip("mlx_lm.utils")
-    model, tokenizer = mf.load(str(_smollm_path()), dtype=mx.float32)
-    model = utils.dequantize_model(model)
-    mx.eval(model.parameters())
-    return model, tokenizer
+    return dequantized_float32()
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +127,7 @@ def test_int8_greedy_replies_match_the_recordings(smollm_float32, layout):
     from mlx_ferrum.engine.sampling import SamplingParams
 
     model, tokenizer = smollm_float32
-    record = json.loads((_smollm_path() / "greedy_chat.json").read_text())
+    record = json.loads((smollm_path() / "greedy_chat.json").read_text())
     cases = record["cases"]
     config = RuntimeConfig(kv_layout=layout, kv_cache_dtype="int8", max_num_seqs=len(cases), prefix_cache=False)
     engine = Engine(model, tokenizer, config)
