@@ -133,3 +133,14 @@ class HealthPoller:
         self.process.wait(30)
         result = ast.literal_eval(self.out.read_text())
         self.latencies, self.errors = result["latencies"], result["errors"]
+
+
+def wait_until_idle(server, timeout_s: float = 15.0) -> dict:
+    """Poll ``/metrics`` until no request runs and no KV block is used; returns those metrics."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)

@@ -15,20 +15,9 @@ import pytest
 import mlx_ferrum as mf
 import mlx_ferrum.api as api
 from mlx_ferrum import cli
+from cli_helpers import feed  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def feed(monkeypatch, lines):
-    it = iter(lines)
-
-    def fake_input(prompt=""):
-        try:
-            return next(it)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
 
 
 def record_prompts(monkeypatch, fail_on_turn=None):

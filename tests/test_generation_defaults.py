@@ -17,6 +17,7 @@ import mlx_ferrum.api as api
 from mlx_ferrum import cli
 from mlx_ferrum.errors import ConfigurationError
 from mlx_ferrum.generation_defaults import generation_defaults
+from cli_helpers import feed  # noqa: E402
 
 FILE = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
         "min_p": 0.05, "repetition_penalty": 1.05, "max_new_tokens": 12}
@@ -76,18 +77,6 @@ def _spy(monkeypatch):
     return seen
 
 
-def _feed(monkeypatch, lines):
-    it = iter(lines)
-
-    def fake_input(prompt=""):
-        try:
-            return next(it)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-
-
 OWN_CHAT = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 OWN_GENERATE = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                 "max_tokens": 256}
@@ -113,7 +102,7 @@ def test_generate_takes_the_models_defaults(stories_path, tmp_path, monkeypatch,
 def test_chat_takes_the_models_defaults_and_says_so(stories_path, tmp_path, monkeypatch, capsys, flags, want):
     model = model_copy(stories_path, tmp_path / "m", FILE)
     seen = _spy(monkeypatch)
-    _feed(monkeypatch, ["Once upon a time"])
+    feed(monkeypatch, ["Once upon a time"])
     assert cli.main(["chat", "--model", str(model), *flags]) == 0
     err = capsys.readouterr().err
     assert seen == [want]

@@ -16,7 +16,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import PLAIN_TEMPLATE, running_server  # noqa: E402
+from server_helpers import PLAIN_TEMPLATE, running_server, wait_until_idle  # noqa: E402
 
 MODEL = "stories"
 
@@ -39,17 +39,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def once(stories_expected):
     return stories_expected["once"]
-
-
-def wait_until_idle(server, timeout_s: float = 15.0) -> dict:
-    """Poll ``/metrics`` until no request runs and no KV block is used; returns those metrics."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.1)
 
 
 def test_models_and_health(server, client):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 
 import httpx
 import numpy as np
@@ -22,7 +21,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from server_helpers import PLAIN_TEMPLATE, running_server  # noqa: E402
+from server_helpers import PLAIN_TEMPLATE, running_server, wait_until_idle  # noqa: E402
 
 MODEL = "stories"
 KEY = "agent-key"
@@ -64,16 +63,6 @@ def prompt_tokens(server, messages: list[dict]) -> int:
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
     return r.json()["count"]
-
-
-def wait_until_idle(server, timeout_s: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        if m["mlx_ferrum:num_requests_running"] == 0 and m["mlx_ferrum:kv_cache_used_blocks"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- Responses

@@ -355,11 +355,8 @@ class MessagesServing:
         try:
             turn, out = None, None
             async for _, out in merged:
-                if out.finished:
-                    turn = proc.finish(out)
-                    reasoning, content = proc.rest(turn)
-                else:
-                    reasoning, content = proc.step(out)
+                reasoning, content, finished = proc.deltas(out)
+                turn = finished or turn
                 for kind, delta in (("thinking", reasoning), ("text", content)):
                     if not delta:
                         continue

@@ -437,11 +437,8 @@ class ResponsesServing:
             yield _event("response.in_progress", seq, response=envelope)
             turn = None
             async for _, out in merged:
-                if out.finished:
-                    turn = proc.finish(out)
-                    reasoning, content = proc.rest(turn)
-                else:
-                    reasoning, content = proc.step(out)
+                reasoning, content, finished = proc.deltas(out)
+                turn = finished or turn
                 for kind, delta in (("reasoning", reasoning), ("message", content)):
                     if delta:
                         for e in add(kind, delta):

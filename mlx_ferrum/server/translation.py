@@ -129,6 +129,14 @@ class TurnProcessor:
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         return TurnOutput(reasoning, content, calls, finish)
 
+    def deltas(self, out) -> tuple[str, str, Optional[TurnOutput]]:
+        """``(reasoning delta, content delta, turn)`` of one engine output: the turn (see
+        :meth:`finish`) once ``out`` is finished, with whatever :meth:`step` held back."""
+        if not out.finished:
+            return (*self.step(out), None)
+        turn = self.finish(out)
+        return (*self.rest(turn), turn)
+
     def rest(self, result: TurnOutput) -> tuple[str, str]:
         """``(reasoning, content)`` of ``result`` not yet sent by :meth:`step`."""
         r_rest = (result.reasoning or "")[self.sent_reasoning:]
