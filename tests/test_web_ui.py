@@ -41,10 +41,21 @@ def browser():
         pytest.skip("Playwright for Python is not installed (pip install playwright, or the dev extra)")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set FERRUM_CHROMIUM)")
-    with sync_api.sync_playwright() as playwright:
+    # The Playwright driver (node) and the browser it spawns start without LD_PRELOAD: the
+    # test setup preloads OpenBLAS for MLX, and in node OpenBLAS's thread pool breaks node's
+    # own thread creation ("pthread_create: Invalid argument") unless OPENBLAS_NUM_THREADS=1
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        playwright = sync_api.sync_playwright().start()
         instance = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
+    try:
         yield instance
+    finally:
         instance.close()
+        playwright.stop()
 
 
 def _serve(stories_path, tmp, extra=()):

@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import StructuredOutputError
+from .json_number_bound import JsonLexState, TokenDigits
 
 __all__ = [
     "StructuredOutputsParams",
@@ -226,13 +227,22 @@ class GrammarMatcher:
     """One request's grammar state (an llguidance ``LLMatcher``).
 
     Call :meth:`accept` with each generated token in order; the engine fills the row's
-    mask with :meth:`GrammarBackend.fill_bitmask` before each sample.
+    mask with :meth:`GrammarBackend.fill_bitmask` before each sample. A JSON-schema
+    constraint also carries the digit bound of :mod:`~mlx_ferrum.engine.json_number_bound`
+    (``digits``), whose lexical state is kept per accepted token.
     """
 
-    def __init__(self, matcher, kind: str = "grammar"):
+    def __init__(self, matcher, kind: str = "grammar", digits: Optional[TokenDigits] = None):
         self.matcher = matcher
         self.kind = kind
         self.num_tokens = 0
+        self.digits = digits
+        self._lex = [JsonLexState()]  # the state after each accepted token (digit bound only)
+
+    def limit_digits(self, row: np.ndarray) -> None:
+        """Apply the digit bound to ``row``, this matcher's packed mask (in place)."""
+        if self.digits is not None:
+            self.digits.limit(self._lex[-1], row)
 
     def accept(self, token_id: int) -> None:
         """Advance the grammar by one generated token.
@@ -245,6 +255,8 @@ class GrammarMatcher:
             raise StructuredOutputError(
                 f"the {self.kind} constraint rejected token {token_id}: {_short(self.matcher.get_error()) or 'not allowed here'}")
         self.num_tokens += 1
+        if self.digits is not None:
+            self._lex.append(self._lex[-1].advance(self.digits.token_bytes[int(token_id)]))
 
     def check(self) -> None:
         """Raise when the grammar is in its error state: an error is never a finished output.
@@ -261,6 +273,8 @@ class GrammarMatcher:
         if num_tokens:
             self.matcher.rollback(num_tokens)
             self.num_tokens -= num_tokens
+            if self.digits is not None:
+                del self._lex[-num_tokens:]
 
     def allowed_prefix(self, token_ids: Sequence[int], stop_ids: Sequence[int] = ()) -> int:
         """How many leading tokens of a speculative draft the grammar allows, without
@@ -268,7 +282,12 @@ class GrammarMatcher:
         would leave the matcher in an error state that ``rollback`` does not undo). The
         count ends after a stop id: nothing after one is emitted."""
         allowed = int(self.matcher.validate_tokens([int(t) for t in token_ids])) if token_ids else 0
+        state = self._lex[-1]
         for i, tok in enumerate(token_ids[:allowed]):
+            if self.digits is not None:
+                if not self.digits.fits(state, int(tok)):
+                    return i
+                state = state.advance(self.digits.token_bytes[int(tok)])
             if tok in stop_ids:
                 return i + 1
         return allowed
@@ -289,15 +308,20 @@ class GrammarMatcher:
         mask = np.full((len(token_ids) + 1, words), -1, dtype=np.int32)
         row_bytes = words * 4
         consumed = 0
+        state = self._lex[-1]
         try:
             for i in range(len(token_ids) + 1):
                 if self.matcher.is_stopped():
                     break  # nothing follows a complete output: the row stays unmasked, never emitted
                 self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data + i * row_bytes, row_bytes)
+                if self.digits is not None:
+                    self.digits.limit(state, mask[i])
                 if i < len(token_ids):
                     if not self.matcher.consume_token(int(token_ids[i])):
                         raise StructuredOutputError(f"the grammar rejected draft token {token_ids[i]}")
                     consumed += 1
+                    if self.digits is not None:
+                        state = state.advance(self.digits.token_bytes[int(token_ids[i])])
         finally:
             if consumed:
                 self.matcher.rollback(consumed)
@@ -361,6 +385,25 @@ class GrammarBackend:
         self.parallel_min_rows = parallel_min_rows
         #: seconds per mask computation (one per constrained row and step), the latest ones
         self.mask_seconds: deque = deque(maxlen=100_000)
+        self._token_digits: Optional[TokenDigits] = None  # built with the first JSON-schema constraint
+
+    def token_digits(self) -> TokenDigits:
+        """The vocabulary's tables for the JSON digit bound (built once, on first use:
+        one ``decode_bytes`` per token id)."""
+        with self._lock:
+            if self._token_digits is None:
+                token_bytes = []
+                for token_id in range(self.vocab_size):
+                    try:
+                        token_bytes.append(self.lltokenizer.decode_bytes([token_id]))
+                    except Exception:  # noqa: BLE001 - an id past the tokenizer's vocabulary has no text
+                        token_bytes.append(b"")
+                self._token_digits = TokenDigits(token_bytes, self.words)
+            return self._token_digits
+
+    def _wrap(self, matcher, spec: StructuredOutputsParams) -> GrammarMatcher:
+        digits = self.token_digits() if spec.kind == "json_schema" else None
+        return GrammarMatcher(matcher, spec.kind, digits)
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh grammar state for ``spec`` (compiled once per distinct constraint).
@@ -374,7 +417,9 @@ class GrammarBackend:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-                return GrammarMatcher(cached.deep_copy(), spec.kind)
+                copy = cached.deep_copy()
+        if cached is not None:
+            return self._wrap(copy, spec)
         grammar = spec.llguidance_grammar()
         # compiling drops the GIL; the parser limits bound its work
         m = self._llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
@@ -394,7 +439,7 @@ class GrammarBackend:
             self._cache[key] = m.deep_copy()
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return GrammarMatcher(m, spec.kind)
+        return self._wrap(m, spec)
 
     def fill_bitmask(self, matchers: Sequence[Optional[GrammarMatcher]]) -> np.ndarray:
         """The packed ``[B, ceil(V / 32)]`` int32 mask of a batch: row ``b`` from
@@ -411,6 +456,9 @@ class GrammarBackend:
                 row_bytes = self.words * 4
                 for matcher, b in rows:
                     matcher.unsafe_compute_mask_ptr(mask.ctypes.data + b * row_bytes, row_bytes)
+            for b, m in enumerate(matchers):
+                if m is not None and m.digits is not None:
+                    m.limit_digits(mask[b])
             per_row = (time.perf_counter() - start) / len(rows)
             self.mask_seconds.extend([per_row] * len(rows))
         return mask
