@@ -61,6 +61,24 @@ class ServingError(Exception):
                                                  code=self.code or self.status))
 
 
+def engine_failure(out: RequestOutput) -> ServingError:
+    """The error of a request that ended with ``finish_reason == "error"``: a constraint
+    that failed while generating (its grammar's error state) is the request's fault, a 400
+    naming ``response_format``; any other failure is a 500."""
+    error = out.error or "the request failed in the engine"
+    prefix = StructuredOutputError.__name__ + ": "
+    if error.startswith(prefix):
+        return ServingError(400, error[len(prefix):], param="response_format")
+    return ServingError(500, error, type="internal_server_error")
+
+
+def stream_error_event(out: RequestOutput) -> str:
+    """The SSE event that ends a chat or completions stream whose request failed after its
+    first chunk: the error in OpenAI's shape as an event of its own (what vLLM sends; the
+    official client raises it), followed by ``[DONE]``, never a choice that looks finished."""
+    return f"data: {engine_failure(out).body().model_dump_json(exclude_none=True)}\n\ndata: [DONE]\n\n"
+
+
 _PARAM_RE = re.compile(r"SamplingParams\.(\w+)")
 _TOP_LOGPROBS_MAX = 20
 
@@ -800,10 +818,7 @@ class OpenAIServing:
     def _raise_failed(self, choices: list[_Choice]) -> None:
         for c in choices:
             if c.last.finish_reason == "error":
-                if (c.last.error or "").startswith(StructuredOutputError.__name__ + ": "):
-                    # the constraint failed (its grammar's error state): the request's fault
-                    raise ServingError(400, c.last.error.split(": ", 1)[1], param="response_format")
-                raise ServingError(500, c.last.error or "the request failed in the engine", type="internal_server_error")
+                raise engine_failure(c.last)
 
     async def _chat_stream(self, req, choices, rid, name) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -819,6 +834,9 @@ class OpenAIServing:
                 yield chunk([p.ChatCompletionStreamChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))])
             sent = {c.index: 0 for c in choices}
             async for c, out in merged:
+                if out.finish_reason == "error":
+                    yield stream_error_event(out)
+                    return
                 fresh = out.logprobs is not None and _scored(out) > sent[c.index]
                 if not out.delta and not out.finished and not fresh:
                     continue  # the detokenizer holds this token back (stop match or partial UTF-8)
@@ -858,6 +876,9 @@ class OpenAIServing:
             for c in choices:
                 yield head + _json({"index": c.index, "delta": {"role": "assistant", "content": ""}}) + "]}\n\n"
             async for c, out in merged:
+                if out.finish_reason == "error":
+                    yield stream_error_event(out)
+                    return
                 proc = processors[c.index]
                 if not out.finished:
                     text = delta_chunk(c.index, *proc.step(out))
@@ -975,6 +996,9 @@ class OpenAIServing:
             detoks: dict = {}
             echoed: set[int] = set()
             async for c, out in merged:
+                if out.finish_reason == "error":
+                    yield stream_error_event(out)
+                    return
                 if req.echo and c.index not in echoed:
                     # the prompt first (its logprobs arrive with the request's first output)
                     echoed.add(c.index)
