@@ -50,6 +50,8 @@ class ReasoningParser:
     needs_special_tokens = False
 
     def split(self, text: str, finished: bool = True) -> ReasoningSplit:
+        """The reasoning, answer and (Harmony) tool calls in ``text``; while unfinished, a
+        possible marker at the end is held back from the answer."""
         raise NotImplementedError
 
 

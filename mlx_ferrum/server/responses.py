@@ -90,11 +90,14 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def get(self, response_id: str) -> Optional[list[dict]]:
+        """A copy of the conversation stored under ``response_id`` (chat messages), or None."""
         with self._lock:
             entry = self._items.get(response_id)
             return None if entry is None else list(entry[0])
 
     def put(self, response_id: str, messages: list[dict]) -> None:
+        """Store a response's whole conversation; the oldest entries go first past
+        ``max_responses`` entries or ``max_chars`` characters of content."""
         size = sum(len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls") or [])) for m in messages)
         with self._lock:
             self._items[response_id] = (messages, size)

@@ -43,4 +43,5 @@ def add_web_ui(app: FastAPI) -> None:
 
     @app.get("/", include_in_schema=False)
     async def chat_page():
+        """The page's HTML, with its Content-Security-Policy headers."""
         return FileResponse(index, media_type="text/html", headers=_PAGE_HEADERS)

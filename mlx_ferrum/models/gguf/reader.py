@@ -123,6 +123,7 @@ class _Cursor:
         self.buffer, self.pos = buffer, 0
 
     def take(self, n: int) -> Any:
+        """The next ``n`` bytes (a view); ``EOFError`` past the end."""
         if n < 0 or self.pos + n > len(self.buffer):
             raise EOFError(f"needs {n} bytes at offset {self.pos}, past the end ({len(self.buffer)} bytes)")
         view = self.buffer[self.pos:self.pos + n]
@@ -130,9 +131,11 @@ class _Cursor:
         return view
 
     def scalar(self, fmt: str) -> Any:
+        """One little-endian value of the ``struct`` format ``fmt``."""
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
+        """A GGUF string: a uint64 byte length, then UTF-8 bytes."""
         return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
@@ -152,6 +155,7 @@ class _Cursor:
         return out
 
     def value(self, kind: int) -> Any:
+        """One metadata value of GGUF type ``kind`` (a scalar, a string or an array)."""
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
         if kind == _STRING:
