@@ -9,7 +9,8 @@ Usage::
 
 Method (identical on both sides):
 
-- the same prompt token ids (seeded random ids in the vocabulary), the same dtype
+- the same prompt token ids (seeded random ids in the vocabulary; a new prompt for each
+  repeat, the same on both sides, so a prefix cache never serves a repeat), the same dtype
   (``--dtype`` casts both models after loading), greedy decoding, no EOS stop;
 - mlx-lm runs through ``mlx_lm.generate.generate_step`` (its timing-free generator),
   mlx_ferrum through ``mf.stream_generate`` with token ids and ``ignore_eos=True``
@@ -180,7 +181,7 @@ def main(argv=None) -> dict:
     print(f"   ferrum driver       {driver}{'' if driver == args.driver else ' (no tokenizer.json)'}")
     rng = random.Random(0)
     vocab = cfg["vocab_size"]
-    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.repeats)]
     max_pos = cfg.get("max_position_embeddings", 1 << 30)
     if args.prompt_len + args.gen > max_pos:
         raise SystemExit(f"prompt-len + gen = {args.prompt_len + args.gen} exceeds max_position_embeddings {max_pos}")
@@ -193,13 +194,13 @@ def main(argv=None) -> dict:
 
     sides = {f"mlx_ferrum {lay}": (lambda p, n, lay=lay: ferrum(lay, p, n)) for lay in layouts}
     sides["mlx-lm"] = lambda p, n: run_mlx_lm(lm, p, n)
-    warm = prompt[: min(8, len(prompt))]
+    warm = [rng.randrange(3, vocab) for _ in range(min(8, args.prompt_len))]
     for fn in sides.values():
         fn(warm, 4)
     results: dict[str, list[tuple[float, float, list[int]]]] = {k: [] for k in sides}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, fn in sides.items():
-            results[name].append(fn(prompt, args.gen))
+            results[name].append(fn(prompts[repeat], args.gen))
 
     rows, summary = [], {}
     ref = statistics.median(r[0] for r in results["mlx-lm"]), statistics.median(r[1] for r in results["mlx-lm"])
