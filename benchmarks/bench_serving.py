@@ -21,6 +21,13 @@ Workloads (both streamed, greedy, so both servers produce the same tokens):
   tokens of stories260K's tokenizer; the same for every request, as a deployed
   assistant's instructions are) and a short unique question, ``--chat-max-tokens`` output tokens. This is the workload of the
   "defaults against defaults" comparison (``--sides ferrum,mlx_lm-default``).
+  ``--chat-system passage --system-words N`` takes the system text from the first ``N``
+  words of ``benchmarks/data/public_domain_passages.txt`` instead (real English, about
+  1.3 tokens a word with SmolLM2's tokenizer); ``--distinct-system`` gives every request
+  its own ``N``-word window of that text (each starting at another word, so no two
+  requests share a prefix beyond the template's first tokens), and then measures three
+  more requests one at a time, on windows no workload request used, for the time to
+  first token of a request alone (``solo TTFT``).
 - ``shared-prefix``: ``--num-clients`` chat clients, each holding a ``--turns``-turn
   conversation whose first message is one long system prompt (``--system-tokens``)
   shared by every client; each turn sends the whole history plus a new user message
@@ -40,9 +47,11 @@ caching off / on and set ``--max-num-seqs`` to the client count; ``mlx_lm-defaul
 ``--decode-concurrency`` to the client count. Each run starts a fresh server,
 sends a small untimed warm-up, runs both workloads and stops the server. Figures are
 medians over ``--repeats``; each ratio is printed with the min-max of the per-repeat
-ratios. Both servers get the same chat template (a plain ``role: content`` one, given
-to mlx-ferrum as ``--chat-template FILE`` and to mlx_lm.server as ``--chat-template``),
-since the test checkpoints carry none.
+ratios. Both servers get the same chat template: by default a plain ``role: content``
+one, given to mlx-ferrum as ``--chat-template FILE`` and to mlx_lm.server as
+``--chat-template``, since the test checkpoints carry none; with ``--chat-template model``
+neither gets the flag, so each renders the checkpoint's own template (what a chat
+front end meets).
 
 ``--model qwen-0.5b-shape`` builds (once, under $TMPDIR) the random-weight checkpoint
 with Qwen2.5-0.5B's shapes from ``benchmarks/common.py`` except the vocabulary: a
@@ -70,6 +79,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -113,6 +123,19 @@ def chat_questions(n: int) -> list[str]:
             f"{CHAT_PLACES[(i // len(CHAT_ANIMALS)) % len(CHAT_PLACES)]}?" for i in range(n)]
 
 
+PASSAGES = Path(__file__).resolve().parent / "data" / "public_domain_passages.txt"
+
+
+def passage_windows(num_words: int, count: int) -> list[str]:
+    """``count`` texts of ``num_words`` words of real English, each starting at a different
+    word of ``benchmarks/data/public_domain_passages.txt`` (wrapping around its end), so
+    no two share their first words: prompts with no common prefix."""
+    words = PASSAGES.read_text().split()
+    stride = max(1, len(words) // max(count, 1))
+    doubled = words + words
+    return [" ".join(doubled[i * stride % len(words):][:num_words]) for i in range(count)]
+
+
 @dataclass
 class Workload:
     name: str
@@ -122,6 +145,9 @@ class Workload:
     turns: list[list[str]] = field(default_factory=list)
     max_tokens: int = 32
     num_clients: int = 32
+    # chat with --distinct-system: one system text per request, and the solo probes' texts
+    systems: list[str] = field(default_factory=list)
+    solo_systems: list[str] = field(default_factory=list)
 
 
 def build_workloads(args, tokenizer) -> list[Workload]:
@@ -132,8 +158,14 @@ def build_workloads(args, tokenizer) -> list[Workload]:
                    for _ in range(args.num_requests)]
         out.append(Workload("random", prompts=prompts, max_tokens=args.max_tokens, num_clients=args.num_clients))
     if args.workload == "chat":
-        out.append(Workload("chat", prompts=chat_questions(args.chat_requests), system=CHAT_SYSTEM_TEXT,
-                            max_tokens=args.chat_max_tokens, num_clients=args.num_clients))
+        system, systems, solo = CHAT_SYSTEM_TEXT, [], []
+        if args.chat_system == "passage":
+            windows = passage_windows(args.system_words, args.chat_requests + SOLO_PROBES)
+            system = windows[0]
+            if args.distinct_system:
+                systems, solo = windows[:args.chat_requests], windows[args.chat_requests:]
+        out.append(Workload("chat", prompts=chat_questions(args.chat_requests), system=system, systems=systems,
+                            solo_systems=solo, max_tokens=args.chat_max_tokens, num_clients=args.num_clients))
     if args.workload in ("shared-prefix", "both"):
         system = _prompt_text(tokenizer, rng, args.system_tokens)
         turns = [[_prompt_text(tokenizer, rng, args.user_tokens) for _ in range(args.turns)] for _ in range(args.num_clients)]
@@ -203,12 +235,13 @@ async def run_workload(base_url: str, model_name: str, w: Workload, request_time
     async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
         t0 = time.perf_counter()
         if w.name == "chat":
-            queue = list(w.prompts)
+            queue = list(enumerate(w.prompts))
 
             async def worker():
                 while queue:
-                    question = queue.pop(0)
-                    messages = [{"role": "system", "content": w.system}, {"role": "user", "content": question}]
+                    i, question = queue.pop(0)
+                    system = w.systems[i] if w.systems else w.system
+                    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
                     results.append(await _stream_one(client, base_url + "/v1/chat/completions",
                                                      dict(common, messages=messages), chat=True))
 
@@ -240,8 +273,18 @@ async def run_workload(base_url: str, model_name: str, w: Workload, request_time
         except asyncio.TimeoutError:
             timed_out = True
         wall = time.perf_counter() - t0
-    expected = len(w.prompts) if w.name in ("random", "chat") else sum(len(t) for t in w.turns)
-    return summarize(results, wall, expected, timed_out)
+        expected = len(w.prompts) if w.name in ("random", "chat") else sum(len(t) for t in w.turns)
+        summary = summarize(results, wall, expected, timed_out)
+        if w.solo_systems:  # after the load: one request at a time, prompts nobody sent before
+            solo = []
+            for system in w.solo_systems:
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": w.prompts[0]}]
+                res = await _stream_one(client, base_url + "/v1/chat/completions", dict(common, messages=messages), chat=True)
+                if res.ok:
+                    solo.append(res.ttft)
+            summary["solo_ttft"] = statistics.median(solo) if solo else float("nan")
+            summary["ttft_p50_over_solo"] = summary["ttft_p50"] / summary["solo_ttft"] if solo else float("nan")
+    return summary
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -272,6 +315,10 @@ def summarize(results: list[RequestResult], wall: float, expected: int, timed_ou
     }
 
 
+#: Requests sent one at a time after a ``--distinct-system`` workload (solo TTFT).
+SOLO_PROBES = 3
+
+
 # ----------------------------------------------------------------------- the servers
 def _free_port() -> int:
     with socket.socket() as s:
@@ -292,21 +339,24 @@ class Side:
         return "default_model" if self.kind == "mlx_lm" else "bench"
 
 
-def _server_command(side: Side, model: Path, port: int, template_file: Path, args) -> list[str]:
+def _server_command(side: Side, model: Path, port: int, template_file: Optional[Path], args) -> list[str]:
     if side.kind == "ferrum":
         cmd = [sys.executable, "-m", "mlx_ferrum", "serve", "--model", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--served-model-name", "bench", "--chat-template", str(template_file),
-               "--log-level", "warning"]
+               "--port", str(port), "--served-model-name", "bench", "--log-level", "warning"]
+        if template_file is not None:
+            cmd += ["--chat-template", str(template_file)]
         return cmd if side.defaults else cmd + ["--max-num-seqs", str(max(args.num_clients, 1))]
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--chat-template", template_file.read_text(), "--log-level", "WARNING"]
+           "--log-level", "WARNING"]
+    if template_file is not None:
+        cmd += ["--chat-template", template_file.read_text()]
     return cmd if side.defaults else cmd + ["--decode-concurrency", str(max(args.num_clients, 1))]
 
 
 class ServerRun:
     """One server process on 127.0.0.1, stopped (SIGINT, then SIGKILL) on exit."""
 
-    def __init__(self, side: Side, model: Path, template_file: Path, args, log_dir: Path):
+    def __init__(self, side: Side, model: Path, template_file: Optional[Path], args, log_dir: Path):
         self.side, self.port = side, _free_port()
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **side.env)
         if side.defaults:  # the product's defaults: no FERRUM_* variable from the caller either
@@ -347,7 +397,7 @@ def _warmup(url: str, model_name: str, args, prompt: str) -> None:
         httpx.post(url + "/v1/completions", json=body, timeout=args.request_timeout)
 
 
-def run_side(side: Side, model: Path, template_file: Path, workloads: list[Workload], args, log_dir: Path,
+def run_side(side: Side, model: Path, template_file: Optional[Path], workloads: list[Workload], args, log_dir: Path,
              warmup_prompt: str) -> dict:
     server = ServerRun(side, model, template_file, args, log_dir)
     try:
@@ -421,14 +471,14 @@ def _resolve_model(name: str) -> Path:
     return Path(name).resolve()
 
 
-def _chat_ids_transformers(hf_tokenizer, messages: list[dict], template: str) -> list[int]:
+def _chat_ids_transformers(hf_tokenizer, messages: list[dict], template: Optional[str]) -> list[int]:
     out = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=template)
     if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)
 
 
-def check_tokenizer_parity(model: Path, tokenizer, workloads: list[Workload], template: str) -> None:
+def check_tokenizer_parity(model: Path, tokenizer, workloads: list[Workload], template: Optional[str]) -> None:
     """Abort unless transformers' ``AutoTokenizer`` (what mlx_lm.server loads) and
     mlx-ferrum's tokenizer turn the workload's chats and prompts into the same ids, so
     both servers compute the same prompts.
@@ -443,7 +493,8 @@ def check_tokenizer_parity(model: Path, tokenizer, workloads: list[Workload], te
     for w in workloads:
         for i, prompt in enumerate(w.prompts):
             if w.name == "chat":
-                messages = [{"role": "system", "content": w.system}, {"role": "user", "content": prompt}]
+                system = w.systems[i] if w.systems else w.system
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
                 checks.append((f"chat request {i}", _chat_ids_transformers(hf, messages, template),
                                tokenizer.apply_chat_template(messages, tokenize=True, chat_template=template)))
             else:
@@ -475,6 +526,14 @@ def parse_args(argv=None):
     ap.add_argument("--workload", default="both", choices=["random", "shared-prefix", "both", "chat"])
     ap.add_argument("--chat-requests", type=int, default=96, help="requests of the chat workload")
     ap.add_argument("--chat-max-tokens", type=int, default=64, help="output tokens per chat request")
+    ap.add_argument("--chat-system", default="stories", choices=["stories", "passage"],
+                    help="chat workload's system text: the ~110-word stories instructions, or --system-words "
+                         "words of benchmarks/data/public_domain_passages.txt")
+    ap.add_argument("--system-words", type=int, default=750, help="words of the passage system text")
+    ap.add_argument("--distinct-system", action="store_true",
+                    help="chat workload: every request its own passage window (no shared prefix), then solo TTFT")
+    ap.add_argument("--chat-template", default="plain", choices=["plain", "model"],
+                    help="plain: the same role: content template for both servers; model: the checkpoint's own")
     ap.add_argument("--num-clients", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=64, help="requests of the random workload")
     ap.add_argument("--min-prompt-tokens", type=int, default=16)
@@ -536,19 +595,25 @@ def main(argv=None) -> int:
                  "mlx_lm-default": Side("mlx_lm.server defaults", "mlx_lm", defaults=True),
                  "mlx_lm": Side("mlx_lm.server", "mlx_lm")}
     sides = [all_sides[s] for s in args.sides.split(",")]
+    template = PLAIN_TEMPLATE if args.chat_template == "plain" else None
     if any(s.kind == "mlx_lm" for s in sides):
-        check_tokenizer_parity(model, tokenizer, workloads, PLAIN_TEMPLATE)
+        check_tokenizer_parity(model, tokenizer, workloads, template)
     print_header("bench_serving --compare", {
         "model": model, "workloads": [w.name for w in workloads], "clients": args.num_clients,
         "random": f"{args.num_requests} requests, prompts {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens",
         "shared-prefix": f"{args.num_clients} chats x {args.turns} turns, system {args.system_tokens} + user {args.user_tokens} tokens/turn",
-        "chat": f"{args.chat_requests} requests from {args.num_clients} clients, one shared ~110-word system text + "
-                f"a unique question, {args.chat_max_tokens} tokens each",
+        "chat": f"{args.chat_requests} requests from {args.num_clients} clients, "
+                + ("one shared ~110-word system text" if args.chat_system == "stories" else
+                   f"{'a distinct' if args.distinct_system else 'one shared'} {args.system_words}-word passage system text")
+                + f" + a unique question, {args.chat_max_tokens} tokens each",
+        "chat template": args.chat_template,
         "max_tokens": args.max_tokens, "repeats": args.repeats, "sides": [s.label for s in sides],
     })
     log_dir = Path(tempfile.mkdtemp(prefix="bench_serving_"))
-    template_file = log_dir / "template.jinja"
-    template_file.write_text(PLAIN_TEMPLATE)
+    template_file = None
+    if template is not None:
+        template_file = log_dir / "template.jinja"
+        template_file.write_text(template)
     raw: dict[str, dict[str, list[dict]]] = {w.name: {s.label: [] for s in sides} for w in workloads}
     for rep in range(args.repeats):
         order = sides if rep % 2 == 0 else list(reversed(sides))
@@ -566,6 +631,12 @@ def main(argv=None) -> int:
         print(f"\n-- ratios (mlx-ferrum / {baseline})")
         for name, per_side in raw.items():
             print_ratios(name, per_side, baseline)
+    for name, per_side in raw.items():
+        for label, runs in per_side.items():
+            solo = [r["ttft_p50_over_solo"] for r in runs if "ttft_p50_over_solo" in r]
+            if solo:
+                print(f"   {name:<13} TTFT p50 under load / solo TTFT, {label}: {statistics.median(solo):.1f}x "
+                      f"(per-repeat {min(solo):.1f}-{max(solo):.1f}; solo {statistics.median(r['solo_ttft'] for r in runs):.2f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))
     print(f"\n   server logs: {log_dir}")
