@@ -31,6 +31,16 @@ Workloads (stories260K, ``../shared/models/stories260K`` or ``FERRUM_SHARED_MODE
   continuation of an opening), a BOS, and the opening again, so the model retells the
   text already in its context, and prompt lookup can propose it.
 
+With ``--model`` (a chat model, e.g. a float32 copy of SmolLM2-135M-Instruct), prompts
+go through the checkpoint's chat template and the replies end at EOS (both sides produce
+the same greedy tokens, so the work is the same), with two workloads:
+
+- ``edit``: the model is asked to repeat a text with one change: half the requests a
+  JSON object ("repeat it, but set city to Paris"), half a paragraph of
+  ``benchmarks/data/public_domain_passages.txt`` ("copy it, but write X for Y"). What an
+  assistant that edits code or documents does, and where prompt lookup should pay.
+- ``chat``: ordinary questions, where drafts rarely match: speculation must not cost.
+
 There is no rival side: mlx-lm's speculative decoding takes a draft model only (no
 prompt lookup) and runs a single stream, so it has no comparable configuration.
 """
@@ -65,6 +75,34 @@ OPENINGS = ["Once upon a time", "One day", "Lily wanted", "Tom and Sue", "The su
             "The tree was tall", "Ben wanted to", "The dog barked", "Kitty was a", "The moon was", "Grandma baked"]
 
 
+PASSAGES = Path(__file__).resolve().parent / "data" / "public_domain_passages.txt"
+CITIES = ["Lyon", "Oslo", "Lima", "Pune", "Kyiv", "Cork", "Graz", "Nice"]
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "How do plants make food?",
+             "What is a prime number?", "Who wrote Hamlet?", "How does a rainbow form?",
+             "What is the largest ocean?", "Why do we have seasons?"]
+
+
+def chat_workloads(tokenizer, n: int) -> dict[str, list[list[int]]]:
+    """Token-id prompts (chat template applied) of the ``edit`` and ``chat`` workloads."""
+    paragraphs = [p for p in (" ".join(b.split()) for b in PASSAGES.read_text().split("\n\n")) if 40 <= len(p.split()) <= 110]
+    edits = []
+    for i in range(n):
+        if i % 2 == 0:
+            record = {"id": 1000 + i, "name": f"Customer {i}", "city": CITIES[i % len(CITIES)], "active": i % 3 == 0,
+                      "tags": ["priority", "email", f"region-{i % 5}"], "balance": round(17.5 * (i + 3), 2)}
+            edits.append("Repeat this JSON object exactly, but set \"city\" to \"Paris\":\n" + json.dumps(record, indent=2))
+        else:
+            text = paragraphs[(i // 2) % len(paragraphs)]
+            word = next((w for w in text.split() if len(w) >= 6 and w.isalpha()), text.split()[0])
+            edits.append(f"Copy the paragraph below exactly, but write \"orange\" instead of \"{word}\".\n\n{text}")
+    questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (question {i})") for i in range(n)]
+
+    def encode(user: str) -> list[int]:
+        return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=True)
+
+    return {"edit": [encode(e) for e in edits], "chat": [encode(q) for q in questions]}
+
+
 def stories_path() -> Path:
     base = Path(os.environ.get("FERRUM_SHARED_MODELS", REPO.parent / "shared" / "models"))
     return base / "stories260K"
@@ -83,7 +121,8 @@ def workloads(model, tokenizer, n: int, story_tokens: int) -> dict[str, list[lis
 _ENGINES: dict = {}
 
 
-def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tokens: int) -> dict:
+def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tokens: int,
+             ignore_eos: bool = True) -> dict:
     # one engine per side and batch, built once and reused for the warm-up and every
     # timed run (as a server's is): the compiled decode steps are traced once, not in
     # every timed run; prefix caching off, so a repeat does not skip the prompt it ran
@@ -96,7 +135,7 @@ def run_once(model, tokenizer, prompts, layout: str, spec: bool, k: int, max_tok
             cfg.update(speculative="ngram", num_speculative_tokens=k)
         gc.collect()
         eng = _ENGINES[key] = Engine(model, tokenizer, RuntimeConfig(**cfg))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     before = eng.stats()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = eng.generate(prompts, params)
@@ -122,37 +161,44 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--model", default=None,
+                    help="a chat model folder: run the edit and chat workloads through its template (default: "
+                         "stories260K's story and quote workloads)")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.max_tokens, args.layouts = 1, 64, "paged"
         if args.concurrency == ap.get_default("concurrency"):
             args.concurrency = "1,8"
-    path = stories_path()
+    path = Path(args.model) if args.model else stories_path()
     if not (path / "config.json").exists():
-        print(f"stories260K not found at {path}: set FERRUM_SHARED_MODELS")
+        print(f"no checkpoint at {path}: give --model, or set FERRUM_SHARED_MODELS for stories260K")
         return {}
     levels = [int(c) for c in args.concurrency.split(",")]
-    if max(levels) > len(OPENINGS):
+    if args.model is None and max(levels) > len(OPENINGS):
         raise SystemExit(f"--concurrency goes up to {len(OPENINGS)} requests (one per opening of the workload)")
     layouts = args.layouts.split(",")
-    info = print_header("bench_speculative: n-gram speculative decoding vs none, mlx_ferrum Engine, stories260K",
+    info = print_header(f"bench_speculative: n-gram speculative decoding vs none, mlx_ferrum Engine, {path.name}",
                         {"max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
                          "repeats": args.repeats, "prompt_lookup": "min 2, max 4 (defaults)"})
     model, tokenizer = mf.load(str(path))
-    prompts = workloads(model, tokenizer, max(levels), args.story_tokens)
+    if args.model:
+        prompts = chat_workloads(tokenizer, max(levels))
+    else:
+        prompts = workloads(model, tokenizer, max(levels), args.story_tokens)
+    ignore_eos = args.model is None  # chat replies end where the model ends them, the same on both sides
     rows, results = [], []
     for w, plist in prompts.items():
         for layout in layouts:
             for c in levels:
                 batch = plist[:c]
-                run_once(model, tokenizer, batch, layout, False, args.num_speculative_tokens, args.max_tokens)
-                run_once(model, tokenizer, batch, layout, True, args.num_speculative_tokens, args.max_tokens)
+                run_once(model, tokenizer, batch, layout, False, args.num_speculative_tokens, args.max_tokens, ignore_eos)
+                run_once(model, tokenizer, batch, layout, True, args.num_speculative_tokens, args.max_tokens, ignore_eos)
                 offs, ons = [], []
                 for r in range(args.repeats):
                     order = (False, True) if r % 2 == 0 else (True, False)
                     for spec in order:
                         res = run_once(model, tokenizer, batch, layout, spec, args.num_speculative_tokens,
-                                       args.max_tokens)
+                                       args.max_tokens, ignore_eos)
                         (ons if spec else offs).append(res)
                 if any(a["tokens"] != b["tokens"] for a, b in zip(offs, ons)):
                     raise SystemExit(f"greedy outputs differ with speculation ({w}, {layout}, {c} requests)")
