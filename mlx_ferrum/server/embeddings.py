@@ -25,12 +25,15 @@ import base64
 from typing import Any, Optional
 
 import numpy as np
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
+from .limits import ServerLimits
+from .routing import ApiRouter, answer
 from .serving import OpenAIServing, ServingError
 
-__all__ = ["EmbeddingRequest", "EmbeddingsServing", "pool", "POOLING"]
+__all__ = ["EmbeddingRequest", "EmbeddingsServing", "embeddings_router", "pool", "POOLING"]
 
 POOLING = ("last", "mean")
 #: most padded tokens in one embedding forward pass (bounds its activations' memory)
@@ -183,3 +186,19 @@ class EmbeddingsServing:
         tokens = sum(len(ids) for ids in id_lists)
         return {"object": "list", "data": data, "model": req.model or s.model_names[0],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def embeddings_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list, pooling: str = "last") -> ApiRouter:
+    """The ``POST /v1/embeddings`` route over ``serving``, pooling by ``pooling``.
+
+    Raises:
+        ValueError: an unknown ``pooling``.
+    """
+    api = EmbeddingsServing(serving, pooling)
+    router = ApiRouter(limits, dependencies=dependencies)
+
+    @router.post_json("/v1/embeddings", EmbeddingRequest)
+    async def create_embeddings(request: Request):
+        return await answer(request, api.create(await router.body(request, EmbeddingRequest)))
+
+    return router
