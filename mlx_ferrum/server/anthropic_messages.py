@@ -41,7 +41,7 @@ from starlette.concurrency import run_in_threadpool
 
 from . import protocol as p
 from .limits import ServerLimits
-from .routing import ApiRouter, answer
+from .routing import ApiRouter
 from .serving import OpenAIServing, ServingError
 from .translation import (ChatPlan, TurnOutput, arguments_object, chat_prompt_ids, function_tool, prepare_chat, tool_mode,
                           turn_processor)
@@ -405,9 +405,8 @@ def messages_router(serving: OpenAIServing, limits: ServerLimits, dependencies: 
     api = MessagesServing(serving)
     router = ApiRouter(limits, dependencies=dependencies)
 
-    @router.post_json(ANTHROPIC_PREFIX, MessagesRequest)
-    async def create_message(request: Request):  # ?beta=true and anthropic-beta headers change nothing here
-        return await answer(request, api.create(await router.body(request, MessagesRequest)))
+    # ?beta=true and anthropic-beta headers change nothing here
+    router.post_reply(ANTHROPIC_PREFIX, MessagesRequest, api.create, name="create_message")
 
     @router.post_json(f"{ANTHROPIC_PREFIX}/count_tokens", CountTokensRequest)
     async def count_tokens(request: Request):

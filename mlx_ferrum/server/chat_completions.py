@@ -17,12 +17,10 @@ from __future__ import annotations
 import uuid
 from typing import AsyncIterator, Optional
 
-from fastapi import Request
-
 from ..engine import RequestOutput
 from . import protocol as p
 from .limits import ServerLimits
-from .routing import ApiRouter, answer
+from .routing import ApiRouter
 from .serving import Choice, OpenAIServing, chunk_head, json_text, scored, stream_error_event
 from .translation import ChatPlan, prepare_chat, turn_processor
 
@@ -36,10 +34,14 @@ class ChatCompletionsServing:
         self.serving = serving
 
     async def create(self, req: p.ChatCompletionRequest):
-        """A :class:`ChatCompletionResponse`, or an async iterator of SSE lines when ``stream``.
+        """The reply to a chat request: a :class:`ChatCompletionResponse` whose ``n``
+        choices hold each reply's content, reasoning and tool calls, or with ``stream`` an
+        async iterator of its SSE lines (see the module's docstring).
 
         Raises:
-            ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
+            ServingError: 404 unknown model, 400 invalid request or refused at admission,
+                429 server busy, 503 shutting down; a failure after the stream began is
+                an error event of the stream instead.
         """
         s = self.serving
         plan = await prepare_chat(s, req)
@@ -168,11 +170,7 @@ class ChatCompletionsServing:
 
 def chat_completions_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list) -> ApiRouter:
     """The ``POST /v1/chat/completions`` route over ``serving``."""
-    api = ChatCompletionsServing(serving)
     router = ApiRouter(limits, dependencies=dependencies)
-
-    @router.post_json("/v1/chat/completions", p.ChatCompletionRequest)
-    async def chat_completions(request: Request):
-        return await answer(request, api.create(await router.body(request, p.ChatCompletionRequest)))
-
+    router.post_reply("/v1/chat/completions", p.ChatCompletionRequest, ChatCompletionsServing(serving).create,
+                      name="chat_completions")
     return router

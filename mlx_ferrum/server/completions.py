@@ -18,13 +18,12 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import RequestOutput
 from . import protocol as p
 from .limits import ServerLimits
-from .routing import ApiRouter, answer
+from .routing import ApiRouter
 from .sampling import TOP_LOGPROBS_MAX, check_unimplemented, constraint_fields, engine_requests, output_constraint
 from .serving import Choice, OpenAIServing, ServingError, chunk_head, json_text, scored, stream_error_event
 
@@ -49,10 +48,14 @@ class CompletionsServing:
         self.serving = serving
 
     async def create(self, req: p.CompletionRequest):
-        """A :class:`CompletionResponse`, or an async iterator of SSE lines when ``stream``.
+        """The reply to a completions request: a :class:`CompletionResponse` with ``n``
+        choices per prompt, in prompt order, or with ``stream`` an async iterator of its
+        SSE lines.
 
         Raises:
-            ServingError: 404 unknown model, 400 invalid request, 503 shutting down.
+            ServingError: 404 unknown model, 400 invalid request (a bad prompt shape,
+                ``logprobs`` over 20, a prompt over the context) or refused at admission,
+                429 server busy, 503 shutting down.
         """
         s = self.serving
         s.check_alive()
@@ -223,11 +226,6 @@ class CompletionsServing:
 
 def completions_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list) -> ApiRouter:
     """The ``POST /v1/completions`` route over ``serving``."""
-    api = CompletionsServing(serving)
     router = ApiRouter(limits, dependencies=dependencies)
-
-    @router.post_json("/v1/completions", p.CompletionRequest)
-    async def completions(request: Request):
-        return await answer(request, api.create(await router.body(request, p.CompletionRequest)))
-
+    router.post_reply("/v1/completions", p.CompletionRequest, CompletionsServing(serving).create, name="completions")
     return router

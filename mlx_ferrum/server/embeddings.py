@@ -25,12 +25,11 @@ import base64
 from typing import Any, Optional
 
 import numpy as np
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from .limits import ServerLimits
-from .routing import ApiRouter, answer
+from .routing import ApiRouter
 from .serving import OpenAIServing, ServingError
 
 __all__ = ["EmbeddingRequest", "EmbeddingsServing", "embeddings_router", "pool", "POOLING"]
@@ -194,11 +193,6 @@ def embeddings_router(serving: OpenAIServing, limits: ServerLimits, dependencies
     Raises:
         ValueError: an unknown ``pooling``.
     """
-    api = EmbeddingsServing(serving, pooling)
     router = ApiRouter(limits, dependencies=dependencies)
-
-    @router.post_json("/v1/embeddings", EmbeddingRequest)
-    async def create_embeddings(request: Request):
-        return await answer(request, api.create(await router.body(request, EmbeddingRequest)))
-
+    router.post_reply("/v1/embeddings", EmbeddingRequest, EmbeddingsServing(serving, pooling).create, name="create_embeddings")
     return router

@@ -38,12 +38,11 @@ import uuid
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Optional, Union
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from . import protocol as p
 from .limits import ServerLimits
-from .routing import ApiRouter, answer
+from .routing import ApiRouter
 from .serving import OpenAIServing, ServingError
 from .translation import ChatPlan, TurnOutput, function_tool, merge_system, prepare_chat, turn_processor
 
@@ -491,11 +490,6 @@ def _event(kind: str, seq, **fields) -> str:
 
 def responses_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list) -> ApiRouter:
     """The ``POST /v1/responses`` route over ``serving`` (with its own :class:`ResponseStore`)."""
-    api = ResponsesServing(serving)
     router = ApiRouter(limits, dependencies=dependencies)
-
-    @router.post_json("/v1/responses", ResponsesRequest)
-    async def create_response(request: Request):
-        return await answer(request, api.create(await router.body(request, ResponsesRequest)))
-
+    router.post_reply("/v1/responses", ResponsesRequest, ResponsesServing(serving).create, name="create_response")
     return router

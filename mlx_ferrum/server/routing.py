@@ -186,6 +186,15 @@ class ApiRouter(APIRouter):
         self.body_models.append(model)
         return self.post(path, openapi_extra=json_body(model), **kwargs)
 
+    def post_reply(self, path: str, model: type, create, name: str) -> None:
+        """Add ``POST path`` (route ``name``) of a generating endpoint: it reads ``model``
+        from the body and answers what ``create(body)`` gives (see :func:`answer`)."""
+
+        async def endpoint(request: Request):
+            return await answer(request, create(await self.body(request, model)))
+
+        self.post_json(path, model, name=name)(endpoint)
+
     async def body(self, request: Request, model: type):
         """The request's JSON body as ``model`` (see :func:`read_body`)."""
         return await read_body(request, model, self.limits)
