@@ -13,8 +13,9 @@ frees their KV blocks. Errors are :class:`ServingError`, answered in OpenAI's sh
 The API modules build on it: :mod:`.chat_completions`, :mod:`.completions`,
 :mod:`.responses`, :mod:`.anthropic_messages`, :mod:`.embeddings`, :mod:`.models`,
 :mod:`.tokenization`; the chat APIs through the one request translation of
-:mod:`.translation`, the sampling fields through :mod:`.sampling`. The ``usage`` fields
-and the batching of ``n`` choices follow vLLM's ``serving_engine.py``.
+:mod:`.translation`, the sampling fields through :mod:`.sampling`. The class takes its
+name from vLLM's shared serving base; the batching of ``n`` choices and the ``usage``
+fields follow vLLM's ``serving_chat.py`` / ``serving_completion.py``.
 """
 
 from __future__ import annotations
