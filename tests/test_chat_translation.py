@@ -174,7 +174,8 @@ def test_messages_stream_pings_while_waiting_and_reports_a_refusal_as_an_error_e
     import asyncio
 
     from mlx_ferrum.server import anthropic_messages as am
-    from mlx_ferrum.server.serving import ChatPlan, ServingError
+    from mlx_ferrum.server.serving import ServingError
+    from mlx_ferrum.server.translation import ChatPlan
 
     class SlowServing:
         async def _submit(self, items, lora):

@@ -1,7 +1,7 @@
 """Schema-driven fuzz of ``mlx-ferrum serve``: schemathesis over the app's OpenAPI description.
 
 The description is the app's own ``app.openapi()`` (the served app has ``openapi_url=None``;
-the routes carry their request-body schemas, see ``_json_body`` in ``server/app.py``), built
+the routes carry their request-body schemas, see ``json_body`` in ``server/routing.py``), built
 here without a model. schemathesis generates request bodies from it, valid ones (positive
 mode) and ones that break the schema (negative mode), for every POST endpoint that reads
 JSON, and sends them to a real ``mlx-ferrum serve`` on stories260K over loopback. Asserted

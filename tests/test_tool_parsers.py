@@ -6,8 +6,8 @@ import json
 import pytest
 
 from mlx_ferrum.server import protocol as p
-from mlx_ferrum.server.serving import _template_message
 from mlx_ferrum.server.tool_parsers import detect_parser, forced_calls, get_parser, required_schema
+from mlx_ferrum.server.translation import template_message
 
 
 def _calls(calls):
@@ -84,7 +84,7 @@ def test_tool_calls_and_results_render_back_through_the_template(stories_path):
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]),
         p.ChatMessage(role="tool", content="sunny", tool_call_id="call_1"),
     ]
-    msgs = [_template_message(m, i) for i, m in enumerate(messages)]
+    msgs = [template_message(m, i) for i, m in enumerate(messages)]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=False, chat_template=TEMPLATE, tools=tools)
     # (the template environment trims the newline after a block tag, as Hugging Face's does)

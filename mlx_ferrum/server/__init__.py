@@ -1,17 +1,25 @@
 """An OpenAI- and Anthropic-compatible HTTP server over :class:`~mlx_ferrum.engine.AsyncEngine`.
 
+One module per API, over one shared core and one chat translation:
+
+- :mod:`.serving`: the shared core, :class:`OpenAIServing` (model names, limits, the
+  engine requests of a reply, queued-token account), ``ServingError`` and SSE helpers.
+- :mod:`.translation`: the one request-to-engine translation of every chat API (chat
+  template, tools, grammar) and its output processing (reasoning split, tool calls).
+- :mod:`.sampling`: OpenAI's and vLLM's sampling fields -> ``SamplingParams``.
+- :mod:`.chat_completions`, :mod:`.completions`, :mod:`.responses`,
+  :mod:`.anthropic_messages`, :mod:`.embeddings`: OpenAI's chat completions,
+  completions, Responses and embeddings APIs and Anthropic's Messages API.
+- :mod:`.models`: ``/v1/models`` and vLLM's LoRA load / unload endpoints;
+  :mod:`.tokenization`: vLLM's ``/tokenize`` and ``/detokenize``.
+- :mod:`.metrics`: ``/metrics`` (Prometheus, vLLM's names under ``mlx_ferrum:``) and ``/health``.
 - :mod:`.protocol`: pydantic request and response models in OpenAI's shapes
   (tokenize/detokenize in vLLM's).
-- :mod:`.serving`: turns a request into engine calls and engine outputs into responses;
-  ``prepare_chat`` is the one chat planning every chat API calls.
-- :mod:`.translation`: the shared output processing of the chat APIs (reasoning split,
-  tool calls, stream deltas).
-- :mod:`.responses`, :mod:`.anthropic_messages`, :mod:`.embeddings`: OpenAI's Responses
-  API, Anthropic's Messages API and OpenAI's embeddings API.
 - :mod:`.reasoning`, :mod:`.tool_parsers`: reasoning and tool-call syntaxes.
 - :mod:`.limits`: the per-request and per-server limits and the body-size middleware.
-- :mod:`.metrics`: Prometheus metrics (``prometheus_client``), vLLM's names under ``mlx_ferrum:``.
-- :mod:`.app`: the FastAPI app, the uvicorn runner and graceful shutdown.
+- :mod:`.routing`: JSON bodies read off the event loop, the router each API builds on.
+- :mod:`.app`: the FastAPI app (mounts the routers, errors, API key), the uvicorn
+  runner and graceful shutdown; :mod:`.web_ui`: the chat page.
 
 Run it with ``mlx-ferrum serve --model M``.
 """

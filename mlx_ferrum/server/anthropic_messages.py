@@ -35,13 +35,22 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
 
 from . import protocol as p
-from .serving import ChatPlan, OpenAIServing, ServingError, tool_mode
-from .translation import TurnOutput, arguments_object, function_tool
+from .limits import ServerLimits
+from .routing import ApiRouter
+from .serving import OpenAIServing, ServingError
+from .translation import (ChatPlan, TurnOutput, arguments_object, chat_prompt_ids, function_tool, prepare_chat, tool_mode,
+                          turn_processor)
 
-__all__ = ["MessagesRequest", "CountTokensRequest", "MessagesServing", "error_body", "ANTHROPIC_ERROR_TYPES"]
+__all__ = ["MessagesRequest", "CountTokensRequest", "MessagesServing", "error_body", "messages_router", "ANTHROPIC_ERROR_TYPES",
+           "ANTHROPIC_PREFIX"]
+
+#: The path prefix of Anthropic's API: errors under it take Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
 
 #: Anthropic's error type per HTTP status (docs.anthropic.com/en/api/errors); a server
 #: shutting down (503 elsewhere) answers 529 ``overloaded_error``, as Anthropic's API does
@@ -251,7 +260,7 @@ class MessagesServing:
         self.serving.check_model(req.model)
         chat = to_chat_request(req)
         mode = tool_mode(chat)  # the same tool handling as a real request
-        ids = self.serving._messages_ids(chat.messages, tools=mode.tools, template_kwargs=chat.chat_template_kwargs)
+        ids = chat_prompt_ids(self.serving, chat.messages, tools=mode.tools, template_kwargs=chat.chat_template_kwargs)
         return {"input_tokens": len(ids)}
 
     def _stop(self, req: MessagesRequest, turn: TurnOutput, out) -> tuple[str, Optional[str]]:
@@ -283,7 +292,7 @@ class MessagesServing:
             ServingError: 404 unknown model, 400 invalid request, 500 engine failure,
                 503 shutting down (answered as 529 by the app).
         """
-        plan = await self.serving.prepare_chat(to_chat_request(req))
+        plan = await prepare_chat(self.serving, to_chat_request(req))
         mid = f"msg_{uuid.uuid4().hex}"
         if req.stream:
             return self._stream(mid, req, plan)
@@ -292,7 +301,7 @@ class MessagesServing:
             pass
         self.serving._raise_failed(choices)
         out = choices[0].last
-        turn = self.serving.processor(plan).finish(out)
+        turn = turn_processor(self.serving, plan).finish(out)
         content: list[dict] = []
         if turn.reasoning is not None:
             content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
@@ -328,7 +337,7 @@ class MessagesServing:
                 submit.cancel()
                 await asyncio.gather(submit, return_exceptions=True)
         merged = self.serving._merged(choices)
-        proc = self.serving.processor(plan)
+        proc = turn_processor(self.serving, plan)
         index = -1
         open_kind: Optional[str] = None
 
@@ -389,3 +398,19 @@ class MessagesServing:
 def _event(kind: str, **fields) -> str:
     data = {"type": kind, **fields}
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def messages_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list) -> ApiRouter:
+    """The ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` routes over ``serving``."""
+    api = MessagesServing(serving)
+    router = ApiRouter(limits, dependencies=dependencies)
+
+    # ?beta=true and anthropic-beta headers change nothing here
+    router.post_reply(ANTHROPIC_PREFIX, MessagesRequest, api.create, name="create_message")
+
+    @router.post_json(f"{ANTHROPIC_PREFIX}/count_tokens", CountTokensRequest)
+    async def count_tokens(request: Request):
+        body = await router.body(request, CountTokensRequest)
+        return await run_in_threadpool(api.count_tokens, body)
+
+    return router

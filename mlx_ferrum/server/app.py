@@ -1,22 +1,22 @@
 """The FastAPI app of ``mlx-ferrum serve`` and its uvicorn runner.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-(:mod:`.responses`), ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
-(:mod:`.anthropic_messages`), ``POST /v1/embeddings`` (:mod:`.embeddings`), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Every error
-is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, except
-under ``/v1/messages``, where it takes Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
-
-Request bodies pass :class:`~mlx_ferrum.server.limits.BodySizeLimitMiddleware` (413 over
-``--max-request-body-bytes``), must be JSON (``Content-Type: application/json``), and are
-parsed and validated in a worker thread, as is every tokenization, so that a large
-request never delays ``/health`` or the streams of other requests.
+The app mounts one router per API, each from its module: ``POST /v1/chat/completions``
+(:mod:`.chat_completions`), ``POST /v1/completions`` (:mod:`.completions`), ``POST
+/v1/responses`` (:mod:`.responses`), ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` (:mod:`.anthropic_messages`), ``POST /v1/embeddings``
+(:mod:`.embeddings`), ``GET /v1/models`` and the LoRA load / unload endpoints
+(:mod:`.models`), ``POST /tokenize`` and ``POST /detokenize`` (:mod:`.tokenization`),
+``GET /health`` and ``GET /metrics`` (:mod:`.metrics`), and ``GET /``, the chat page
+(:mod:`.web_ui`), unless the server runs with ``--no-web-ui``. Here live only what spans
+them: the API-key check, the body-size limit
+(:class:`~mlx_ferrum.server.limits.BodySizeLimitMiddleware`, 413 over
+``--max-request-body-bytes``), and the error handlers: every error is answered in
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, except under
+``/v1/messages``, where it takes Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting connections, then every in-flight
 request is aborted, so each open stream and each waiting response ends with finish
 reason ``abort``; uvicorn then waits for those responses to finish and the process exits 0.
-
-``GET /`` serves the chat page (:mod:`.web_ui`) unless the server runs with ``--no-web-ui``.
 """
 
 from __future__ import annotations
@@ -26,150 +26,26 @@ import logging
 import secrets
 from typing import Callable, Optional
 
-import pydantic
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import protocol as p
-from .anthropic_messages import CountTokensRequest, MessagesRequest, MessagesServing, error_body
-from .embeddings import EmbeddingRequest, EmbeddingsServing
-from .limits import BodySizeLimitMiddleware, ServerLimits, count_json_containers, flag_of
-from .metrics import CONTENT_TYPE, ServerMetrics
-from .responses import ResponsesRequest, ResponsesServing
+from .anthropic_messages import ANTHROPIC_PREFIX, error_body, messages_router
+from .chat_completions import chat_completions_router
+from .completions import completions_router
+from .embeddings import embeddings_router
+from .limits import BodySizeLimitMiddleware, ServerLimits
+from .metrics import ServerMetrics, monitoring_router
+from .models import models_router
+from .responses import responses_router
+from .routing import body_components, describe_validation_errors
 from .serving import OpenAIServing, ServingError
+from .tokenization import tokenization_router
 from .web_ui import add_web_ui
 
 logger = logging.getLogger("mlx_ferrum.server")
-
-_DISCONNECT_POLL_S = 0.25
-ANTHROPIC_PREFIX = "/v1/messages"
-
-
-#: What a field that takes one of several shapes accepts, for errors about it (pydantic
-#: would name the union's branches, e.g. ``prompt.str``, which mean nothing to a client).
-_UNION_EXPECTED = {
-    "stop": "a string or a list of strings",
-    "content": "a string or a list of content parts",
-}
-_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list", "tuple"}
-
-
-def _is_branch(part) -> bool:
-    """True for a pydantic location entry naming a union branch or a validator, not a field."""
-    return isinstance(part, str) and (part in _TYPE_NAMES or any(ch in part for ch in "[]-,"))
-
-
-def describe_validation_errors(errors: list) -> tuple[str, Optional[str]]:
-    """``(message, param)`` of a pydantic error list, in the client's terms.
-
-    The location is the dotted path of field names and list indices (``messages.0.role``);
-    union branches and validator names are dropped. A JSON syntax error, including a lone
-    UTF-16 surrogate escape (``\\ud800``), says the body is not valid JSON.
-    """
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        msg = str(first.get("msg", ""))
-        hint = ""
-        if "escape" in msg or "surrogate" in msg or "utf-8" in msg.lower():
-            hint = " (text must be valid Unicode: a lone UTF-16 surrogate such as \\ud800 is not)"
-        return f"the request body is not valid JSON: {msg}{hint}", None
-    loc = [x for x in first.get("loc", ()) if x != "body"]
-    kept = [str(x) for x in loc if not _is_branch(x)]
-    param = ".".join(kept) or None
-    names = [x for x in kept if not x.isdigit()]
-    if any(_is_branch(x) for x in loc) and names and names[-1] in _UNION_EXPECTED:
-        # the value fit no branch: say what the field takes, at the field itself
-        cut = max(i for i, x in enumerate(kept) if x == names[-1])
-        param = ".".join(kept[: cut + 1])
-        return f"invalid parameter {param}: expected {_UNION_EXPECTED[names[-1]]}", param
-    if first.get("type") == "model_type" and not kept:
-        return "the request body must be a JSON object", None
-    return f"invalid parameter {param}: {first.get('msg', 'invalid value')}", param
-
-
-def _parse(model: type, raw: bytes, limits: ServerLimits):
-    """``model`` validated from the JSON ``raw`` (run in a worker thread).
-
-    Raises:
-        ServingError: 413 for more JSON arrays/objects than ``limits`` allow (counted
-            before parsing), 400 naming the bad parameter.
-    """
-    bound = limits.max_request_json_containers
-    containers = count_json_containers(raw, bound)
-    if containers > bound:
-        flag = flag_of("max_request_json_containers")
-        raise ServingError(413, f"the request body holds {containers} JSON arrays and objects, over the server's limit of "
-                           f"{bound} ({flag}): send fewer, longer prompts or messages, or start the server with a larger {flag}")
-    try:
-        return model.model_validate_json(raw)
-    except pydantic.ValidationError as e:
-        message, param = describe_validation_errors(e.errors())
-        raise ServingError(400, message, param=param) from None
-
-
-async def _body(request: Request, model: type, limits: ServerLimits):
-    """The request's JSON body as ``model``; parsed off the event loop.
-
-    Raises:
-        ServingError: 400 for a Content-Type other than JSON, or an invalid body.
-    """
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media and media != "application/json" and not media.endswith("+json"):
-        raise ServingError(400, f"the request body must be JSON sent with 'Content-Type: application/json', got {media!r} "
-                           "(with curl, add -H 'Content-Type: application/json')")
-    raw = await request.body()
-    return await run_in_threadpool(_parse, model, raw, limits)
-
-
-_COMPONENTS_REF = "#/components/schemas/{model}"
-
-
-def _json_body(model: type) -> dict:
-    """The OpenAPI ``requestBody`` of a route that reads ``model`` itself (for ``app.openapi()``,
-    which fuzzers read; the routes parse bodies by hand, off the event loop).
-
-    The nested models' schemas are referenced under ``#/components/schemas`` (where an
-    OpenAPI reader resolves references from the document's root) and
-    :func:`_body_components` collects them there.
-    """
-    schema = model.model_json_schema(ref_template=_COMPONENTS_REF)
-    schema.pop("$defs", None)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _body_components(models: list) -> dict:
-    """``{name: schema}`` of the nested models that the ``_json_body`` schemas of ``models`` reference.
-
-    Raises:
-        ValueError: two models nest different models under one name (a reference would be ambiguous).
-    """
-    found: dict = {}
-    for model in models:
-        for name, schema in model.model_json_schema(ref_template=_COMPONENTS_REF).get("$defs", {}).items():
-            if found.setdefault(name, schema) != schema:
-                raise ValueError(f"two request models nest different schemas named {name!r}: rename one")
-    return found
-
-
-async def _until_disconnect(request: Request, coro):
-    """Run ``coro``; cancel it (aborting its engine requests) if the client goes away first."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
@@ -184,6 +60,9 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         limits: the server's limits (None: ``serving.limits``); the body limit is applied here.
         web_ui: serve the chat page at ``GET /`` (see :mod:`.web_ui`).
         pooling: ``/v1/embeddings``' pooling, ``last`` or ``mean``.
+
+    Raises:
+        ValueError: an unknown ``pooling``.
     """
     metrics = metrics if metrics is not None else (serving.metrics or ServerMetrics(serving.engine))
     serving.metrics = metrics
@@ -194,9 +73,6 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes,
                        on_refused=lambda: metrics.http_errors.labels(status="413").inc(),
                        anthropic_prefix=ANTHROPIC_PREFIX)
-    responses = ResponsesServing(serving)
-    messages = MessagesServing(serving)
-    embeddings = EmbeddingsServing(serving, pooling)
 
     def fail(status: int, message: str, type: str, param: Optional[str] = None, request: Optional[Request] = None,
              code=None) -> JSONResponse:
@@ -238,83 +114,24 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
                                "authentication_error")
 
     guarded = [Depends(check_key)]
-
-    async def _answer(request: Request, coro):
-        result = await _until_disconnect(request, coro)
-        if result is None:  # the client left; nobody reads this
-            return Response(status_code=499)
-        if isinstance(result, p.BaseModel):
-            return JSONResponse(result.model_dump(exclude_none=True))
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    @app.post("/v1/chat/completions", dependencies=guarded, openapi_extra=_json_body(p.ChatCompletionRequest))
-    async def chat_completions(request: Request):
-        return await _answer(request, serving.chat(await _body(request, p.ChatCompletionRequest, limits)))
-
-    @app.post("/v1/completions", dependencies=guarded, openapi_extra=_json_body(p.CompletionRequest))
-    async def completions(request: Request):
-        return await _answer(request, serving.completion(await _body(request, p.CompletionRequest, limits)))
-
-    @app.post("/v1/responses", dependencies=guarded, openapi_extra=_json_body(ResponsesRequest))
-    async def create_response(request: Request):
-        return await _answer(request, responses.create(await _body(request, ResponsesRequest, limits)))
-
-    @app.post("/v1/messages", dependencies=guarded, openapi_extra=_json_body(MessagesRequest))
-    async def create_message(request: Request):  # ?beta=true and anthropic-beta headers change nothing here
-        return await _answer(request, messages.create(await _body(request, MessagesRequest, limits)))
-
-    @app.post("/v1/messages/count_tokens", dependencies=guarded, openapi_extra=_json_body(CountTokensRequest))
-    async def count_tokens(request: Request):
-        body = await _body(request, CountTokensRequest, limits)
-        return await run_in_threadpool(messages.count_tokens, body)
-
-    @app.post("/v1/embeddings", dependencies=guarded, openapi_extra=_json_body(EmbeddingRequest))
-    async def create_embeddings(request: Request):
-        return await _answer(request, embeddings.create(await _body(request, EmbeddingRequest, limits)))
-
-    @app.get("/v1/models", dependencies=guarded)
-    async def models():
-        return p.ModelList(data=serving.model_cards()).model_dump()
-
-    @app.post("/v1/load_lora_adapter", dependencies=guarded, openapi_extra=_json_body(p.LoadLoraAdapterRequest))
-    async def load_lora_adapter(request: Request):
-        body = await _body(request, p.LoadLoraAdapterRequest, limits)
-        return PlainTextResponse(await run_in_threadpool(serving.load_lora_adapter, body))
-
-    @app.post("/v1/unload_lora_adapter", dependencies=guarded, openapi_extra=_json_body(p.UnloadLoraAdapterRequest))
-    async def unload_lora_adapter(request: Request):
-        body = await _body(request, p.UnloadLoraAdapterRequest, limits)
-        return PlainTextResponse(await run_in_threadpool(serving.unload_lora_adapter, body))
-
-    @app.get("/health")
-    async def health():
-        serving.check_alive()
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.post("/tokenize", dependencies=guarded, openapi_extra=_json_body(p.TokenizeRequest))
-    async def tokenize(request: Request):
-        body = await _body(request, p.TokenizeRequest, limits)
-        return (await run_in_threadpool(serving.tokenize, body)).model_dump()
-
-    @app.post("/detokenize", dependencies=guarded, openapi_extra=_json_body(p.DetokenizeRequest))
-    async def detokenize(request: Request):
-        body = await _body(request, p.DetokenizeRequest, limits)
-        return (await run_in_threadpool(serving.detokenize, body)).model_dump()
-
-    body_models = [p.ChatCompletionRequest, p.CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest,
-                   EmbeddingRequest, p.LoadLoraAdapterRequest, p.UnloadLoraAdapterRequest, p.TokenizeRequest,
-                   p.DetokenizeRequest]
+    routers = [
+        chat_completions_router(serving, limits, guarded),
+        completions_router(serving, limits, guarded),
+        responses_router(serving, limits, guarded),
+        messages_router(serving, limits, guarded),
+        embeddings_router(serving, limits, guarded, pooling),
+        models_router(serving, limits, guarded),
+        monitoring_router(serving, metrics),
+        tokenization_router(serving, limits, guarded),
+    ]
+    for router in routers:
+        app.include_router(router)
+    body_models = [model for router in routers for model in getattr(router, "body_models", ())]
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(_body_components(body_models))
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(body_components(body_models))
         return app.openapi_schema
 
     app.openapi = openapi

@@ -28,9 +28,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
+from .limits import ServerLimits
+from .routing import ApiRouter
 from .serving import OpenAIServing, ServingError
 
-__all__ = ["EmbeddingRequest", "EmbeddingsServing", "pool", "POOLING"]
+__all__ = ["EmbeddingRequest", "EmbeddingsServing", "embeddings_router", "pool", "POOLING"]
 
 POOLING = ("last", "mean")
 #: most padded tokens in one embedding forward pass (bounds its activations' memory)
@@ -183,3 +185,14 @@ class EmbeddingsServing:
         tokens = sum(len(ids) for ids in id_lists)
         return {"object": "list", "data": data, "model": req.model or s.model_names[0],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def embeddings_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list, pooling: str = "last") -> ApiRouter:
+    """The ``POST /v1/embeddings`` route over ``serving``, pooling by ``pooling``.
+
+    Raises:
+        ValueError: an unknown ``pooling``.
+    """
+    router = ApiRouter(limits, dependencies=dependencies)
+    router.post_reply("/v1/embeddings", EmbeddingRequest, EmbeddingsServing(serving, pooling).create, name="create_embeddings")
+    return router

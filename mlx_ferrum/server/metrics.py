@@ -6,10 +6,16 @@ cache hits) are read from :meth:`Engine.stats` at scrape time by a custom collec
 they can never drift from the engine; per-request histograms and counters are recorded
 by the server as each request finishes. Each :class:`ServerMetrics` has its own
 registry, so several apps can live in one process (tests).
+
+Served, with ``GET /health`` (200 while the engine runs, 503 while shutting down or
+after the engine loop stopped), by :func:`monitoring_router`: both answer without the
+API key, for load balancers and scrapers.
 """
 
 from __future__ import annotations
 
+from fastapi import APIRouter
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -129,3 +135,20 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def monitoring_router(serving, metrics: ServerMetrics) -> APIRouter:
+    """``GET /health`` (:meth:`~mlx_ferrum.server.serving.OpenAIServing.check_alive` of
+    ``serving``) and ``GET /metrics`` (``metrics``, Prometheus' text format)."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        serving.check_alive()
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router

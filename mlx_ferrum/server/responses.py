@@ -41,10 +41,12 @@ from typing import Any, AsyncIterator, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from . import protocol as p
-from .serving import ChatPlan, OpenAIServing, ServingError
-from .translation import TurnOutput, function_tool, merge_system
+from .limits import ServerLimits
+from .routing import ApiRouter
+from .serving import OpenAIServing, ServingError
+from .translation import ChatPlan, TurnOutput, function_tool, merge_system, prepare_chat, turn_processor
 
-__all__ = ["ResponsesRequest", "ResponseStore", "ResponsesServing"]
+__all__ = ["ResponsesRequest", "ResponseStore", "ResponsesServing", "responses_router"]
 
 
 class ResponsesRequest(BaseModel):
@@ -343,7 +345,7 @@ class ResponsesServing:
         rid, created = _id("resp"), int(time.time())
         name = req.model or self.serving.model_names[0]
         try:
-            plan = await self.serving.prepare_chat(chat)
+            plan = await prepare_chat(self.serving, chat)
             choices = await self.serving._submit(plan.items, plan.lora)
         except ServingError as e:
             if req.stream and e.code == "context_length_exceeded":
@@ -354,7 +356,7 @@ class ResponsesServing:
         async for _ in self.serving._merged(choices):
             pass
         self.serving._raise_failed(choices)
-        turn = self.serving.processor(plan).finish(choices[0].last)
+        turn = turn_processor(self.serving, plan).finish(choices[0].last)
         status, incomplete = self._status(turn)
         output = []
         if turn.reasoning is not None:
@@ -377,7 +379,7 @@ class ResponsesServing:
         """The SSE events of one streamed response (see the module docstring)."""
         seq = itertools.count()
         merged = self.serving._merged(choices)
-        proc = self.serving.processor(plan)
+        proc = turn_processor(self.serving, plan)
         output: list[dict] = []
         open_item: Optional[dict] = None  # the reasoning or message item receiving deltas
         texts: dict[str, str] = {}
@@ -484,3 +486,10 @@ def _event(kind: str, seq, **fields) -> str:
     """One SSE event: ``event: <type>`` and its JSON with ``type`` and ``sequence_number``."""
     data = {"type": kind, "sequence_number": next(seq), **fields}
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def responses_router(serving: OpenAIServing, limits: ServerLimits, dependencies: list) -> ApiRouter:
+    """The ``POST /v1/responses`` route over ``serving`` (with its own :class:`ResponseStore`)."""
+    router = ApiRouter(limits, dependencies=dependencies)
+    router.post_reply("/v1/responses", ResponsesRequest, ResponsesServing(serving).create, name="create_response")
+    return router
