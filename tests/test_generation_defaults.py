@@ -66,14 +66,17 @@ def test_a_bad_file_is_refused_with_the_fix(tmp_path, content, named):
 
 
 def _spy(monkeypatch):
+    import dataclasses
+
     seen = []
-    real = api.stream_generate
+    real = api.stream_request
 
-    def wrapper(model, tokenizer, prompt, **kw):
-        seen.append({k: kw[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")})
-        return real(model, tokenizer, prompt, **{**kw, "max_tokens": 2})
+    def wrapper(engine, prompt, params, **kw):
+        seen.append({k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                     "max_tokens")})
+        return real(engine, prompt, dataclasses.replace(params, max_tokens=2), **kw)
 
-    monkeypatch.setattr(api, "stream_generate", wrapper)
+    monkeypatch.setattr(api, "stream_request", wrapper)
     return seen
 
 

@@ -153,14 +153,16 @@ def test_generate_gives_every_recorded_reply(cases, capsys, extra):
 
 
 def test_generate_ignore_chat_template_sends_the_raw_prompt(monkeypatch, capsys):
+    import dataclasses
+
     seen = []
-    real = mf.api.stream_generate
+    real = mf.api.stream_request
 
-    def spy(model, tokenizer, prompt, **kw):
+    def spy(engine, prompt, params, **kw):
         seen.append(prompt)
-        return real(model, tokenizer, prompt, **{**kw, "max_tokens": 1})
+        return real(engine, prompt, dataclasses.replace(params, max_tokens=1), **kw)
 
-    monkeypatch.setattr(mf.api, "stream_generate", spy)
+    monkeypatch.setattr(mf.api, "stream_request", spy)
     rc = cli.main(["generate", "--model", str(smollm_path()), "-p", "Paris is", "--ignore-chat-template",
                    "--temp", "0", "-m", "1"])
     assert rc == 0, capsys.readouterr().err
