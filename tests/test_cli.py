@@ -390,3 +390,20 @@ def test_a_parallel_only_variable_without_parallelism_is_refused_by_name(stories
     r = run_cli(["generate", "--model", str(stories_path), "-p", "x", "-m", "2"], {"FERRUM_PIPELINE_SPLIT": "3,2"})
     assert r.returncode == 2
     assert "FERRUM_PIPELINE_SPLIT" in one_error_line(r.stderr)
+
+
+@pytest.mark.parametrize("flags", [[], ["--speculative", "ngram"]], ids=["plain", "speculative"])
+def test_generate_reports_a_request_that_failed_in_the_engine(stories_path, monkeypatch, capsys, flags):
+    """A request the engine fails is an error (one line, exit 1), with or without
+    speculation; the speculative path used to print its text and exit 0."""
+    from mlx_ferrum import cli
+    from mlx_ferrum.engine.engine import Engine
+
+    def broken_emit(self, *args, **kwargs):
+        raise RuntimeError("injected emission failure")
+
+    monkeypatch.setattr(Engine, "_emit", broken_emit)
+    rc = cli.main(["generate", "--model", str(stories_path), "-p", "Once upon a time", "-m", "4", "--temp", "0",
+                   *flags])
+    assert rc == 1
+    assert one_error_line(capsys.readouterr().err) == "error: RuntimeError: injected emission failure"
