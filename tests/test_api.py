@@ -3,7 +3,7 @@
 import pytest
 
 import mlx_ferrum as mf
-from checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint
 from mlx_ferrum.errors import PromptTooLongError, SamplingParamsError
 
 LAYOUTS = [mf.RuntimeConfig(kv_layout="contiguous"), mf.RuntimeConfig(kv_layout="paged", block_size=16)]
@@ -131,7 +131,7 @@ class _FailingTokenizer:
 def test_a_failure_in_the_engine_keeps_its_exception_type(layout, error):
     """generate / stream_generate re-raise the exception that failed the request (the
     engine's RequestOutput carries it), not a FerrumError made from its text."""
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     model = tiny_model("llama", seed=3)
     cfg = mf.RuntimeConfig(kv_layout=layout)

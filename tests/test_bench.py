@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint
 from mlx_ferrum.cli import bench, main
 from mlx_ferrum.errors import ConfigurationError
 

@@ -15,7 +15,7 @@ import pytest
 import mlx_ferrum as mf
 import mlx_ferrum.api as api
 from mlx_ferrum import cli
-from cli_helpers import feed  # noqa: E402
+from support.cli_helpers import feed  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -141,8 +141,7 @@ def test_a_kv_pool_larger_than_memory_is_refused_by_name_before_allocating(stori
 
 
 def test_the_executor_raises_a_named_memory_error_that_names_the_largest_pool():
-    sys.path.insert(0, os.path.dirname(__file__))
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     from mlx_ferrum.config import RuntimeConfig
     from mlx_ferrum.errors import ConfigurationError, InsufficientMemoryError

@@ -22,7 +22,7 @@ import pytest
 import mlx_ferrum as mf
 from mlx_ferrum import cli
 from mlx_ferrum.config import RuntimeConfig
-from smollm_support import load_float32, recorded_cases, smollm_path
+from support.smollm_support import load_float32, recorded_cases, smollm_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -278,7 +278,7 @@ def test_chat_in_a_terminal_gives_every_recorded_reply(cases, extra):
 def _serve_and_check(tmp_path, cases, extra):
     import httpx
 
-    from server_helpers import running_server
+    from support.server_helpers import running_server
 
     with running_server(smollm_path(), tmp_path, ["--dtype", "float32", "--block-size", "8", *extra]) as server:
         usages = []
