@@ -39,24 +39,6 @@ from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
 from .args import HelpFormatter, add_model_args, load_model, positive_int
 
-#: The figures :func:`summarize` returns.
-RESULT_KEYS = (
-    "concurrency",
-    "prompt_tokens",
-    "max_tokens",
-    "generated_tokens",
-    "wall_s",
-    "decode_tps",
-    "output_tps",
-    "total_tps",
-    "ttft_p50",
-    "ttft_p90",
-    "ttft_p99",
-    "itl_p50",
-    "itl_p90",
-    "itl_p99",
-)
-
 
 def add_parser(sub) -> None:
     """Add ``bench`` and its flags to the subcommands ``sub``."""
@@ -133,7 +115,8 @@ def summarize(
         prompt_tokens, max_tokens: per request.
 
     Returns:
-        A dict with :data:`RESULT_KEYS` (seconds and tokens per second; ``decode_tps`` is
+        ``concurrency``, ``prompt_tokens``, ``max_tokens``, ``generated_tokens`` and
+        the figures of the module docstring (seconds and tokens per second; ``decode_tps`` is
         nan when no token came after the last first token, e.g. ``max_tokens == 1``).
     """
     n = len(token_times)
