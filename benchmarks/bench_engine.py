@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_engine.py --dtype bfloat16 --concurrency 1,8 --prompt-tokens 32 --max-tokens 8
     python benchmarks/bench_engine.py --openblas off    # MLX's bundled reference BLAS
 
-What is measured (see :mod:`mlx_ferrum.bench` for the exact definitions): for
+What is measured (see :mod:`mlx_ferrum.cli.bench` for the exact definitions): for
 each concurrency level N, N requests of ``--prompt-tokens`` random token ids (seeded,
 the same on both sides) arrive at once and each generates ``--max-tokens`` greedy
 tokens with EOS ignored. Reported per side: steady-state aggregate decode tok/s (all N
@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
     if argv is None:
         ensure_blas(args.openblas)
     import mlx_ferrum as mf
-    from mlx_ferrum.bench import TABLE_HEADERS, bench_engine, format_table, parse_concurrency, table_rows
+    from mlx_ferrum.cli.bench import TABLE_HEADERS, bench_engine, format_table, parse_concurrency, table_rows
     from mlx_lm_side import RATIO_HEADERS, bench_mlx_lm_batch, load_mlx_lm_model, ratio_row, token_agreement
 
     levels = parse_concurrency(args.concurrency)
@@ -186,12 +186,10 @@ def main(argv=None) -> dict:
     t_all = time.perf_counter()
     for i, c in enumerate(levels):
         def ferrum():
-            return bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, seed=args.seed,
-                                return_tokens=True)
+            return bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, seed=args.seed)
 
         def mlx_lm():
-            return bench_mlx_lm_batch(None, c, args.prompt_tokens, args.max_tokens, seed=args.seed, model=lm,
-                                      return_tokens=True)
+            return bench_mlx_lm_batch(None, c, args.prompt_tokens, args.max_tokens, seed=args.seed, model=lm)
 
         t = time.perf_counter()
         fs, ms = [], []

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.context, args.requests, args.rounds, args.max_steps, args.min_block_s, args.warmup = 256, "1,4", 2, 4, 0.05, 1
     import mlx_ferrum as mf
-    from mlx_ferrum import bench
+    from mlx_ferrum.cli import bench
 
     requests = [int(x) for x in args.requests.split(",")]
     dtypes = args.dtypes.split(",")

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     """Run the benchmark; print the machine, a Markdown table and the ratios."""
     args = parse_args(argv)
     import mlx_ferrum as mf
-    from mlx_ferrum import bench
+    from mlx_ferrum.cli import bench
     from mlx_ferrum.config import RuntimeConfig
     from mlx_ferrum.engine import Engine, SamplingParams
 

@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_parallel.py --quick         # stories260K only, requests 1,8
     python benchmarks/bench_parallel.py --model PATH --concurrency 1,8,32
 
-What is measured: ``mlx-ferrum bench`` (see :mod:`mlx_ferrum.bench`: N simultaneous
+What is measured: ``mlx-ferrum bench`` (see :mod:`mlx_ferrum.cli.bench`: N simultaneous
 greedy requests of ``--prompt-tokens`` random ids, ``--max-tokens`` each, EOS ignored;
 steady-state decode tok/s, TTFT, inter-token latency), run three ways:
 

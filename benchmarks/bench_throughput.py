@@ -18,7 +18,7 @@ min-max spread; the headline is the wall time until every request has finished, 
 its ratio ``mlx-lm wall / ferrum wall`` (> 1: ferrum is faster) is taken per repeat
 pair, then its median and spread are printed. TTFT and ITL are in milliseconds; KV is
 the memory each side holds (the engine's whole pool; mlx-lm's cache buffers at their
-largest), see :mod:`mlx_ferrum.bench`.
+largest), see :mod:`mlx_ferrum.cli.bench`.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def main(argv=None) -> int:
     """Run the benchmark and print Markdown tables."""
     args = parse_args(argv)
     import mlx_ferrum as mf
-    from mlx_ferrum import bench
+    from mlx_ferrum.cli import bench
     from mlx_ferrum.engine import Engine
+    from mlx_ferrum.runner import model_dtype
     import mlx_lm_side
 
     if args.qwen_shape:
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
                           f"prefix_cache={'default' if args.prefix_cache is None else args.prefix_cache}"},
     )
     model, _tok = mf.load(str(path))
-    dtype = bench.model_dtype_of(model)
+    dtype = model_dtype(model)
     lm = mlx_lm_side.load_mlx_lm_model(path, dtype)
     vocab = model.args.vocab_size
     sides = (["ferrum"] + (["ferrum-sync"] if args.with_sync else []) + (["ferrum-eager"] if args.with_eager else [])
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
                 if args.prefix_cache is not None:
                     cfg.prefix_cache = bool(args.prefix_cache)
                 engines[side] = Engine(model, None, cfg)
-                bench._run_engine(engines[side], warm, wt)
+                bench.run_burst(engines[side], warm, wt)
             else:
                 mlx_lm_side.run_mlx_lm_batch(lm, warm, wt)
         runs: dict[str, list[dict]] = {s: [] for s in sides}
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
             order = sides if r % 2 == 0 else list(reversed(sides))
             for side in order:
                 if side.startswith("ferrum"):
-                    res, toks = bench._run_engine(engines[side], prompts, args.max_tokens)
+                    res, toks = bench.run_burst(engines[side], prompts, args.max_tokens)
                 else:
                     res, toks = mlx_lm_side.run_mlx_lm_batch(lm, prompts, args.max_tokens)
                 runs[side].append(res)

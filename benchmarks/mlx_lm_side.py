@@ -1,7 +1,8 @@
 """mlx-lm's side of the concurrent-serving benchmark: the same burst as
-``mlx_ferrum.bench.bench_engine``, served by mlx-lm's ``BatchGenerator``.
+``mlx_ferrum.cli.bench.bench_engine`` (``mlx-ferrum bench``), served by mlx-lm's
+``BatchGenerator``.
 
-Method: see ``mlx_ferrum/bench.py`` (identical prompts from the same seed, greedy,
+Method: see ``mlx_ferrum/cli/bench.py`` (identical prompts from the same seed, greedy,
 EOS ignored, every request submitted at ``t0``). mlx-lm runs with
 ``prefill_batch_size = completion_batch_size = concurrency``, the engine's admission
 (all requests prefilled and decoded together). ``kv_allocated_bytes`` is mlx-lm's
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_ferrum.bench import make_prompts, summarize, warm_up_shape  # noqa: E402
+from mlx_ferrum.cli.bench import make_prompts, summarize, warm_up_shape  # noqa: E402
 from mlx_ferrum.errors import ConfigurationError  # noqa: E402
 
 RATIO_HEADERS = ["concurrency", "decode tok/s", "output tok/s", "TTFT p50", "ITL p50", "wall"]
@@ -102,20 +103,20 @@ def bench_mlx_lm_batch(
     warmup: bool = True,
     dtype=None,
     model=None,
-    return_tokens: bool = False,
 ) -> dict:
-    """The same burst as ``mlx_ferrum.bench.bench_engine``, served by mlx-lm's ``BatchGenerator``.
+    """The same burst as ``mlx_ferrum.cli.bench.bench_engine``, served by mlx-lm's ``BatchGenerator``.
 
     Args:
         model_path: checkpoint folder, loaded with mlx-lm's own loader (ignored when
             ``model`` is given).
-        concurrency, prompt_tokens, max_tokens, seed, warmup, return_tokens: as for
+        concurrency, prompt_tokens, max_tokens, seed, warmup: as for
             ``bench_engine`` (same seed = same prompts).
         dtype: cast the loaded model (``mx.Dtype`` or name); None keeps the checkpoint's.
         model: an mlx-lm model already loaded (skips loading).
 
     Returns:
-        The figures of :func:`summarize`, plus ``"side": "mlx-lm"``.
+        The figures of :func:`summarize`, plus ``"engine": "mlx-lm"`` and ``"tokens"``
+        (the generated ids of each request), as ``bench_engine`` returns them.
 
     Raises:
         ConfigurationError: mlx-lm is missing, or bad counts.
@@ -130,9 +131,8 @@ def bench_mlx_lm_batch(
         wp, wt = warm_up_shape(prompt_tokens, max_tokens)
         run_mlx_lm_batch(lm, make_prompts(vocab, concurrency, wp, seed + 1), wt)
     res, toks = run_mlx_lm_batch(lm, prompts, max_tokens)
-    res["side"] = "mlx-lm"
-    if return_tokens:
-        res["tokens"] = toks
+    res["engine"] = "mlx-lm"
+    res["tokens"] = toks
     return res
 
 

@@ -137,13 +137,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args(argv)
     import mlx_ferrum as mf
-    from mlx_ferrum import bench
+    from mlx_ferrum.cli import bench
+    from mlx_ferrum.runner import model_dtype
     import mlx_lm_side
 
     print_header("step profile: host build time, graph ops and step time per decode step",
                  {"model": args.model, "prompt_tokens": args.prompt_tokens, "steps": args.steps})
     model, _ = mf.load(args.model)
-    lm = mlx_lm_side.load_mlx_lm_model(args.model, bench.model_dtype_of(model))
+    lm = mlx_lm_side.load_mlx_lm_model(args.model, model_dtype(model))
     rows = []
     for n in [int(x) for x in args.concurrency.split(",")]:
         prompts = bench.make_prompts(model.args.vocab_size, n, args.prompt_tokens, 0)

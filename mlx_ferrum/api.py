@@ -16,10 +16,10 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 
 from .config import RuntimeConfig
-from .engine.engine import Engine, context_full_message
-from .engine.prompt import Prompt, encode_prompt
+from .engine.engine import Engine
+from .engine.prompt import Prompt
 from .engine.sampling import SamplingParams
-from .errors import ConfigurationError, FerrumError, LoraError, NonFiniteLogitsError, PromptTooLongError
+from .errors import ConfigurationError, FerrumError, LoraError
 from .executor import LlmExecutor
 from .models.loader import check_tokenizer_vocabulary, load_model
 from .tokenizer import Tokenizer
@@ -194,25 +194,47 @@ def stream_generate(
         RequestError: a prompt of the wrong type, or a token id outside the vocabulary.
         NonFiniteLogitsError: the model produced NaN or Inf logits (the cache is released).
         LoraError: the adapter cannot be read or does not fit the model.
+        Any other exception that fails the request in the engine keeps its own type
+        (see :func:`stream_request`).
     """
     params = sampling_params if sampling_params is not None else SamplingParams(**sampling)
     if lora is not None:
         config, lora = _lora_config(model, config, lora)
-    ex = executor_for(model, config)
-    ids = encode_prompt(tokenizer, prompt, vocab_size=model.args.vocab_size)
-    if len(ids) >= ex.kv_capacity():
-        raise PromptTooLongError(context_full_message(len(ids), ex.kv_capacity(), model.args.max_position_embeddings))
-    # One request through the engine's own loop (scheduler, pipelined step, sampler,
-    # stops), so single-stream and batched generation share every line of request logic.
-    # The engine's stream aborts the request in its finally, so its cache is freed even
-    # when Ctrl-C lands inside the prefill.
-    engine = engine_for(model, tokenizer, config)
+    yield from stream_request(engine_for(model, tokenizer, config), prompt, params, lora=lora)
+
+
+def stream_request(engine: Engine, prompt: Prompt, params: SamplingParams,
+                   lora: Optional[str] = None) -> Iterator[GenerationChunk]:
+    """Run one request through ``engine`` and yield its tokens as :class:`GenerationChunk`.
+
+    The request goes through the engine's own loop (scheduler, pipelined step, sampler,
+    stops), so single-stream and batched generation share every line of request logic.
+    The engine's stream aborts the request when this iterator is closed early, so its
+    cache is freed even when Ctrl-C lands inside the prefill. ``prompt_tps`` is prompt
+    tokens over the time to the first token; ``generation_tps`` is tokens after the
+    first over the time since it (seconds of ``time.perf_counter``).
+
+    Args:
+        engine: an :class:`~mlx_ferrum.engine.Engine` (e.g. :func:`engine_for`'s, or a
+            parallel run's lockstep engine on rank 0).
+        prompt: text, messages or token ids; params: its sampling settings.
+        lora: a registered adapter name, or None for the base model.
+
+    Raises:
+        PromptTooLongError, RequestError, SamplingParamsError, UnknownLoraError: refused
+            at admission (see :meth:`Engine.add_request`).
+        The exception that failed the request in the engine, re-raised as it was
+        (:class:`~mlx_ferrum.errors.NonFiniteLogitsError`, a ``StructuredOutputError``,
+        a ``LoraError`` ...). FerrumError: the request ended with no exception behind it
+        (aborted by another caller, or more than the KV pool can hold).
+    """
     want_logprobs = params.logprobs is not None
     t0 = time.perf_counter()
     t_first = None
     n = 0
-    for out in engine.stream(ids, params, lora=lora):
+    for out in engine.stream(prompt, params, lora=lora):
         now = time.perf_counter()
+        num_prompt = len(out.prompt_token_ids)
         for k, token in enumerate(out.new_token_ids):
             n += 1
             if t_first is None:
@@ -225,19 +247,19 @@ def stream_generate(
                 out.delta if last else "",
                 token,
                 out.finish_reason if last else None,
-                prompt_tokens=len(ids),
+                prompt_tokens=num_prompt,
                 generation_tokens=n,
-                prompt_tps=len(ids) / prompt_time if prompt_time > 0 else 0.0,
+                prompt_tps=num_prompt / prompt_time if prompt_time > 0 else 0.0,
                 generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
                 peak_memory=_peak_memory(),
                 logprob=lp,
             )
         if out.finished and out.finish_reason in ("error", "abort"):
-            error = out.error or out.finish_reason
-            prefix = f"{NonFiniteLogitsError.__name__}: "
-            if error.startswith(prefix):
-                raise NonFiniteLogitsError(error[len(prefix):])
-            raise FerrumError(f"generation failed: {error}")
+            if isinstance(out.exception, Exception):
+                raise out.exception
+            # a request failed by a KeyboardInterrupt or the like (the engine re-raises it
+            # where it happened), or ended without an exception
+            raise FerrumError(f"generation failed: {out.error or out.finish_reason}") from out.exception
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **kwargs: Any) -> str:

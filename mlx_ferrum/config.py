@@ -4,7 +4,7 @@ Precedence: an explicit constructor argument beats the environment, and the
 environment beats the default. A field left as ``None`` is resolved in
 ``__post_init__``; after construction every field holds a concrete, validated value
 (``max_num_blocks`` and ``kv_capacity`` may stay ``None``: they are then sized from
-the memory budget and the model, by the executor).
+the memory budget and the model, by the model runner).
 
 Names follow ferrum (``FERRUM_METAL_PAGED_KV``) and vLLM (``block_size``,
 ``max_num_seqs``, ``max_num_batched_tokens``).
@@ -282,7 +282,8 @@ def resolve_kv_capacity(config: "RuntimeConfig", max_position_embeddings: int) -
 
 @dataclass
 class RuntimeConfig:
-    """Runtime settings of executors and the engine.
+    """Runtime settings of the engine and its model runner (and of the ``LlmExecutor``
+    adapter over a runner).
 
     Fields (environment variable, default):
 
@@ -309,7 +310,7 @@ class RuntimeConfig:
     - ``async_scheduling`` (``FERRUM_ASYNC_SCHEDULING``, 1): the engine queues step t+1 before it
       reads step t's tokens (vLLM's name); 0 runs every step synchronously.
     - ``enforce_eager`` (``FERRUM_ENFORCE_EAGER``, 0): 1 builds every forward pass op by op;
-      0 lets the paged executor run decode passes through ``mx.compile`` (vLLM's name for
+      0 lets the paged model runner run decode passes through ``mx.compile`` (vLLM's name for
       turning its compiled graphs off).
     - ``speculative`` (``FERRUM_SPECULATIVE``, None = off): ``"ngram"`` for prompt-lookup
       speculative decoding, or a draft checkpoint (folder or hub id) sharing the tokenizer.

@@ -94,11 +94,13 @@ class UnknownBlockError(KvCacheError, IndexError):
 
 
 class UnknownCacheError(KvCacheError, KeyError):
-    """A ``cache_id`` is not (or no longer) held by the executor; it may have been released."""
+    """A ``cache_id`` is not (or no longer) held by the KV store (of a model runner or an
+    ``LlmExecutor``); it may have been released."""
 
 
 class ExecutorError(FerrumError):
-    """An executor was called in a way it cannot serve (shut down, bad input shape, ...)."""
+    """A model runner, or the ``LlmExecutor`` adapter over it, was called in a way it cannot
+    serve (shut down, bad input shape, ...)."""
 
 
 class InvalidInputIdsError(ExecutorError, ValueError):

@@ -3,7 +3,7 @@
 import pytest
 
 import mlx_ferrum as mf
-from checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint
 from mlx_ferrum.errors import PromptTooLongError, SamplingParamsError
 
 LAYOUTS = [mf.RuntimeConfig(kv_layout="contiguous"), mf.RuntimeConfig(kv_layout="paged", block_size=16)]
@@ -87,3 +87,58 @@ def test_repeated_calls_reuse_one_engine_and_load_a_draft_checkpoint_once(storie
     assert mf.engine_for(model, tok, cfg) is mf.engine_for(model, tok, cfg)
     # the same text as without speculation (greedy): the cached engine is a normal engine
     assert first == mf.generate(model, tok, "Once upon a time", max_tokens=12, temperature=0.0)
+
+
+class _DetokenizerFault(Exception):
+    """Raised by :class:`_FailingTokenizer`'s detokenizer: a failure type of no library."""
+
+
+class _FailingTokenizer:
+    """A tokenizer whose detokenizer raises ``error`` at the ``after``-th token: the engine
+    fails that request with the exception, which the API must re-raise as it was."""
+
+    eos_token_ids = ()
+    chat_template = None
+
+    def __init__(self, error: BaseException, after: int = 2):
+        self.error, self.after = error, after
+
+    def detokenizer(self, prompt_ids=()):
+        tokenizer = self
+
+        class Detokenizer:
+            count = 0
+
+            def add_token(self, token):
+                self.count += 1
+                if self.count >= tokenizer.after:
+                    raise tokenizer.error
+                return ""
+
+            def finalize(self):
+                return ""
+
+        return Detokenizer()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("error", [
+    _DetokenizerFault("the detokenizer broke"),
+    # a FerrumError subclass whose message starts with another error type's name: the
+    # API used to parse that name out of the engine's error string
+    mf.errors.TokenizerError("NonFiniteLogitsError: this is not about logits"),
+], ids=["own_type", "ferrum_type"])
+def test_a_failure_in_the_engine_keeps_its_exception_type(layout, error):
+    """generate / stream_generate re-raise the exception that failed the request (the
+    engine's RequestOutput carries it), not a FerrumError made from its text."""
+    from support.tiny_models import tiny_model
+
+    model = tiny_model("llama", seed=3)
+    cfg = mf.RuntimeConfig(kv_layout=layout)
+    with pytest.raises(type(error)) as caught:
+        mf.generate(model, _FailingTokenizer(error), [1, 2, 3], max_tokens=6, temperature=0.0, config=cfg)
+    assert caught.value is error and type(caught.value) is type(error)
+    # the engine behind the API still serves the next request
+    chunks = list(mf.stream_generate(model, _FailingTokenizer(error, after=100), [1, 2, 3], max_tokens=3,
+                                     temperature=0.0, config=cfg))
+    assert len(chunks) == 3

@@ -18,7 +18,7 @@ from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import LlmExecutor, SeqWork
 from mlx_ferrum.layers.attention import PagedAttentionBackend, PagedMetadata, prefill_runs, sdpa_base2
 
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 # B, heads, kv heads, L_q, L_k; (1, 8, 2, 64, 80) has over 2**15 scores, which take the
 # compiled 2**x; the last two over PREFILL_GROUP_SCORES, so a causal mask takes query tiles
@@ -112,7 +112,7 @@ def _no_cache_last_logits(model, ids):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3"])
 def test_mixed_prefill_batch_equals_the_no_cache_forward(family):
-    from tiny_models import CONFIGS
+    from support.tiny_models import CONFIGS
 
     if family not in CONFIGS:
         pytest.skip(f"no tiny {family} config")

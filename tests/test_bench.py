@@ -1,4 +1,4 @@
-"""``mlx-ferrum bench`` and ``mlx_ferrum.bench``: a fast smoke run on a tiny
+"""``mlx-ferrum bench`` (``mlx_ferrum.cli.bench``): a fast smoke run on a tiny
 checkpoint (also without mlx-lm importable), the figures' definitions on hand-made
 timings, the errors for bad arguments, and mlx-lm's side (``benchmarks/mlx_lm_side.py``)
 on the same burst."""
@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import cached_checkpoint
-from mlx_ferrum.cli import main
-from mlx_ferrum import bench
+from support.checkpoints import cached_checkpoint
+from mlx_ferrum.cli import bench, main
 from mlx_ferrum.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -71,12 +70,12 @@ def test_both_sides_generate_the_same_greedy_tokens(qwen2_path):
     import mlx_ferrum as mf
 
     model, tok = mf.load(str(qwen2_path))
-    f = bench.bench_engine(model, tok, 3, 7, 5, return_tokens=True)
-    m = mlx_lm_side.bench_mlx_lm_batch(qwen2_path, 3, 7, 5, return_tokens=True)
+    f = bench.bench_engine(model, tok, 3, 7, 5)
+    m = mlx_lm_side.bench_mlx_lm_batch(qwen2_path, 3, 7, 5)
     assert f["generated_tokens"] == m["generated_tokens"] == 15
     assert [len(t) for t in f["tokens"]] == [5, 5, 5]
     assert f["tokens"] == m["tokens"]
-    assert f["side"] == "mlx_ferrum" and m["side"] == "mlx-lm"
+    assert f["engine"] == "mlx_ferrum" and m["engine"] == "mlx-lm"
     assert f["ttft_p50"] <= f["wall_s"] and f["output_tps"] == pytest.approx(15 / f["wall_s"])
 
 

@@ -9,7 +9,7 @@ from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import ConfigurationError, PromptTooLongError
 from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.kv_cache import PagedKvPool, bytes_per_block
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,22 +15,22 @@ import pytest
 import mlx_ferrum as mf
 import mlx_ferrum.api as api
 from mlx_ferrum import cli
-from cli_helpers import feed  # noqa: E402
+from support.cli_helpers import feed  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def record_prompts(monkeypatch, fail_on_turn=None):
     seen = []
-    real = api.stream_generate
+    real = api.stream_request
 
-    def wrapper(model, tokenizer, prompt, **kw):
-        seen.append((prompt, kw.get("seed")))
+    def wrapper(engine, prompt, params, **kw):
+        seen.append((prompt, params.seed))
         if fail_on_turn is not None and len(seen) == fail_on_turn:
             raise RuntimeError("injected failure in this turn")
-        return real(model, tokenizer, prompt, **kw)
+        return real(engine, prompt, params, **kw)
 
-    monkeypatch.setattr(api, "stream_generate", wrapper)
+    monkeypatch.setattr(api, "stream_request", wrapper)
     return seen
 
 
@@ -93,10 +93,10 @@ def test_version(capsys):
 
 
 def test_an_unexpected_error_is_one_line_not_a_traceback(monkeypatch, capsys):
-    def boom(args):
+    def boom(*args, **kwargs):
         raise RuntimeError("surprise")
 
-    monkeypatch.setattr(cli, "_load", boom)
+    monkeypatch.setattr(api, "load", boom)
     assert cli.main(["generate", "--model", "x", "-p", "hi"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "error: RuntimeError: surprise"
@@ -137,13 +137,13 @@ def test_invalid_text_in_the_chat_prints_an_error_and_the_chat_goes_on(stories_p
 
 def record_max_tokens(monkeypatch):
     seen = []
-    real = api.stream_generate
+    real = api.stream_request
 
-    def wrapper(model, tokenizer, prompt, **kw):
-        seen.append(kw["max_tokens"])
-        return real(model, tokenizer, prompt, **kw)
+    def wrapper(engine, prompt, params, **kw):
+        seen.append(params.max_tokens)
+        return real(engine, prompt, params, **kw)
 
-    monkeypatch.setattr(api, "stream_generate", wrapper)
+    monkeypatch.setattr(api, "stream_request", wrapper)
     return seen
 
 

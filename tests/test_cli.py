@@ -141,8 +141,7 @@ def test_a_kv_pool_larger_than_memory_is_refused_by_name_before_allocating(stori
 
 
 def test_the_executor_raises_a_named_memory_error_that_names_the_largest_pool():
-    sys.path.insert(0, os.path.dirname(__file__))
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     from mlx_ferrum.config import RuntimeConfig
     from mlx_ferrum.errors import ConfigurationError, InsufficientMemoryError
@@ -157,24 +156,26 @@ def test_the_executor_raises_a_named_memory_error_that_names_the_largest_pool():
 
 
 def test_a_bare_memory_error_says_out_of_memory_and_what_to_lower(monkeypatch, capsys):
+    import mlx_ferrum.api
     from mlx_ferrum import cli
 
-    def boom(args):
+    def boom(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(cli, "_load", boom)
+    monkeypatch.setattr(mlx_ferrum.api, "load", boom)
     assert cli.main(["generate", "--model", "x", "-p", "hi"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert "out of memory" in line and "FERRUM_KV_MAX_BLOCKS" in line
 
 
 def test_ctrl_c_during_model_load_exits_130_quietly(monkeypatch, capsys):
+    import mlx_ferrum.api
     from mlx_ferrum import cli
 
-    def interrupted(args):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_load", interrupted)
+    monkeypatch.setattr(mlx_ferrum.api, "load", interrupted)
     for argv in (["generate", "--model", "x", "-p", "hi"], ["serve", "--model", "x", "--port", "0"]):
         assert cli.main(argv) == 130
         assert capsys.readouterr().err.strip() == ""
@@ -225,13 +226,13 @@ def test_generate_and_chat_pass_the_presence_and_frequency_penalties(stories_pat
     from mlx_ferrum import cli
 
     seen = []
-    real = api.stream_generate
+    real = api.stream_request
 
-    def wrapper(model, tokenizer, prompt, **kw):
-        seen.append(kw)
-        return real(model, tokenizer, prompt, **kw)
+    def wrapper(engine, prompt, params, **kw):
+        seen.append(params)
+        return real(engine, prompt, params, **kw)
 
-    monkeypatch.setattr(api, "stream_generate", wrapper)
+    monkeypatch.setattr(api, "stream_request", wrapper)
     assert cli.main(["generate", "--model", str(stories_path), "-p", "Once upon a time", "-m", "4",
                      "--presence-penalty", "0.5", "--frequency-penalty", "-0.25"]) == 0
     lines = ["Once upon a time"]
@@ -244,7 +245,7 @@ def test_generate_and_chat_pass_the_presence_and_frequency_penalties(stories_pat
     monkeypatch.setattr("builtins.input", fake_input)
     assert cli.main(["chat", "--model", str(stories_path), "-m", "4", "--presence-penalty", "1.5",
                      "--frequency-penalty", "2"]) == 0
-    assert [(k["presence_penalty"], k["frequency_penalty"]) for k in seen[:2]] == [(0.5, -0.25), (1.5, 2.0)]
+    assert [(p.presence_penalty, p.frequency_penalty) for p in seen[:2]] == [(0.5, -0.25), (1.5, 2.0)]
 
 
 def test_penalties_change_the_greedy_text(stories_path, stories_expected):
@@ -341,7 +342,8 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback():
 def test_serve_turns_prefix_caching_on_by_default_and_off_by_flag(monkeypatch):
     """vLLM V1 and mlx_lm.server cache prompts by default; so does serve, and
     --no-enable-prefix-caching / FERRUM_PREFIX_CACHE=0 turn it off."""
-    from mlx_ferrum.cli import build_parser, serve_config
+    from mlx_ferrum.cli import build_parser
+    from mlx_ferrum.cli.serve import serve_config
 
     monkeypatch.delenv("FERRUM_PREFIX_CACHE", raising=False)
     monkeypatch.delenv("FERRUM_METAL_PAGED_KV", raising=False)
@@ -356,11 +358,13 @@ def test_serve_turns_prefix_caching_on_by_default_and_off_by_flag(monkeypatch):
 
 
 def test_speculation_policy_flags_reach_the_config(monkeypatch):
-    from mlx_ferrum.cli import _config, build_parser, serve_config
+    from mlx_ferrum.cli import build_parser
+    from mlx_ferrum.cli.generation import command_config
+    from mlx_ferrum.cli.serve import serve_config
 
     args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", "--speculative", "ngram",
                                       "--speculative-disable-by-batch-size", "3", "--speculative-min-acceptance", "0"])
-    cfg = _config(args)
+    cfg = command_config(args)
     assert (cfg.speculative_disable_by_batch_size, cfg.speculative_min_acceptance) == (3, 0.0)
     served = serve_config(build_parser().parse_args(["serve", "--model", "m", "--speculative-min-acceptance", "0.5"]))
     assert served.speculative_min_acceptance == 0.5
@@ -385,3 +389,20 @@ def test_a_parallel_only_variable_without_parallelism_is_refused_by_name(stories
     r = run_cli(["generate", "--model", str(stories_path), "-p", "x", "-m", "2"], {"FERRUM_PIPELINE_SPLIT": "3,2"})
     assert r.returncode == 2
     assert "FERRUM_PIPELINE_SPLIT" in one_error_line(r.stderr)
+
+
+@pytest.mark.parametrize("flags", [[], ["--speculative", "ngram"]], ids=["plain", "speculative"])
+def test_generate_reports_a_request_that_failed_in_the_engine(stories_path, monkeypatch, capsys, flags):
+    """A request the engine fails is an error (one line, exit 1), with or without
+    speculation; the speculative path used to print its text and exit 0."""
+    from mlx_ferrum import cli
+    from mlx_ferrum.engine.engine import Engine
+
+    def broken_emit(self, *args, **kwargs):
+        raise RuntimeError("injected emission failure")
+
+    monkeypatch.setattr(Engine, "_emit", broken_emit)
+    rc = cli.main(["generate", "--model", str(stories_path), "-p", "Once upon a time", "-m", "4", "--temp", "0",
+                   *flags])
+    assert rc == 1
+    assert one_error_line(capsys.readouterr().err) == "error: RuntimeError: injected emission failure"

@@ -30,7 +30,7 @@ from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
 from mlx_ferrum.executor.llm_executor import SeqWork
 from mlx_ferrum.kv_cache.manager import FREED_BLOCK
 from mlx_ferrum.models.llama import Model
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 RTOL = ATOL = 1e-5
 WINDOW = 12  # sliding window of the windowed families: smaller than every context below
@@ -42,7 +42,7 @@ LOGGER = "mlx_ferrum.runner.llm_runner"
 
 
 def _hf_model(family: str, tmp_path_factory):
-    import hf_reference  # skips the case when torch/transformers are missing
+    from support import hf_reference  # skips the case when torch/transformers are missing
 
     from mlx_ferrum.models import load_model
 
@@ -53,7 +53,7 @@ def _hf_model(family: str, tmp_path_factory):
 
 def _quantized_model(tmp_path_factory):
     pytest.importorskip("mlx_lm.convert")
-    from checkpoints import cached_checkpoint
+    from support.checkpoints import cached_checkpoint
 
     from mlx_ferrum.models import load_model
 

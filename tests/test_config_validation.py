@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import mlx_ferrum as mf
-from checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint
 from mlx_ferrum.errors import InvalidWeightError, MalformedConfigError
 from mlx_ferrum.models.config_validation import validate_weights
 from mlx_ferrum.models.llama import ModelArgs

@@ -98,7 +98,7 @@ def test_tensor_parallel_stories260k_matches_one_process(stories_path, tmp_path)
 def test_tensor_parallel_tiny_dense_sharded_checkpoint(tmp_path):
     """A Qwen3-style checkpoint (q/k norms, head_dim != hidden/heads, untied head) written as
     two safetensors shards with an index."""
-    from checkpoints import cached_checkpoint
+    from support.checkpoints import cached_checkpoint
     from mlx_ferrum.models.loader import load_model
 
     folder = cached_checkpoint("qwen3", sharded=True)
@@ -116,7 +116,7 @@ def test_tensor_parallel_quantized_checkpoint(tmp_path):
     """mlx-lm's 4-bit affine conversion (one module at 8 bits, one left float): the
     quantized projections are split with mlx's QuantizedAllToSharded/ShardedToAll layers;
     the quantized embedding stays replicated."""
-    from checkpoints import cached_checkpoint
+    from support.checkpoints import cached_checkpoint
     from mlx_ferrum.models.loader import load_model
 
     folder = cached_checkpoint("llama2", quantized=True)
@@ -149,7 +149,7 @@ def test_tensor_parallel_stories260k_fifty_prompts(stories_path, tmp_path):
 def test_tensor_parallel_other_families_match_one_process(family, tmp_path):
     """Tiny random checkpoints written by transformers' save_pretrained; windows of 6
     tokens so the prompts and outputs cross them."""
-    hf_reference = pytest.importorskip("hf_reference")
+    hf_reference = pytest.importorskip("support.hf_reference")
     from mlx_ferrum.models.loader import load_model
 
     folder = tmp_path / family
@@ -212,7 +212,7 @@ def test_pipeline_parallel_stories260k_matches_one_process(stories_path, tmp_pat
 def test_pipeline_parallel_sharded_checkpoint_reads_only_its_shards(tmp_path):
     """Two layers, two safetensors shards (embedding + layer 0; layer 1 + norm + head):
     each rank opens only its own shard and holds about half of the weights."""
-    from checkpoints import cached_checkpoint
+    from support.checkpoints import cached_checkpoint
     from mlx_ferrum.models.loader import load_model
 
     folder = cached_checkpoint("qwen3", sharded=True)
@@ -230,7 +230,7 @@ def test_pipeline_parallel_sharded_checkpoint_reads_only_its_shards(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "qwen3_moe", "phi3"])
 def test_pipeline_parallel_other_families_match_one_process(family, tmp_path):
-    hf_reference = pytest.importorskip("hf_reference")
+    hf_reference = pytest.importorskip("support.hf_reference")
     from mlx_ferrum.models.loader import load_model
 
     folder = tmp_path / family

@@ -116,7 +116,7 @@ def test_group_size_must_equal_the_product_of_the_sizes():
 
 
 def test_heads_not_divisible_by_the_group_are_refused():
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     from mlx_ferrum.distributed.sharding import shard_model
 
@@ -212,7 +212,7 @@ def test_cli_generate_without_launcher_fails_with_the_launch_command(stories_pat
 
 
 def test_capabilities_of_one_process_report_no_parallelism():
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     from mlx_ferrum.executor import LlmExecutor
 
@@ -222,7 +222,7 @@ def test_capabilities_of_one_process_report_no_parallelism():
 
 
 def _lockstep(rank: int, **kwargs):
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     from mlx_ferrum.distributed.lockstep import LockstepEngine
 

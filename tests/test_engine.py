@@ -14,7 +14,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import PromptTooLongError, RequestError
-from tiny_models import finish_all, tiny_model
+from support.tiny_models import finish_all, tiny_model
 
 
 @pytest.fixture(scope="module")

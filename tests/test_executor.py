@@ -19,7 +19,7 @@ from mlx_ferrum.errors import (
 )
 from mlx_ferrum.executor import AttentionType, DecodeInput, LlmExecutor, PrefillInput
 
-from tiny_models import CONFIGS, tiny_model
+from support.tiny_models import CONFIGS, tiny_model
 
 
 def no_cache_logits(model, ids):

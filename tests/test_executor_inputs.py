@@ -7,7 +7,7 @@ import pytest
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.errors import ExecutorError, InvalidInputIdsError
 from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 LAYOUTS = ["paged", "contiguous"]
 

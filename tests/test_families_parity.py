@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf_reference import CONFIGS, VOCAB, executor_greedy, make_checkpoint, reference_greedy
+from support.hf_reference import CONFIGS, VOCAB, executor_greedy, make_checkpoint, reference_greedy
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.models import load_model

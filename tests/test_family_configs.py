@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hf_reference import VOCAB, make_checkpoint, torch, transformers
+from support.hf_reference import VOCAB, make_checkpoint, torch, transformers
 from mlx_ferrum.errors import UnsupportedArchitectureError
 from mlx_ferrum.layers.rope import Rope, rope_parameters
 from mlx_ferrum.models import SUPPORTED_MODEL_TYPES, family, load_model

@@ -21,7 +21,7 @@ import mlx_ferrum.engine.engine as engine_module
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import RequestError
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 NUM_REQUESTS = 1000
 VOCAB = 97

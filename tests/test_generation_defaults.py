@@ -17,7 +17,7 @@ import mlx_ferrum.api as api
 from mlx_ferrum import cli
 from mlx_ferrum.errors import ConfigurationError
 from mlx_ferrum.generation_defaults import generation_defaults
-from cli_helpers import feed  # noqa: E402
+from support.cli_helpers import feed  # noqa: E402
 
 FILE = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
         "min_p": 0.05, "repetition_penalty": 1.05, "max_new_tokens": 12}
@@ -46,7 +46,7 @@ def test_the_keys_vllm_reads_become_sampling_defaults(tmp_path):
 
 
 def test_the_shared_models_set_no_sampling_defaults(stories_path):
-    from smollm_support import SMOLLM
+    from support.smollm_support import SMOLLM
 
     assert generation_defaults(stories_path) == {}  # do_sample and max_length only
     if (SMOLLM / "generation_config.json").exists():
@@ -66,14 +66,17 @@ def test_a_bad_file_is_refused_with_the_fix(tmp_path, content, named):
 
 
 def _spy(monkeypatch):
+    import dataclasses
+
     seen = []
-    real = api.stream_generate
+    real = api.stream_request
 
-    def wrapper(model, tokenizer, prompt, **kw):
-        seen.append({k: kw[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")})
-        return real(model, tokenizer, prompt, **{**kw, "max_tokens": 2})
+    def wrapper(engine, prompt, params, **kw):
+        seen.append({k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                     "max_tokens")})
+        return real(engine, prompt, dataclasses.replace(params, max_tokens=2), **kw)
 
-    monkeypatch.setattr(api, "stream_generate", wrapper)
+    monkeypatch.setattr(api, "stream_request", wrapper)
     return seen
 
 
@@ -121,7 +124,7 @@ def test_serve_takes_the_models_defaults_and_request_fields_win(stories_path, st
     """The model's file says greedy and 5 tokens: a request that sets neither gets the
     recorded greedy completion's first 5 tokens; its own fields win; ``none`` restores
     OpenAI's defaults (temperature 1, the rest of the context)."""
-    from server_helpers import running_server
+    from support.server_helpers import running_server
 
     model = model_copy(stories_path, tmp_path / "m", {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0,
                                                       "max_new_tokens": 5})

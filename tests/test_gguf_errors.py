@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_fixtures import write_llama_gguf  # noqa: E402
+from support.gguf_fixtures import write_llama_gguf  # noqa: E402
 from mlx_ferrum.errors import (  # noqa: E402
     GGUFFormatError,
     TokenizerError,
@@ -130,7 +130,7 @@ def test_requantized_q6_k_is_within_half_a_step():
 
     from mlx_ferrum.models.gguf.tensors import convert_tensor
     import mlx.core as mx
-    from gguf_fixtures import quantized_bytes
+    from support.gguf_fixtures import quantized_bytes
 
     rng = np.random.default_rng(3)
     raw = quantized_bytes("Q6_K", rng.normal(size=(4, 512)), rng)

@@ -11,7 +11,7 @@ pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gguf_fixtures import VOCAB, write_llama_gguf  # noqa: E402
+from support.gguf_fixtures import VOCAB, write_llama_gguf  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_fixtures import HEADS, KV_HEADS, VOCAB, unpermute, write_llama_gguf  # noqa: E402
+from support.gguf_fixtures import HEADS, KV_HEADS, VOCAB, unpermute, write_llama_gguf  # noqa: E402
 from mlx_ferrum.config import RuntimeConfig  # noqa: E402
 from mlx_ferrum.executor import LlmExecutor  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
@@ -106,7 +106,7 @@ def test_logits_match_transformers_gguf_loader(transformers_case):
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_greedy_tokens_match_transformers(transformers_case, layout):
-    from hf_reference import executor_greedy
+    from support.hf_reference import executor_greedy
 
     type_name, model, prompt, expected, ref_logits = transformers_case
     if type_name not in EXACT:

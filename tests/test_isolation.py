@@ -16,7 +16,7 @@ from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
 from mlx_ferrum.engine.metrics import LatencyReservoir
 from mlx_ferrum.errors import NonFiniteLogitsError, RequestError
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 VOCAB = 97
 

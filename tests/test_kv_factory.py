@@ -14,7 +14,7 @@ from mlx_ferrum.kv_cache.pool import bytes_per_block, default_num_blocks
 from mlx_ferrum.kv_cache.store import ContiguousKvStore, PagedKvStore
 from mlx_ferrum.layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
 from mlx_ferrum.runner import LlmRunner
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 
 def spec(windows=(None, None), max_seq_len=100, dtype=mx.float16) -> KvSpec:

@@ -611,6 +611,8 @@ def test_config_default_environment_and_errors(monkeypatch):
 @pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
 def test_every_engine_command_takes_kv_cache_dtype(command, monkeypatch, capsys):
     from mlx_ferrum import cli
+    from mlx_ferrum.cli.generation import command_config
+    from mlx_ferrum.cli.serve import serve_config
 
     monkeypatch.delenv("FERRUM_KV_CACHE_DTYPE", raising=False)
     extra = ["--prompt", "x"] if command == "generate" else []
@@ -618,16 +620,16 @@ def test_every_engine_command_takes_kv_cache_dtype(command, monkeypatch, capsys)
     args = parser.parse_args([command, "--model", "m", *extra, "--kv-cache-dtype", "INT8"])
     assert args.kv_cache_dtype == "int8"
     if command == "serve":
-        assert cli.serve_config(args).kv_cache_dtype == "int8"
+        assert serve_config(args).kv_cache_dtype == "int8"
     elif command == "bench":
-        from mlx_ferrum.bench import bench_config
+        from mlx_ferrum.cli.bench import bench_config
 
         assert bench_config(4, 8, 8, kv_cache_dtype=args.kv_cache_dtype).kv_cache_dtype == "int8"
     else:
-        assert cli._config(args).kv_cache_dtype == "int8"
+        assert command_config(args).kv_cache_dtype == "int8"
     args = parser.parse_args([command, "--model", "m", *extra])
-    config = cli.serve_config(args) if command == "serve" else (
-        RuntimeConfig() if command == "bench" else cli._config(args))
+    config = serve_config(args) if command == "serve" else (
+        RuntimeConfig() if command == "bench" else command_config(args))
     assert config.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit) as e:
         parser.parse_args([command, "--model", "m", *extra, "--kv-cache-dtype", "int3"])
@@ -639,11 +641,12 @@ def test_every_engine_command_takes_kv_cache_dtype(command, monkeypatch, capsys)
 
 
 def test_cli_refuses_a_bad_environment_value_before_loading_the_model(monkeypatch, capsys):
+    import mlx_ferrum.api
     from mlx_ferrum import cli
 
     monkeypatch.setenv("FERRUM_KV_CACHE_DTYPE", "int2")
     loaded = []
-    monkeypatch.setattr(cli, "_load", lambda args: loaded.append(args))
+    monkeypatch.setattr(mlx_ferrum.api, "load", lambda *args, **kwargs: loaded.append(args))
     assert cli.main(["generate", "--model", "/nonexistent", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "FERRUM_KV_CACHE_DTYPE='int2'" in err and "int8" in err and not loaded

@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.kv_cache.pool import PagedKvPool
 from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool
-from smollm_support import dequantized_float32, smollm_path
+from support.smollm_support import dequantized_float32, smollm_path
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "benchmarks" / "data" / "public_domain_passages.txt"

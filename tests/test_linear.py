@@ -51,7 +51,7 @@ def test_new_weights_are_used_and_the_old_view_is_dropped():
 
 
 def test_every_linear_of_a_model_is_cached_and_it_still_quantizes():
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     model = tiny_model("llama")
     count = cache_transposed_weights(model)

@@ -1,6 +1,6 @@
 """Checkpoint loader: every named error, sharding, dtype, MLX quantization, hub access.
 
-The checkpoints come from tests/checkpoints.py (real HF layout); the quantized one
+The checkpoints come from tests/support/checkpoints.py (real HF layout); the quantized one
 is written by mlx-lm's converter, so the placement of quantized layers is checked
 against tensors another tool produced.
 """
@@ -21,7 +21,7 @@ import pytest
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
-from checkpoints import QUANT_KEPT_FLOAT, QUANT_OVERRIDE_8BIT, cached_checkpoint
+from support.checkpoints import QUANT_KEPT_FLOAT, QUANT_OVERRIDE_8BIT, cached_checkpoint
 from mlx_ferrum.errors import (
     ConfigNotFoundError,
     ConfigurationError,

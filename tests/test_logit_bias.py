@@ -12,7 +12,7 @@ from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.logits_processors import apply_logit_bias
 from mlx_ferrum.engine.sampling import SamplerState, sample
 from mlx_ferrum.errors import ExecutorError, SamplingParamsError
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 VOCAB = 97
 MODES = {

@@ -9,7 +9,7 @@ from mlx_ferrum import cli
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import LoraError
-from lora_fixtures import random_peft_adapter
+from support.lora_fixtures import random_peft_adapter
 
 PROMPT = "Once upon a time"
 

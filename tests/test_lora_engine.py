@@ -9,8 +9,8 @@ import pytest
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import LoraError, UnknownLoraError
-from lora_fixtures import random_peft_adapter
-from tiny_models import tiny_model
+from support.lora_fixtures import random_peft_adapter
+from support.tiny_models import tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 13, 2, 77, 41, 8, 8, 3], [11, 12, 13, 14, 15, 16, 17], [60, 2, 60, 2, 60, 2, 60, 2, 60, 2],

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_reference import make_checkpoint
-from lora_support import executor_with, make_peft_adapter, reference_greedy, reference_logits, run_greedy
+from support.hf_reference import make_checkpoint
+from support.lora_support import executor_with, make_peft_adapter, reference_greedy, reference_logits, run_greedy
 
 import mlx.core as mx
 

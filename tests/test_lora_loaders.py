@@ -13,7 +13,7 @@ from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.errors import ExecutorError, LoraError, UnknownLoraError
 from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.lora import load_adapter, match_adapter
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 Q = "model.layers.0.self_attn.q_proj"  # tiny_model: hidden 32, 4 heads of 8 -> q [32 -> 32]
 DOWN = "model.layers.1.mlp.down_proj"  # [64 -> 32]

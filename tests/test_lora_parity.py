@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lora_support import (
+from support.lora_support import (
     executor_with,
     make_base,
     make_peft_adapter,
@@ -115,7 +115,7 @@ def test_quantized_base_matches_mlx_lm_lora_linear(tmp_path):
     mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
     from mlx_lm.tuner.utils import load_adapters
 
-    from checkpoints import make_checkpoint
+    from support.checkpoints import make_checkpoint
 
     folder = make_checkpoint(tmp_path / "q4", "llama3", quantized=True)
     ours, _, _ = load_model(folder, dtype=mx.float32)

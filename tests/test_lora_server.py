@@ -10,8 +10,8 @@ import pytest
 import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
-from lora_fixtures import random_peft_adapter
-from server_helpers import running_server
+from support.lora_fixtures import random_peft_adapter
+from support.server_helpers import running_server
 
 openai = pytest.importorskip("openai")
 

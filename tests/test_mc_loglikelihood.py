@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("mlx_lm.utils")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import mc_task  # noqa: E402
-from server_helpers import running_server  # noqa: E402
+from support.server_helpers import running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 for ``mx.fast.metal_kernel``.
 
 Mistral (every layer windowed) and gpt-oss (a sliding layer with sinks and a full layer
-with sinks) checkpoints written by transformers (tests/hf_reference.py), a prompt three
+with sinks) checkpoints written by transformers (tests/support/hf_reference.py), a prompt three
 windows long prefilled in two chunks of at most 16 rows (so both go through the prefill
 kernel) and 12 decode steps through the decode kernel: the greedy tokens must equal
 transformers' eager forward, the logits within 1e-3, and no call may fall back to the
@@ -38,7 +38,7 @@ ATOL = 1e-3
 
 @pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
 def test_window_model_on_kernels_matches_transformers(family, tmp_path, caplog, monkeypatch):
-    from hf_reference import VOCAB, executor_greedy, make_checkpoint, reference_greedy
+    from support.hf_reference import VOCAB, executor_greedy, make_checkpoint, reference_greedy
 
     monkeypatch.delenv("FERRUM_METAL_KERNELS", raising=False)
     ref = make_checkpoint(family, tmp_path, window=WINDOW)

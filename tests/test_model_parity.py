@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from checkpoints import FAMILIES, cached_checkpoint
+from support.checkpoints import FAMILIES, cached_checkpoint
 from mlx_ferrum.models import load_model
 
 mlx_lm_utils = pytest.importorskip("mlx_lm.utils")

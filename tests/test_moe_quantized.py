@@ -14,7 +14,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from hf_reference import make_checkpoint
+from support.hf_reference import make_checkpoint
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
 from mlx_ferrum.layers.moe import QuantizedSwitchLinear

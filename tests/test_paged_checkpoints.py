@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from checkpoints import FAMILIES, cached_checkpoint
+from support.checkpoints import FAMILIES, cached_checkpoint
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.executor import DecodeInput, LlmExecutor, PrefillInput
 from mlx_ferrum.models import load_model

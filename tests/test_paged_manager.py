@@ -178,7 +178,7 @@ def test_pool_sizing_default_and_env(monkeypatch):
     import mlx_ferrum as mf
     from mlx_ferrum.config import DEFAULT_KV_POOL_BYTES
     from mlx_ferrum.kv_cache import bytes_per_block, default_num_blocks
-    from tiny_models import tiny_model
+    from support.tiny_models import tiny_model
 
     per = bytes_per_block(2, 2, 16, 8, mx.float16)
     assert per == 2 * 2 * 2 * 16 * 8 * 2

@@ -47,7 +47,7 @@ import mlx_ferrum.engine.engine as engine_module
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 LAYOUTS = ["paged", "contiguous"]
 MODES = [True, False]  # async_scheduling: pipelined, synchronous

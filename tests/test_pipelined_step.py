@@ -15,7 +15,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.kernels import metal
-from tiny_models import finish_all, tiny_model
+from support.tiny_models import finish_all, tiny_model
 
 LAYOUTS = ["paged", "contiguous"]
 

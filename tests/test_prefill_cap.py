@@ -12,7 +12,7 @@ import pytest
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import ConfigurationError
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,8 @@ def test_a_chunked_prompt_holds_its_place_and_the_cap_counts_it(model):
 
 
 def test_serve_caps_at_four_and_the_library_does_not(monkeypatch):
-    from mlx_ferrum.cli import SERVE_MAX_NUM_PREFILL_SEQS, build_parser, serve_config
+    from mlx_ferrum.cli import build_parser
+    from mlx_ferrum.cli.serve import SERVE_MAX_NUM_PREFILL_SEQS, serve_config
 
     monkeypatch.delenv("FERRUM_MAX_NUM_PREFILL_SEQS", raising=False)
     parse = build_parser().parse_args

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from checkpoints import make_checkpoint as make_tiny_checkpoint
+from support.checkpoints import make_checkpoint as make_tiny_checkpoint
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine
 from mlx_ferrum.engine.sampling import SamplingParams
@@ -51,7 +51,7 @@ def dense_source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_source(tmp_path_factory) -> Path:
-    hf_reference = pytest.importorskip("hf_reference")
+    hf_reference = pytest.importorskip("support.hf_reference")
     root = tmp_path_factory.mktemp("moe")
     hf_reference.make_checkpoint("qwen3_moe", root / "src")
     cfg = json.loads((root / "src" / "config.json").read_text())
@@ -235,7 +235,7 @@ def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def gpt_oss_release(tmp_path_factory):
     """A tiny gpt-oss checkpoint in the Hub's MXFP4 layout: bf16 attention, router and
     embeddings; experts as blocks and scales, written with numpy."""
-    hf_reference = pytest.importorskip("hf_reference")
+    hf_reference = pytest.importorskip("support.hf_reference")
     torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
     from safetensors.torch import save_file

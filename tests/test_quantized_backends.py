@@ -25,7 +25,7 @@ from mlx_ferrum.kv_cache.quantized import QuantizedContiguousKvCache, QuantizedP
 from mlx_ferrum.layers.backends import NoCacheAttentionBackend, NoCacheMetadata
 from mlx_ferrum.layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
 from mlx_ferrum.runner import LlmRunner, SeqWork
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 KINDS = ["int8", "int4"]
 WINDOW = 8
@@ -63,7 +63,7 @@ def llama():
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """Sliding and full layers mixed: two layer groups with their own block ids."""
-    import hf_reference  # skips when torch/transformers are missing
+    from support import hf_reference  # skips when torch/transformers are missing
 
     from mlx_ferrum.models import load_model
 

@@ -11,7 +11,7 @@ from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.speculative import DraftModelProposer
 from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.runner import LlmRunner, ModelRunner
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 #: every name the protocol declares: its methods and its attributes
 PROTOCOL = {name for name in vars(ModelRunner) if not name.startswith("_")} | set(ModelRunner.__annotations__)
@@ -119,7 +119,7 @@ def test_an_executor_given_to_the_engine_is_driven_through_its_runner():
 def test_the_engine_serves_lora_adapters_through_model_runner_methods(layout, tmp_path):
     """Adapters on (n-gram drafts, prefix caching, a slot wait): every call the engine
     makes for LoRA is a ModelRunner method too."""
-    from lora_fixtures import random_peft_adapter
+    from support.lora_fixtures import random_peft_adapter
 
     model = tiny_model("llama", seed=3)
     cfg = config(layout, enable_lora=True, max_loras=1)

@@ -20,7 +20,7 @@ import pytest
 
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 BS = 8
 MANAGER_WRITES = ("create", "release", "append_slots", "match_prefix", "truncate", "fork", "trim_to_window")

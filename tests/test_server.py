@@ -16,7 +16,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import PLAIN_TEMPLATE, running_server, wait_until_idle  # noqa: E402
+from support.server_helpers import PLAIN_TEMPLATE, running_server, wait_until_idle  # noqa: E402
 
 MODEL = "stories"
 

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from server_helpers import PLAIN_TEMPLATE, running_server, wait_until_idle  # noqa: E402
+from support.server_helpers import PLAIN_TEMPLATE, running_server, wait_until_idle  # noqa: E402
 
 MODEL = "stories"
 KEY = "agent-key"

@@ -19,7 +19,7 @@ anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import SHARED_MODELS  # noqa: E402
-from server_helpers import running_server  # noqa: E402
+from support.server_helpers import running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server  # noqa: E402
+from support.server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server  # noqa: E402
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

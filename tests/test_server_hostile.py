@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server
+from support.server_helpers import PLAIN_TEMPLATE, HealthPoller, running_server
 
 KEY = "hostile-key"
 MODEL = "stories"

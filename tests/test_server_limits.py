@@ -8,7 +8,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import running_server  # noqa: E402
+from support.server_helpers import running_server  # noqa: E402
 
 KEY = "test-key-123"
 BLOCK_SIZE = 16
@@ -71,7 +71,7 @@ def test_serve_with_an_unreadable_chat_template_exits_2(stories_path, tmp_path):
     import subprocess
     import sys
 
-    from server_helpers import REPO
+    from support.server_helpers import REPO
 
     r = subprocess.run([sys.executable, "-m", "mlx_ferrum", "serve", "--model", str(stories_path),
                         "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, timeout=120,

@@ -17,7 +17,7 @@ import json
 import httpx
 import pytest
 
-from server_helpers import PLAIN_TEMPLATE, running_server
+from support.server_helpers import PLAIN_TEMPLATE, running_server
 
 MODEL = "stories"
 

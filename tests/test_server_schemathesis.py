@@ -29,7 +29,7 @@ hypothesis = pytest.importorskip("hypothesis")
 pytest.importorskip("fastapi")
 
 from hypothesis import HealthCheck, Phase, given, settings
-from server_helpers import REPO, running_server
+from support.server_helpers import REPO, running_server
 
 MODEL = "stories"
 ANTHROPIC_PREFIX = "/v1/messages"

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import running_server
+from support.server_helpers import running_server
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

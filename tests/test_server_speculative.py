@@ -10,7 +10,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import running_server  # noqa: E402
+from support.server_helpers import running_server  # noqa: E402
 
 
 def _counter(text: str, name: str) -> float:

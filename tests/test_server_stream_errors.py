@@ -18,7 +18,7 @@ from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import AsyncEngine, Engine
 from mlx_ferrum.server.app import build_app
 from mlx_ferrum.server.serving import OpenAIServing
-from server_helpers import PLAIN_TEMPLATE  # noqa: E402
+from support.server_helpers import PLAIN_TEMPLATE  # noqa: E402
 
 
 class FailsAfter:

@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
 
-from server_helpers import PLAIN_TEMPLATE, running_server  # noqa: E402
+from support.server_helpers import PLAIN_TEMPLATE, running_server  # noqa: E402
 
 MODEL = "stories"
 

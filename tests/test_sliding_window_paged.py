@@ -100,7 +100,7 @@ def test_layer_groups_hold_full_blocks_for_global_layers_and_a_window_for_slidin
 
 @pytest.fixture(scope="module", params=["mistral", "gemma3_text", "gpt_oss"])
 def windowed_model(request, tmp_path_factory):
-    from hf_reference import make_checkpoint
+    from support.hf_reference import make_checkpoint
 
     from mlx_ferrum.models import load_model
 

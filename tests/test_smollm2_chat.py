@@ -22,7 +22,7 @@ import pytest
 import mlx_ferrum as mf
 from mlx_ferrum import cli
 from mlx_ferrum.config import RuntimeConfig
-from smollm_support import load_float32, recorded_cases, smollm_path
+from support.smollm_support import load_float32, recorded_cases, smollm_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,14 +153,16 @@ def test_generate_gives_every_recorded_reply(cases, capsys, extra):
 
 
 def test_generate_ignore_chat_template_sends_the_raw_prompt(monkeypatch, capsys):
+    import dataclasses
+
     seen = []
-    real = mf.api.stream_generate
+    real = mf.api.stream_request
 
-    def spy(model, tokenizer, prompt, **kw):
+    def spy(engine, prompt, params, **kw):
         seen.append(prompt)
-        return real(model, tokenizer, prompt, **{**kw, "max_tokens": 1})
+        return real(engine, prompt, dataclasses.replace(params, max_tokens=1), **kw)
 
-    monkeypatch.setattr(mf.api, "stream_generate", spy)
+    monkeypatch.setattr(mf.api, "stream_request", spy)
     rc = cli.main(["generate", "--model", str(smollm_path()), "-p", "Paris is", "--ignore-chat-template",
                    "--temp", "0", "-m", "1"])
     assert rc == 0, capsys.readouterr().err
@@ -276,7 +278,7 @@ def test_chat_in_a_terminal_gives_every_recorded_reply(cases, extra):
 def _serve_and_check(tmp_path, cases, extra):
     import httpx
 
-    from server_helpers import running_server
+    from support.server_helpers import running_server
 
     with running_server(smollm_path(), tmp_path, ["--dtype", "float32", "--block-size", "8", *extra]) as server:
         usages = []

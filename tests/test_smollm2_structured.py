@@ -17,7 +17,7 @@ import pytest
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.structured import StructuredOutputsParams
-from smollm_support import dequantized_float32, smollm_path
+from support.smollm_support import dequantized_float32, smollm_path
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -165,7 +165,7 @@ def test_response_format_on_the_4bit_folder_through_the_server(tmp_path, layout)
 
     import httpx
 
-    from server_helpers import running_server
+    from support.server_helpers import running_server
 
     def body(question, schema, temperature, top_p, seed):
         if schema is None:

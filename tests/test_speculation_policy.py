@@ -12,7 +12,7 @@ import pytest
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.speculative import SpeculationPolicy
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 
 def policy(**kw):

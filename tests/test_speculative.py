@@ -28,7 +28,7 @@ from mlx_ferrum.engine.speculative import (
 )
 from mlx_ferrum.errors import ConfigurationError, SamplingParamsError
 from mlx_ferrum.executor import LlmExecutor, PrefillInput
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ["paged", "contiguous"]

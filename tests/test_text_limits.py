@@ -8,13 +8,13 @@ import time
 import pytest
 
 import mlx_ferrum.tokenizer as tokenizer_module
-from checkpoints import cached_checkpoint
+from support.checkpoints import cached_checkpoint
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
 from mlx_ferrum.errors import ChatTemplateError, PromptTooLongError, RequestError, TokenizerError
 from mlx_ferrum.tokenizer import Tokenizer
-from tiny_models import tiny_model
+from support.tiny_models import tiny_model
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_ferrum as mf
-from checkpoints import _SPECS, _dump, _tokenizer_files, build_tokenizer, cached_checkpoint, make_checkpoint, vocab_size_of
+from support.checkpoints import _SPECS, _dump, _tokenizer_files, build_tokenizer, cached_checkpoint, make_checkpoint, vocab_size_of
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import ModelLoadError, VocabularyMismatchError

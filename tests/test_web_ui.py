@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import PLAIN_TEMPLATE, running_server
+from support.server_helpers import PLAIN_TEMPLATE, running_server
 
 try:
     from playwright import sync_api
@@ -69,7 +69,7 @@ def _serve(stories_path, tmp, extra=()):
 def server(stories_path, tmp_path_factory):
     """stories260K, plus a random LoRA adapter served as ``ADAPTER`` (for the model picker)."""
     import mlx_ferrum as mf
-    from lora_fixtures import random_peft_adapter
+    from support.lora_fixtures import random_peft_adapter
 
     tmp = tmp_path_factory.mktemp("webui")
     model, _ = mf.load(str(stories_path))

@@ -191,7 +191,7 @@ class AsyncEngine:
         with eng._lock:
             for seq in list(eng._seqs.values()):
                 if not seq.finished:
-                    eng._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                    eng._finish(seq, "error", exception=exc)
                     outs.append(eng._output(seq, "", []))
             outs.extend(eng._pending)
             eng._pending = []

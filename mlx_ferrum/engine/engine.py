@@ -93,11 +93,11 @@ def _live_items(items: list, proposals: dict) -> tuple[list, dict]:
     return [items[i] for i in live], {j: proposals[i] for j, i in enumerate(live) if i in proposals}
 
 
-def _non_finite_error() -> str:
-    """The ``error`` text of a request whose logits held NaN or Inf."""
-    return f"{NonFiniteLogitsError.__name__}: " + str(NonFiniteLogitsError(
+def _non_finite_error() -> NonFiniteLogitsError:
+    """The exception of a request whose logits held NaN or Inf."""
+    return NonFiniteLogitsError(
         "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
-        "and rope_theta, or load it in float32"))
+        "and rope_theta, or load it in float32")
 
 
 def _pool_token_limit(manager) -> Optional[int]:
@@ -166,6 +166,9 @@ class RequestOutput:
         new_token_ids: ids added by this step.
         finished: True once it ended; then ``finish_reason`` is ``"stop"``,
             ``"length"``, ``"abort"`` or ``"error"`` (with ``error`` set).
+        error: with ``"error"``: ``"ExceptionType: message"``.
+        exception: with ``"error"``: the exception that failed the request, when there
+            was one (callers re-raise it; None for a refusal that has only ``error``).
         logprobs: log-probability of each generated token, when asked.
         top_logprobs: per token, ``{token_id: logprob}`` of the top alternatives, when asked.
         metrics: timings (:class:`~mlx_ferrum.engine.sequence.RequestMetrics`).
@@ -188,6 +191,7 @@ class RequestOutput:
     top_logprobs: Optional[list[dict]] = None
     error: Optional[str] = None
     prompt_logprobs: Optional[list] = None
+    exception: Optional[BaseException] = None
 
 
 class Engine:
@@ -419,12 +423,15 @@ class Engine:
             return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
                     or bool(self._lora_waiting))
 
-    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
+                exception: Optional[BaseException] = None) -> None:
         while seq.output_ids and seq.output_ids[-1] == _IN_FLIGHT:
             seq.output_ids.pop()  # never read back: not part of the output
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.error = error
+        if error is None and exception is not None:
+            error = f"{type(exception).__name__}: {exception}"
+        seq.error, seq.exception = error, exception
         if reason == "length" and seq.grammar is not None and not seq.grammar.done:
             self.num_structured_length += 1
         seq.metrics.finished_time = time.time()
@@ -467,7 +474,7 @@ class Engine:
         with self._lock:
             for s in seqs:
                 if not s.finished:
-                    self._finish(s, "error", f"{type(exc).__name__}: {exc}")
+                    self._finish(s, "error", exception=exc)
                     outs.append(self._output(s, "", []))
         return outs
 
@@ -494,6 +501,7 @@ class Engine:
             logprobs=list(seq.logprobs) if want_lp else None,
             top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
             error=seq.error,
+            exception=seq.exception,
             prompt_logprobs=_prompt_lp.materialize(seq) if seq.params.prompt_logprobs is not None else None,
         )
 
@@ -600,7 +608,7 @@ class Engine:
         plan = self.scheduler.schedule(lookahead)
         # the scheduler only reads the manager: its releases and prefix claims land here
         for seq, exc in apply_kv_plan(self.runner, plan):
-            self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            self._finish(seq, "error", exception=exc)
             outputs.append(self._output(seq, "", []))
         for seq in plan.rejected:
             self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
@@ -922,7 +930,7 @@ class Engine:
         saved = [st.key for st in states]
         finite = mx.all(mx.isfinite(take), axis=-1)
         take = self._mask_undecodable(take)
-        errors: dict[int, str] = {}
+        errors: dict[int, Exception] = {}
         try:
             res = sample(take, states, record=False, pending=pending, allowed=allowed)
             results = [(res, b) for b in range(len(seqs))]
@@ -938,14 +946,15 @@ class Engine:
                     results.append((r, 0))
                     pieces.append(r.tokens.astype(mx.int32))
                 except Exception as e:  # noqa: BLE001
-                    errors[b] = f"{type(e).__name__}: sampling failed: {e}"
+                    errors[b] = e
                     results.append((None, 0))
                     pieces.append(mx.zeros((1,), dtype=mx.int32))
             tokens = mx.concatenate(pieces)
         flight = _InFlight(tokens, finite, results)
         for b, s in enumerate(seqs):
             if b in errors:
-                self._finish(s, "error", errors[b])
+                e = errors[b]
+                self._finish(s, "error", f"{type(e).__name__}: sampling failed: {e}", exception=e)
                 self._pending.append(self._output(s, "", []))
                 continue
             s.output_ids.append(_IN_FLIGHT)
@@ -999,9 +1008,9 @@ class Engine:
                         outs.append(self._emit(s, [tok], [lp], [top], now, cap, index=index))
                         continue
                     except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
-                        error = f"{type(e).__name__}: {e}"
+                        error = e
                 if not s.finished:
-                    self._finish(s, "error", error)
+                    self._finish(s, "error", exception=error)
                 outs.append(self._output(s, "", []))
         except BaseException as e:
             self._pending.extend(outs + self._fail_seqs([s for s, _, _ in flight.rows], e))
@@ -1123,7 +1132,7 @@ class Engine:
             offset += rows
             try:
                 if not ok:
-                    raise NonFiniteLogitsError(_non_finite_error().split(": ", 1)[1])
+                    raise _non_finite_error()
                 self.spec_num_drafts += 1
                 self.spec_proposed_tokens += len(prop.token_ids)
                 self.spec_accepted_tokens += res.num_accepted
@@ -1143,7 +1152,7 @@ class Engine:
                 outs.append(self._emit(s, res.token_ids, lps, tops, now, cap))
             except Exception as e:  # noqa: BLE001 - this request only
                 if not s.finished:
-                    self._finish(s, "error", f"{type(e).__name__}: {e}")
+                    self._finish(s, "error", exception=e)
                 outs.append(self._output(s, "", []))
         return outs
 
@@ -1312,7 +1321,7 @@ class Engine:
                 slot = self.runner.acquire_lora(seq.lora, seq.request_id)
             except LoraError as e:  # removed, or its folder cannot be read any more: this request only
                 self._lora_waiting.popleft()
-                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+                self._finish(seq, "error", exception=e)
                 self._pending.append(self._output(seq, "", []))
                 continue
             if slot is None:

@@ -69,6 +69,8 @@ class Sequence:
         status, finish_reason: progress; ``finish_reason`` in ``stop``/``length``/``abort``/``error``.
         text: the generated text emitted so far (stop strings trimmed).
         logprobs: log-probability of each generated token (when asked).
+        error, exception: a failed request's ``"Type: message"`` and the exception behind
+            it (see :class:`~mlx_ferrum.engine.engine.RequestOutput`).
         order: admission counter; larger = admitted later (preempted first).
         lora: the LoRA adapter name the request runs with, or None (the base model).
         prefix_salt: its adapter's prefix-cache salt (0 without an adapter), see
@@ -91,6 +93,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict] = field(default_factory=list)
     error: Optional[str] = None
+    exception: Optional[BaseException] = None
     order: int = 0
     #: prompt logprobs: chunks scored on the device, then the host table (see prompt_logprobs.py)
     prompt_score_chunks: list = field(default_factory=list)

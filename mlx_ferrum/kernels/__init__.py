@@ -51,7 +51,7 @@ def metal_path_enabled(metal_kernels: Optional[bool] = None) -> bool:
     present and the kernels are not switched off.
 
     Args:
-        metal_kernels: the caller's ``RuntimeConfig.metal_kernels`` (an executor passes
+        metal_kernels: the caller's ``RuntimeConfig.metal_kernels`` (the model runner passes
             its own, so an explicit ``RuntimeConfig(metal_kernels=False)`` wins); ``None``
             reads ``FERRUM_METAL_KERNELS``.
 

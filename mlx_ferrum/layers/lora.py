@@ -13,7 +13,7 @@ The base may be ``nn.Linear`` or ``nn.QuantizedLinear``: the LoRA product runs b
 the base matmul (never fused into the weights, so one base serves every adapter).
 
 How the slots reach the layers: the model never sees requests. A :class:`LoraContext`
-is shared by every adapted projection of a model; the executor binds the pass's
+is shared by every adapted projection of a model; the model runner binds the pass's
 per-token slots and the stacked weights to it (:meth:`LoraContext.bound`) while it
 builds the pass's graph, and the projections read them. Outside a binding (or for a
 pass without adapter tokens) the projections are exactly their base.
@@ -60,7 +60,7 @@ def lora_delta_gather(x: mx.array, a: mx.array, b: mx.array, slots: mx.array) ->
 class LoraContext:
     """The adapter state of the pass being built, shared by a model's adapted projections.
 
-    Per thread (two executors over one model may build passes in two threads).
+    Per thread (two model runners over one model may build passes in two threads).
     ``token_slots`` is ``[N]`` int32 over the pass's flattened tokens (``N`` = batch rows
     times tokens per row, or the packed tokens of a paged pass); ``weights`` maps a
     projection's index (as a string: a pytree key ``mx.compile`` accepts) to its ``(A [S + 1, in, r], B [S + 1, r, out])`` stacks; a

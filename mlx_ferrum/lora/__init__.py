@@ -1,6 +1,6 @@
-"""LoRA adapters: reading PEFT and mlx-lm folders, and the registry of slots an executor serves.
+"""LoRA adapters: reading PEFT and mlx-lm folders, and the registry of slots a model runner serves.
 
-The per-token product lives in :mod:`mlx_ferrum.layers.lora`; the executor binds each
+The per-token product lives in :mod:`mlx_ferrum.layers.lora`; the model runner binds each
 pass's slots (``SeqWork.lora_slot``), and the engine maps request adapter names to slots.
 """
 

@@ -1,4 +1,4 @@
-"""The adapters an executor serves: registered names, loaded adapters, resident slots.
+"""The adapters a model runner serves: registered names, loaded adapters, resident slots.
 
 Three tiers, as in vLLM and S-LoRA:
 
@@ -119,7 +119,7 @@ class LoraRegistry:
         max_loras: resident slots. max_lora_rank: slot width. max_cpu_loras: loaded adapters.
         dtype: the stacks' dtype (the model's activation dtype).
 
-    Thread-safe (one lock); the executor calls it while it builds passes.
+    Thread-safe (one lock); the model runner calls it while it builds passes.
     """
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype: mx.Dtype):
@@ -129,7 +129,7 @@ class LoraRegistry:
         self.dtype = dtype
         self.model = model
         self.context: LoraContext = getattr(model, "_lora_context", None) or LoraContext()
-        model._lora_context = self.context  # one context per model, shared by its executors
+        model._lora_context = self.context  # one context per model, shared by its runners
         self.targets = adaptable_modules(model)
         self._index = {path: i for i, path in enumerate(sorted(self.targets))}
         for path, module in self.targets.items():

@@ -1,23 +1,20 @@
-"""Concurrent-serving benchmark of the :class:`~mlx_ferrum.engine.Engine` on token-id
-prompts; ``mlx-ferrum bench`` runs it. It needs nothing beyond the runtime: the
-comparison against mlx-lm's ``BatchGenerator`` (the same burst, the same admission)
-lives in the repository's ``benchmarks/`` (``mlx_lm_side.py``, ``bench_engine.py``).
+"""``mlx-ferrum bench``: concurrent-serving throughput of the
+:class:`~mlx_ferrum.engine.Engine` on token-id prompts, as a table on stdout.
 
-Method (``benchmarks/mlx_lm_side.py`` runs the same one for mlx-lm; it follows the closed-loop "burst" setting of
-vLLM's ``benchmark_throughput`` / ``benchmark_serving`` with every request arriving
-at once):
+Method (the closed-loop "burst" setting of vLLM's ``benchmark_throughput`` /
+``benchmark_serving``, with every request arriving at once):
 
-- ``concurrency`` prompts of ``prompt_tokens`` random token ids (seeded, so both sides
-  get the same prompts), greedy decoding, ``max_tokens`` tokens each, EOS ignored;
+- ``concurrency`` prompts of ``prompt_tokens`` random token ids (seeded, so every run
+  sees the same prompts), greedy decoding, ``max_tokens`` tokens each, EOS ignored;
 - every request is submitted at ``t0``; the clock stops when the last one finishes;
 - a token's time is when the driver loop has it as a Python int (after
-  ``Engine.step()`` returns it, or after ``BatchGenerator.next()`` does);
-- one short untimed warm-up burst per side at the same concurrency first (see
+  ``Engine.step()`` returns it);
+- one short untimed warm-up burst at the same concurrency first (see
   :func:`warm_up_shape`).
 
 Figures (times in seconds, rates in tokens per second):
 
-- ``ttft_p50`` / ``ttft_p90``: time from ``t0`` to a request's first token;
+- ``ttft_p50`` / ``ttft_p90`` / ``ttft_p99``: time from ``t0`` to a request's first token;
 - ``itl_p50`` / ``itl_p90`` / ``itl_p99``: gaps between consecutive tokens of a request;
 - ``decode_tps``: steady-state aggregate decode rate: tokens produced after the last
   request received its first token, divided by the time from then to the end (all
@@ -28,7 +25,7 @@ Figures (times in seconds, rates in tokens per second):
 The engine always uses the paged KV layout (continuous batching needs it), with
 ``max_num_seqs = concurrency`` and a pool just large enough (all requests prefilled
 and decoded together). ``kv_allocated_bytes`` is the KV memory the engine holds: its
-whole pool.
+whole pool. numpy is imported where it is used, so ``mlx-ferrum --help`` stays quick.
 """
 
 from __future__ import annotations
@@ -36,39 +33,29 @@ from __future__ import annotations
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import numpy as np
+from ..config import RuntimeConfig
+from ..errors import ConfigurationError, FerrumError
+from .args import HelpFormatter, add_model_args, load_model, positive_int
 
-from .config import RuntimeConfig
-from .errors import ConfigurationError, FerrumError
 
-#: Keys of the dict :func:`bench_engine` returns (and ``benchmarks/mlx_lm_side.py`` for mlx-lm).
-RESULT_KEYS = (
-    "concurrency",
-    "prompt_tokens",
-    "max_tokens",
-    "generated_tokens",
-    "wall_s",
-    "decode_tps",
-    "output_tps",
-    "total_tps",
-    "ttft_p50",
-    "ttft_p90",
-    "ttft_p99",
-    "itl_p50",
-    "itl_p90",
-    "itl_p99",
-)
+def add_parser(sub) -> None:
+    """Add ``bench`` and its flags to the subcommands ``sub``."""
+    b = sub.add_parser("bench", help="engine throughput at several concurrency levels", formatter_class=HelpFormatter)
+    add_model_args(b)
+    b.add_argument("--concurrency", default="1,8,32", help="comma-separated request counts")
+    b.add_argument("--prompt-tokens", type=positive_int, default=64, help="prompt length (tokens)")
+    b.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per request")
+    b.set_defaults(func=cmd_bench)
 
 
 # --------------------------------------------------------------------------- inputs
 def make_prompts(vocab_size: int, concurrency: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
     """``concurrency`` lists of ``prompt_tokens`` random token ids in ``[0, vocab_size)``.
 
-    Seeded (numpy ``default_rng(seed)``), so both sides of a comparison see the same
-    prompts. Outputs of a random prompt are meaningless; only the shapes matter.
+    Seeded (numpy ``default_rng(seed)``), so every run sees the same prompts. Outputs of
+    a random prompt are meaningless; only the shapes matter.
 
     Raises:
         ConfigurationError: a count is below 1.
@@ -77,6 +64,8 @@ def make_prompts(vocab_size: int, concurrency: int, prompt_tokens: int, seed: in
         raise ConfigurationError(
             f"concurrency={concurrency}, prompt_tokens={prompt_tokens}, vocab_size={vocab_size}: each must be >= 1"
         )
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, size=(concurrency, prompt_tokens)).tolist()
 
@@ -110,6 +99,8 @@ def warm_up_shape(prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- figures
 def _pct(xs: Sequence[float], q: float) -> float:
     """Percentile ``q`` (0-100) with linear interpolation (numpy's default); nan when empty."""
+    import numpy as np
+
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else math.nan
 
 
@@ -124,7 +115,8 @@ def summarize(
         prompt_tokens, max_tokens: per request.
 
     Returns:
-        A dict with :data:`RESULT_KEYS` (seconds and tokens per second; ``decode_tps`` is
+        ``concurrency``, ``prompt_tokens``, ``max_tokens``, ``generated_tokens`` and
+        the figures of the module docstring (seconds and tokens per second; ``decode_tps`` is
         nan when no token came after the last first token, e.g. ``max_tokens == 1``).
     """
     n = len(token_times)
@@ -153,9 +145,20 @@ def summarize(
     }
 
 
-# --------------------------------------------------------------------------- mlx_ferrum
-def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
-    from .engine.sampling import SamplingParams
+# --------------------------------------------------------------------------- runs
+def run_burst(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Submit every prompt to ``engine`` at once (greedy, ``max_tokens`` each, EOS ignored)
+    and step it until all finish.
+
+    Returns:
+        ``(figures, tokens)``: :func:`summarize`'s figures plus ``kv_allocated_bytes``,
+        and the generated ids of each request.
+
+    Raises:
+        The exception that failed a request (see ``RequestOutput.exception``), or
+        FerrumError for a request that failed without one (e.g. the pool cannot hold it).
+    """
+    from ..engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -169,6 +172,8 @@ def _run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[dict
         for o in outs:
             if o.request_id not in times:
                 continue
+            if o.exception is not None:
+                raise o.exception
             if o.error is not None:
                 raise FerrumError(f"benchmark request {o.request_id} failed: {o.error}")
             for t in o.new_token_ids:
@@ -191,7 +196,6 @@ def bench_engine(
     config: Optional[RuntimeConfig] = None,
     seed: int = 0,
     warmup: bool = True,
-    return_tokens: bool = False,
     parallel=None,
 ) -> dict:
     """Serve ``concurrency`` simultaneous greedy requests through a fresh :class:`Engine`.
@@ -205,27 +209,27 @@ def bench_engine(
         config: engine settings; None = :func:`bench_config` (paged layout).
         seed: prompt seed (:func:`make_prompts`).
         warmup: run one short request burst of the same shape first (not timed).
-        return_tokens: also return the generated ids under ``"tokens"``.
         parallel: rank 0's :class:`~mlx_ferrum.distributed.ParallelGroup` when the model
             is split across an ``mlx.launch`` group: the engine is then a lockstep engine
             (the other ranks run :func:`follow_bench_engine` with the same arguments).
 
     Returns:
-        The figures of :func:`summarize` (seconds, tokens per second), plus ``"side":
-        "mlx_ferrum"``.
+        The figures of :func:`summarize` (seconds, tokens per second), plus
+        ``"engine": "mlx_ferrum"`` (the table's engine column) and ``"tokens"``: the
+        generated ids of each request.
 
     Raises:
-        ConfigurationError: bad counts. FerrumError: a request failed (e.g. the pool in
-        ``config`` cannot hold one request).
+        ConfigurationError: bad counts. FerrumError, or the request's own exception: a
+        request failed (e.g. the pool in ``config`` cannot hold one request).
     """
-    from .engine import Engine
+    from ..engine import Engine
 
     if max_tokens < 1:
         raise ConfigurationError(f"max_tokens={max_tokens} must be >= 1")
     prompts = make_prompts(model.args.vocab_size, concurrency, prompt_tokens, seed)
     cfg = config if config is not None else bench_config(concurrency, prompt_tokens, max_tokens)
     if parallel is not None:
-        from .distributed import lockstep_engine
+        from ..distributed import lockstep_engine
 
         engine = lockstep_engine(model, tokenizer, cfg, parallel)
     else:
@@ -233,14 +237,13 @@ def bench_engine(
     try:
         if warmup:
             wp, wt = warm_up_shape(prompt_tokens, max_tokens)
-            _run_engine(engine, make_prompts(model.args.vocab_size, concurrency, wp, seed + 1), wt)
-        res, toks = _run_engine(engine, prompts, max_tokens)
+            run_burst(engine, make_prompts(model.args.vocab_size, concurrency, wp, seed + 1), wt)
+        res, tokens = run_burst(engine, prompts, max_tokens)
     finally:
         if parallel is not None:
             engine.close()
-    res["side"] = "mlx_ferrum"
-    if return_tokens:
-        res["tokens"] = toks
+    res["engine"] = "mlx_ferrum"
+    res["tokens"] = tokens
     return res
 
 
@@ -248,7 +251,7 @@ def follow_bench_engine(model, tokenizer, concurrency: int, prompt_tokens: int, 
                         config: Optional[RuntimeConfig] = None) -> None:
     """A rank other than 0 of a parallel :func:`bench_engine`: the same engine, running
     the steps rank 0 broadcasts until rank 0 closes it."""
-    from .distributed import lockstep_engine
+    from ..distributed import lockstep_engine
 
     cfg = config if config is not None else bench_config(concurrency, prompt_tokens, max_tokens)
     lockstep_engine(model, tokenizer, cfg, parallel).follow()
@@ -277,7 +280,7 @@ def table_rows(results: Sequence[dict]) -> list[list[str]]:
     """Rows of :data:`TABLE_HEADERS` for results of :func:`bench_engine` (or of the same shape)."""
     return [
         [
-            str(r["concurrency"]), r["side"], _tps(r["decode_tps"]), _tps(r["output_tps"]), _tps(r["total_tps"]),
+            str(r["concurrency"]), r["engine"], _tps(r["decode_tps"]), _tps(r["output_tps"]), _tps(r["total_tps"]),
             _ms(r["ttft_p50"]), _ms(r["ttft_p90"]), _ms(r["itl_p50"]), _ms(r["itl_p90"]), _ms(r["itl_p99"]),
             _secs(r["wall_s"]),
         ]
@@ -317,13 +320,14 @@ def parse_concurrency(text: str) -> list[int]:
     return out
 
 
-def run_bench_cli(args: Any) -> int:
+def cmd_bench(args: Any) -> int:
     """``mlx-ferrum bench``: the table of :data:`TABLE_HEADERS` for each concurrency level
     on stdout; progress and settings on stderr. The paged layout is always used.
 
     Args:
-        args: the parsed ``bench`` arguments (``model``, ``dtype``, ``concurrency``,
-            ``prompt_tokens``, ``max_tokens``).
+        args: the parsed ``bench`` arguments (``model``, ``dtype``, ``gguf_file``,
+            ``concurrency``, ``prompt_tokens``, ``max_tokens``, ``kv_cache_dtype`` and the
+            parallel sizes).
 
     Returns:
         0.
@@ -334,7 +338,7 @@ def run_bench_cli(args: Any) -> int:
     """
     import mlx.core as mx
 
-    from .api import load
+    from ..runner import model_dtype
 
     levels = parse_concurrency(args.concurrency)
     if args.prompt_tokens < 1 or args.max_tokens < 1:
@@ -344,14 +348,13 @@ def run_bench_cli(args: Any) -> int:
     err = sys.stderr
     kv_cache_dtype = getattr(args, "kv_cache_dtype", None)
     bench_config(1, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)  # fails before the model loads
-    from .distributed import init_group
+    from ..distributed import init_group
 
     sizes = {name: getattr(args, name) for name in ("tensor_parallel_size", "pipeline_parallel_size",
                                                      "distributed_backend", "pipeline_split")
              if getattr(args, name, None) is not None}
     group = init_group(RuntimeConfig(**sizes))
-    model, tokenizer = load(args.model, dtype=args.dtype) if group is None else load(args.model, dtype=args.dtype,
-                                                                                       parallel=group)
+    model, tokenizer = load_model(args, group)
     if group is not None and not group.is_driver:
         for c in levels:
             follow_bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, group,
@@ -361,7 +364,7 @@ def run_bench_cli(args: Any) -> int:
     a = model.args
     print(
         f"bench: {args.model} ({a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-        f"dtype {str(model_dtype_of(model)).replace('mlx.core.', '')}) | prompt {args.prompt_tokens} tokens, "
+        f"dtype {str(model_dtype(model)).replace('mlx.core.', '')}) | prompt {args.prompt_tokens} tokens, "
         f"{args.max_tokens} generated per request, greedy, EOS ignored | backend "
         f"{'gpu' if mx.metal.is_available() else 'cpu'}"
         + (f" | {group.mode} parallel over {group.size} ranks" if group is not None else ""),
@@ -376,9 +379,3 @@ def run_bench_cli(args: Any) -> int:
     print(format_table(TABLE_HEADERS, table_rows(results)))
     return 0
 
-
-def model_dtype_of(model):
-    """The activation dtype of a loaded mlx_ferrum model (see ``executor.model_dtype``)."""
-    from .executor.llm_executor import model_dtype
-
-    return model_dtype(model)

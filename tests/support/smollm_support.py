@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-SHARED_MODELS = Path(os.environ.get("FERRUM_SHARED_MODELS", Path(__file__).resolve().parents[2] / "shared" / "models"))
+SHARED_MODELS = Path(os.environ.get("FERRUM_SHARED_MODELS", Path(__file__).resolve().parents[3] / "shared" / "models"))
 SMOLLM = SHARED_MODELS / "SmolLM2-135M-Instruct"
 
 
