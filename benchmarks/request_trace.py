@@ -12,7 +12,9 @@ One warm-up request of each kind runs first, unrecorded, so files entered only a
 or on a first call (compiling the decode step, building caches) are excluded. Then one
 non-streamed and one streamed ``/v1/chat/completions`` request are recorded: every file
 under ``mlx_ferrum/`` in which a function is entered (a Python ``call`` event, including a
-generator or coroutine resuming), in first-entered order.
+generator or coroutine resuming), in first-entered order. What the engine's thread
+does with no request at all (it polls ``has_unfinished_requests``) is sampled between the
+warm-up and the recording, and those calls (same functions, same callers) are left out.
 
 Each file is then classed:
 
@@ -114,6 +116,8 @@ class FileTracer:
         self.idle_stacks: set = set()
         #: threads of this script (waiting for the engine to go idle): never recorded
         self.ignored_threads: set = set()
+        #: after remove(): a thread that still calls this function drops it
+        self.retired = False
         self._names: dict[str, Optional[str]] = {}
         self._lock = threading.Lock()
 
@@ -127,6 +131,9 @@ class FileTracer:
 
     def __call__(self, frame, event, arg):
         trace, idle = self.phase, self.idle
+        if self.retired:
+            sys.settrace(None)  # a worker thread started while tracing: stop paying for the call
+            return None
         if (trace is None and idle is None) or event != "call" or threading.get_ident() in self.ignored_threads:
             return None
         rel = self._rel(frame.f_code.co_filename)
@@ -174,6 +181,7 @@ class FileTracer:
     def remove(self, previous=None) -> None:
         """Stop recording; restore ``previous`` as this thread's trace function."""
         self.phase = None
+        self.retired = True
         threading.settrace(None)
         sys.settrace(previous)
 
@@ -328,8 +336,9 @@ def _layer(rel: str) -> str:
 def report(trace: RequestTrace, functions: bool = False) -> str:
     """A printable account of ``trace``: files in order (with ``functions``, the functions
     entered in each), counts, hops."""
-    lines = [f"== {trace.name} /v1/chat/completions: {len(trace.files)} files "
-             f"({len(trace.path_files)} on the path to the kernels, {len(trace.helper_files)} helpers)"]
+    head = (f"== {trace.name} /v1/chat/completions: {len(trace.files)} files "
+            f"({len(trace.path_files)} on the path to the kernels, {len(trace.helper_files)} helpers)")
+    lines = [head]
     for i, f in enumerate(trace.files, 1):
         kind = "path  " if f in trace.path_files else "helper"
         lines.append(f"{i:3d}. {kind} {f:48s} [{trace.threads[f]}]")
