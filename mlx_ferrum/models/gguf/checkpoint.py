@@ -104,6 +104,29 @@ def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str]
             f"`hf download {name}`", f"`hf download {name} {gguf_file}`")) from exc
 
 
+def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], inexact: list[str], path: Path,
+                   name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int]) -> None:
+    """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
+    with its module's quantization entry."""
+    target = hf_name(name)
+    parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
+    role = name.split(".")[-2]
+    if permute and role in heads and name.endswith((".weight", ".bias")):
+        parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
+    module = target.rpartition(".")[0]
+    if converted.bits is None:
+        weights[target] = parts["weight"]
+        return
+    if not target.endswith(".weight"):
+        raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
+    weights[target] = parts["weight"]
+    weights[f"{module}.scales"] = parts["scales"]
+    weights[f"{module}.biases"] = parts["biases"]
+    quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
+    if not converted.exact:
+        inexact.append(name)
+
+
 def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
     """Convert a GGUF model to the loader's ``(config, weights)``.
 
@@ -142,30 +165,17 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     weights: dict[str, mx.array] = {}
     inexact: list[str] = []
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
-    # numpy releases the GIL in its array loops, so tensors convert in parallel; the
-    # results are consumed in file order, so the outcome does not depend on the threads
+    # numpy releases the GIL in its array loops, so tensors convert in parallel; each
+    # result becomes MLX arrays (on this thread) as soon as it is ready and its numpy
+    # arrays are dropped, so the converted bytes are held once, not twice, and freed
+    # numpy memory is reused by the next conversions; the results come in file order,
+    # so the outcome does not depend on the threads
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
         results = pool.map(lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape), wanted)
-        converted_all = list(results)
-    for (name, tensor), numpy_result in zip(wanted, converted_all):
-        converted = to_mlx(numpy_result)  # MLX arrays made on this thread
-        target = hf_name(name)
-        parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
-        role = name.split(".")[-2]
-        if permute and role in heads and name.endswith((".weight", ".bias")):
-            parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
-        module = target.rpartition(".")[0]
-        if converted.bits is None:
-            weights[target] = parts["weight"]
-            continue
-        if not target.endswith(".weight"):
-            raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
-        weights[target] = parts["weight"]
-        weights[f"{module}.scales"] = parts["scales"]
-        weights[f"{module}.biases"] = parts["biases"]
-        quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
-        if not converted.exact:
-            inexact.append(name)
+        for (name, tensor), numpy_result in zip(wanted, results):
+            converted = to_mlx(numpy_result)  # MLX arrays made on this thread
+            del numpy_result
+            _add_converted(weights, quantization, inexact, path, name, tensor, converted, permute, heads)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
