@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import mlx.core as mx
+import numpy as np
 
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
-from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, to_mlx
+from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, packed_shape, to_mlx
 
 SUFFIX = ".gguf"
 #: threads converting tensors at load (numpy work on every byte of the file)
@@ -127,6 +128,32 @@ def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], i
         inexact.append(name)
 
 
+def _weight_buffers(wanted: list) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
+    """An evaluated MLX ``uint32`` array per tensor whose packed codes the converter can
+    write in place (:func:`~mlx_ferrum.models.gguf.tensors.packed_shape`), and a
+    writable numpy view of each (MLX arrays expose their memory through the buffer
+    protocol; writing the view writes the array, MLX's "Conversion to NumPy" docs).
+
+    Writing there saves a copy of every converted byte (numpy's result, then
+    ``mx.array`` of it) and the page faults of a second buffer. A view that would not
+    share the array's memory is left out: that tensor is converted into numpy and copied.
+    """
+    buffers = {}
+    for name, tensor in wanted:
+        shape = packed_shape(tensor.type_name, tensor.shape)
+        if shape is not None:
+            buffers[name] = mx.zeros(shape, dtype=mx.uint32)
+    mx.eval(list(buffers.values()))
+    views = {}
+    for name, buffer in list(buffers.items()):
+        view = np.asarray(buffer)
+        if view.flags.owndata or not view.flags.writeable or not view.flags.c_contiguous:
+            del buffers[name]
+        else:
+            views[name] = view
+    return buffers, views
+
+
 def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
     """Convert a GGUF model to the loader's ``(config, weights)``.
 
@@ -165,15 +192,17 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     weights: dict[str, mx.array] = {}
     inexact: list[str] = []
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
-    # numpy releases the GIL in its array loops, so tensors convert in parallel; each
-    # result becomes MLX arrays (on this thread) as soon as it is ready and its numpy
-    # arrays are dropped, so the converted bytes are held once, not twice, and freed
-    # numpy memory is reused by the next conversions; the results come in file order,
-    # so the outcome does not depend on the threads
+    buffers, views = _weight_buffers(wanted)
+    # numpy releases the GIL in its array loops, so tensors convert in parallel, writing
+    # the packed codes straight into their MLX arrays (allocated above, on this thread);
+    # scales, biases and the other types become MLX arrays here as each result arrives,
+    # and their numpy arrays are dropped at once, so freed memory is reused by the next
+    # conversions. Results come in file order: the outcome does not depend on the threads
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
-        results = pool.map(lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape), wanted)
+        results = pool.map(
+            lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), wanted)
         for (name, tensor), numpy_result in zip(wanted, results):
-            converted = to_mlx(numpy_result)  # MLX arrays made on this thread
+            converted = to_mlx(numpy_result, weight=buffers.get(name))  # MLX arrays made on this thread
             del numpy_result
             _add_converted(weights, quantization, inexact, path, name, tensor, converted, permute, heads)
     if quantization:

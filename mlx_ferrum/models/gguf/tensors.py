@@ -105,16 +105,17 @@ def check_types_supported(types_by_tensor: dict[str, str]) -> None:
         )
 
 
-def _pack_5bit(q: np.ndarray) -> np.ndarray:
+def _pack_5bit(q: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Pack 5-bit codes ``[rows, n]`` (uint8, contiguous) into bytes: 8 codes fill 5 bytes.
 
     Each output byte is built from the code planes (every 8th code) straight into its
     slot of the result, with two scratch planes, so no ``[rows, n]`` temporary beyond the
-    result exists (uint8 shifts drop the bits that move out of a byte)."""
+    result exists (uint8 shifts drop the bits that move out of a byte). ``out``: the
+    result's ``uint8`` ``[rows, n * 5 / 8]`` buffer (C-contiguous), or None to allocate it."""
     rows, n = q.shape
     codes = np.ascontiguousarray(q).reshape(-1, 8)
     c = [codes[:, i] for i in range(8)]
-    out = np.empty((codes.shape[0], 5), dtype=np.uint8)
+    out = np.empty((codes.shape[0], 5), dtype=np.uint8) if out is None else out.reshape(-1, 5)
     scratch, other = np.empty(codes.shape[0], dtype=np.uint8), np.empty(codes.shape[0], dtype=np.uint8)
     np.left_shift(c[1], 5, out=scratch)
     np.bitwise_or(c[0], scratch, out=out[:, 0])
@@ -183,7 +184,7 @@ _NIBBLE_PAIRS = _nibble_pair_table()
 _FIFTH_BITS = _fifth_bit_table()
 
 
-def _repack_nibbles(pairs: np.ndarray) -> np.ndarray:
+def _repack_nibbles(pairs: np.ndarray, out: np.ndarray) -> np.ndarray:
     """ggml's nibble layout -> MLX's 4-bit layout, for runs of 32 codes.
 
     ggml stores 32 codes in 16 bytes: byte ``i`` holds code ``i`` (low nibble) and code
@@ -195,13 +196,15 @@ def _repack_nibbles(pairs: np.ndarray) -> np.ndarray:
     Args:
         pairs: ``uint16`` ``[..., 8]``, each the little-endian pair of ggml bytes
             ``2k, 2k+1`` of one 16-byte run (a strided view of the blocks is fine).
+        out: ``uint8`` ``[..., 16]``, written in MLX's order.
 
     Returns:
-        ``uint8`` ``[..., 16]`` in MLX's order.
+        ``out``.
     """
     looked_up = np.take(_NIBBLE_PAIRS, pairs)  # [..., 8] uint16: (low byte, high byte) per pair
     as_bytes = looked_up.view(np.uint8).reshape(looked_up.shape + (2,))
-    return np.ascontiguousarray(np.swapaxes(as_bytes, -1, -2)).reshape(pairs.shape[:-1] + (16,))
+    np.copyto(out.reshape(pairs.shape[:-1] + (2, 8)), np.swapaxes(as_bytes, -1, -2))
+    return out
 
 
 def _nibble_codes(qs: np.ndarray) -> np.ndarray:
@@ -278,8 +281,33 @@ def _quantized(q: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
     )
 
 
-def to_mlx(converted: ConvertedTensor) -> ConvertedTensor:
-    """The same tensor with MLX arrays (call it on the thread that uses them)."""
+#: GGUF type -> bits of the types whose packed codes :func:`convert_numpy` can write
+#: straight into a caller's buffer (``out``), so they are written once, in place
+DIRECT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}
+
+
+def packed_shape(type_name: str, shape: tuple[int, ...]) -> Optional[tuple[int, int]]:
+    """The ``uint32`` ``[rows, cols * bits / 32]`` shape of a :data:`DIRECT_TYPES`
+    tensor's packed codes (rows: every axis but the last), or None for another type."""
+    bits = DIRECT_TYPES.get(type_name)
+    if bits is None:
+        return None
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return rows, shape[-1] * bits // 32
+
+
+def to_mlx(converted: ConvertedTensor, weight: Optional[mx.array] = None) -> ConvertedTensor:
+    """The same tensor with MLX arrays (call it on the thread that uses them).
+
+    Args:
+        converted: numpy arrays (:func:`convert_numpy`).
+        weight: the MLX array ``converted.weight`` was written into (``out``), used as
+            it is; None copies ``converted.weight``.
+    """
+    if weight is not None:
+        return ConvertedTensor(weight, None if converted.scales is None else mx.array(converted.scales),
+                               None if converted.biases is None else mx.array(converted.biases),
+                               converted.bits, converted.exact)
     weight = mx.array(converted.weight)
     if converted.bfloat16:
         weight = weight.view(mx.bfloat16)
@@ -293,7 +321,8 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
     return to_mlx(convert_numpy(type_name, data, shape))
 
 
-def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> ConvertedTensor:
+def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...],
+                  out: Optional[np.ndarray] = None) -> ConvertedTensor:
     """Convert one GGUF tensor's bytes to MLX's layout, as numpy arrays.
 
     Args:
@@ -301,6 +330,10 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> C
         data: the tensor as the ``gguf`` reader maps it: the values (float types) or
             ``uint8`` blocks ``[rows, bytes_per_row]``.
         shape: the logical shape in numpy order (``[rows, cols]`` for a matrix).
+        out: for a :data:`DIRECT_TYPES` tensor, a writable C-contiguous ``uint32``
+            array of :func:`packed_shape` (a numpy view of an MLX array) that receives
+            the packed codes and is returned as ``weight``; None allocates it. Other
+            types ignore it.
 
     Returns:
         A :class:`ConvertedTensor`. Quantized types need ``cols % 32 == 0`` (the GGUF
@@ -321,19 +354,23 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> C
     blocks32 = cols // 32
     raw = np.ascontiguousarray(np.asarray(data, dtype=np.uint8)).reshape(rows, -1)
     # every path below reads the blocks through views of the (memory-mapped) bytes and
-    # writes each output once: no per-block Python, no float64, no per-code temporaries
+    # writes the packed codes once, into ``weight``: no per-block Python, no float64
+    weight = None
+    if type_name in DIRECT_TYPES:
+        weight = np.empty(packed_shape(type_name, shape), dtype=np.uint32) if out is None else out
+        codes = weight.view(np.uint8)  # [rows, cols * bits / 8]
     if type_name == "Q8_0":
         b = raw.reshape(rows, blocks32, 34)
-        q = b[..., 2:] ^ np.uint8(0x80)  # int8 q + 128 as uint8: flipping the sign bit of two's complement
+        # int8 q + 128 as uint8: flipping the sign bit of two's complement
+        np.bitwise_xor(b[..., 2:], np.uint8(0x80), out=codes.reshape(rows, blocks32, 32))
         scales, biases = _legacy_scales(_f16_field(b, 0), None, -128.0)
-        return ConvertedTensor(weight=q.reshape(rows, cols).view(np.uint32), scales=scales, biases=biases, bits=8)
+        return ConvertedTensor(weight=weight, scales=scales, biases=biases, bits=8)
     if type_name in ("Q4_0", "Q4_1"):
         size = 18 if type_name == "Q4_0" else 20
         b = raw.reshape(rows, blocks32, size)
         scales, biases = _legacy_scales(_f16_field(b, 0), _f16_field(b, 2) if type_name == "Q4_1" else None, -8.0)
-        packed = _repack_nibbles(b.view(np.uint16)[..., (size - 16) // 2:])
-        return ConvertedTensor(weight=packed.reshape(rows, cols // 2).view(np.uint32), scales=scales, biases=biases,
-                               bits=4)
+        _repack_nibbles(b.view(np.uint16)[..., (size - 16) // 2:], codes.reshape(rows, blocks32, 16))
+        return ConvertedTensor(weight=weight, scales=scales, biases=biases, bits=4)
     if type_name in ("Q5_0", "Q5_1"):
         size = 22 if type_name == "Q5_0" else 24
         b = raw.reshape(rows, blocks32, size)
@@ -342,7 +379,8 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> C
         # qh: bit i of a little-endian uint32 is code i's fifth bit; spread byte j onto codes 8j..8j+7
         q.reshape(rows, blocks32, 4, 8).view(np.uint64)[..., 0] |= _FIFTH_BITS[b[..., qh_at:qh_at + 4]]
         scales, biases = _legacy_scales(_f16_field(b, 0), _f16_field(b, 2) if type_name == "Q5_1" else None, -16.0)
-        return ConvertedTensor(weight=pack_codes(q.reshape(rows, cols), 5), scales=scales, biases=biases, bits=5)
+        _pack_5bit(q.reshape(rows, cols), codes)
+        return ConvertedTensor(weight=weight, scales=scales, biases=biases, bits=5)
     if type_name in ("Q4_K", "Q5_K"):
         size = 144 if type_name == "Q4_K" else 176
         b = raw.reshape(rows, cols // 256, size)
@@ -353,12 +391,11 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> C
         if type_name == "Q4_K":
             # 4 chunks of 32 bytes: group 2c in the low nibbles of chunk c, group 2c+1 in the
             # high nibbles, code l of each in byte l: the legacy layout's pairs, per chunk
-            pairs = b.view(np.uint16)[..., (size - 128) // 2:].reshape(rows, cols // 256, 4, 2, 8)
-            looked_up = np.take(_NIBBLE_PAIRS, pairs)  # [.., chunk, half of the chunk, pair]
-            as_bytes = looked_up.view(np.uint8).reshape(looked_up.shape + (2,))  # [.., c, half, k, lo/hi]
-            # group 2c (low nibbles): MLX bytes 0-7 from half 0, 8-15 from half 1; likewise 2c+1
-            packed = np.ascontiguousarray(as_bytes.transpose(0, 1, 2, 5, 3, 4))
-            weight = packed.reshape(rows, cols // 2).view(np.uint32)
+            pairs = b.view(np.uint16)[..., (size - 128) // 2:].reshape(rows, cols // 256, 4, 16)
+            looked_up = np.take(_NIBBLE_PAIRS, pairs)  # [.., chunk, pair]
+            as_bytes = looked_up.view(np.uint8).reshape(looked_up.shape + (2,))  # [.., chunk, pair, lo/hi]
+            # group 2c: the low bytes of chunk c's 16 pairs; group 2c+1: the high bytes
+            np.copyto(codes.reshape(rows, cols // 256, 4, 2, 16), as_bytes.transpose(0, 1, 2, 4, 3))
             return _quantized_packed(weight, scales, biases, 4, rows)
         qs = b[..., size - 128:].reshape(rows, cols // 256, 4, 32)  # 4 chunks of 64 weights
         q = np.empty((rows, cols // 256, 4, 2, 32), dtype=np.uint8)
@@ -367,7 +404,8 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> C
         # bit 2c / 2c+1 of qh byte l: the fifth bit of weight l in group 2c / 2c+1
         fifth = _FIFTH_BITS[b[..., 16:48]].view(np.uint8).reshape(rows, cols // 256, 32, 4, 2)
         q |= fifth.transpose(0, 1, 3, 4, 2)
-        return _quantized_packed(pack_codes(q.reshape(rows, cols), 5), scales, biases, 5, rows)
+        _pack_5bit(q.reshape(rows, cols), codes)
+        return _quantized_packed(weight, scales, biases, 5, rows)
     # 16-weight-group types: MLX's smallest affine group is 32, so requantize the exact values to 8 bits
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -387,6 +425,6 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> C
 
 
 __all__ = [
-    "GROUP_SIZE", "SUPPORTED_TYPES", "ConvertedTensor", "check_types_supported", "convert_numpy", "convert_tensor",
-    "pack_codes", "to_mlx",
+    "DIRECT_TYPES", "GROUP_SIZE", "SUPPORTED_TYPES", "ConvertedTensor", "check_types_supported", "convert_numpy",
+    "convert_tensor", "pack_codes", "packed_shape", "to_mlx",
 ]
