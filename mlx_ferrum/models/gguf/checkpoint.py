@@ -177,7 +177,9 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     """
     model_file = read_gguf(path)
     tensors = model_file.tensors
-    config = config_from_metadata(model_file.metadata, set(tensors))
+    rope_freqs = tensors.get("rope_freqs.weight")
+    config = config_from_metadata(model_file.metadata, set(tensors), rope_freqs=None if rope_freqs is None else
+                                  np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1).tolist())
     check_types_supported({t.name: t.type_name for t in tensors.values()})
     unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")
     if unknown:
