@@ -21,6 +21,7 @@ from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
 from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, packed_shape, to_mlx
+from .tokenizer import prebuild as prebuild_tokenizer
 
 SUFFIX = ".gguf"
 #: threads converting tensors at load (numpy work on every byte of the file)
@@ -203,6 +204,7 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
         results = pool.map(
             lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), wanted)
+        prebuild_tokenizer(model_file.metadata)  # while the workers convert (see prebuild)
         for (name, tensor), numpy_result in zip(wanted, results):
             converted = to_mlx(numpy_result, weight=buffers.get(name))  # MLX arrays made on this thread
             del numpy_result
