@@ -191,14 +191,15 @@ def write_aligned(path: Path, kind: str, metadata: dict) -> None:
 def load_time_rounds(gguf: Path, folder: Path, rounds: int) -> dict:
     """``rounds`` alternating fresh-process loads of ``gguf`` and ``folder`` (which side
     goes first alternates too): seconds of each, and the ratio within each round."""
-    gguf_s, folder_s, ratios = [], [], []
+    gguf_s, folder_s, ratios, cpu_ratios = [], [], [], []
     for i in range(rounds):
         order = [("gguf", gguf), ("folder", folder)] if i % 2 == 0 else [("folder", folder), ("gguf", gguf)]
-        times = {side: _run(["--measure", str(target), "load_time"])["load_s"] for side, target in order}
-        gguf_s.append(times["gguf"])
-        folder_s.append(times["folder"])
-        ratios.append(times["gguf"] / times["folder"])
-    return {"gguf_s": gguf_s, "folder_s": folder_s, "ratios": ratios}
+        runs = {side: _run(["--measure", str(target), "load_time"]) for side, target in order}
+        gguf_s.append(runs["gguf"]["load_s"])
+        folder_s.append(runs["folder"]["load_s"])
+        ratios.append(runs["gguf"]["load_s"] / runs["folder"]["load_s"])
+        cpu_ratios.append(runs["gguf"]["cpu_s"] / runs["folder"]["cpu_s"])
+    return {"gguf_s": gguf_s, "folder_s": folder_s, "ratios": ratios, "cpu_ratios": cpu_ratios}
 
 
 def _spread(values: list) -> str:
@@ -228,8 +229,9 @@ def measure(target: str, mode: str, decode_tokens: int) -> dict:
 
             mx.reset_peak_memory()
             start = time.perf_counter()
+        cpu_start = time.process_time()
         model, tokenizer = mf.load(target)
-        result = {"load_s": time.perf_counter() - start}
+        result = {"load_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start}
     result["peak_bytes"] = int(mx.get_peak_memory())
     result["active_bytes"] = int(mx.get_active_memory())
     if mode == "decode":
@@ -323,7 +325,8 @@ def main() -> None:
         print(f"  Q4_1 GGUF   {_spread(timing['gguf_s'])} s")
         print(f"  MLX folder  {_spread(timing['folder_s'])} s")
         print(f"  GGUF / folder per round: {_spread(timing['ratios'])}  "
-              f"(all: {', '.join(f'{r:.2f}' for r in timing['ratios'])})\n")
+              f"(all: {', '.join(f'{r:.2f}' for r in timing['ratios'])})")
+        print(f"  CPU time (process, all threads) GGUF / folder per round: {_spread(timing['cpu_ratios'])}\n")
     if "aligned" in sections:
         source_metadata = None
         print("| 256-aligned model | size (MB) | mf.load active / file | mf.load peak / file | "
