@@ -145,3 +145,35 @@ def test_loaded_bytes_stay_near_the_file(case):
     loaded = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     stored = sum(np.asarray(t.data).nbytes for t in read_gguf(folder / "model.gguf").tensors.values())
     assert loaded <= MEMORY_BOUND[type_name] * stored, (type_name, loaded / stored)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_codes_written_into_an_mlx_array_equal_the_numpy_conversion(type_name):
+    """The loader writes packed codes straight into MLX arrays through numpy views; the
+    array must hold what the plain conversion returns, and dequantize to gguf's values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf_fixtures import quantized_bytes
+
+    from mlx_ferrum.models.gguf.tensors import convert_numpy, packed_shape, to_mlx
+
+    rng = np.random.default_rng(7)
+    raw = quantized_bytes(type_name, rng.normal(0, 0.05, (6, 512)).astype(np.float32), rng)
+    plain = convert_numpy(type_name, raw, (6, 512))
+    target = mx.zeros(packed_shape(type_name, (6, 512)), dtype=mx.uint32)
+    mx.eval(target)
+    written = to_mlx(convert_numpy(type_name, raw, (6, 512), out=np.asarray(target)), weight=target)
+    assert np.array_equal(np.array(written.weight), plain.weight)
+    values = mx.dequantize(written.weight, written.scales.astype(mx.float32), written.biases.astype(mx.float32),
+                           group_size=32, bits=written.bits)
+    assert np.array_equal(np.array(values), dequantize(raw, GGMLQuantizationType[type_name]).reshape(6, 512))
+
+
+def test_the_readers_own_type_table_agrees_with_gguf():
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from mlx_ferrum.models.gguf.reader import _COMMON_TYPES
+
+    for type_id, (name, block, size) in _COMMON_TYPES.items():
+        assert GGMLQuantizationType(type_id).name == name
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(type_id)] == (block, size)

@@ -10,7 +10,7 @@ whose float16 super-block factors are set to small sane values. The vocabulary i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -59,8 +59,10 @@ def quantized_bytes(type_name: str, values: np.ndarray, rng: np.random.Generator
 
 def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool = True,
                      architecture: str = "llama", embedding_type: Optional[str] = None,
-                     heads: int = HEADS, kv_heads: int = KV_HEADS) -> dict[str, np.ndarray]:
-    """Write a tiny llama GGUF at ``path`` with every matrix in ``type_name``.
+                     heads: int = HEADS, kv_heads: int = KV_HEADS,
+                     extra: Optional[Callable[[Any], None]] = None) -> dict[str, np.ndarray]:
+    """Write a tiny llama GGUF at ``path`` with every matrix in ``type_name``;
+    ``extra(writer)``, when given, adds metadata or tensors before the file is written.
 
     Returns:
         ``{gguf tensor name: float32 values as gguf dequantizes them}`` (stored row order).
@@ -135,6 +137,8 @@ def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool 
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

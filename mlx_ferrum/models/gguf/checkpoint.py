@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import mlx.core as mx
+import numpy as np
 
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
-from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, to_mlx
+from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, packed_shape, to_mlx
+from .tokenizer import prebuild as prebuild_tokenizer
 
 SUFFIX = ".gguf"
 #: threads converting tensors at load (numpy work on every byte of the file)
@@ -104,6 +106,55 @@ def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str]
             f"`hf download {name}`", f"`hf download {name} {gguf_file}`")) from exc
 
 
+def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], inexact: list[str], path: Path,
+                   name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int]) -> None:
+    """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
+    with its module's quantization entry."""
+    target = hf_name(name)
+    parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
+    role = name.split(".")[-2]
+    if permute and role in heads and name.endswith((".weight", ".bias")):
+        parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
+    module = target.rpartition(".")[0]
+    if converted.bits is None:
+        weights[target] = parts["weight"]
+        return
+    if not target.endswith(".weight"):
+        raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
+    weights[target] = parts["weight"]
+    weights[f"{module}.scales"] = parts["scales"]
+    weights[f"{module}.biases"] = parts["biases"]
+    quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
+    if not converted.exact:
+        inexact.append(name)
+
+
+def _weight_buffers(wanted: list) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
+    """An evaluated MLX ``uint32`` array per tensor whose packed codes the converter can
+    write in place (:func:`~mlx_ferrum.models.gguf.tensors.packed_shape`), and a
+    writable numpy view of each (MLX arrays expose their memory through the buffer
+    protocol; writing the view writes the array, MLX's "Conversion to NumPy" docs).
+
+    Writing there saves a copy of every converted byte (numpy's result, then
+    ``mx.array`` of it) and the page faults of a second buffer. A view that would not
+    share the array's memory is left out: that tensor is converted into numpy and copied.
+    """
+    buffers = {}
+    for name, tensor in wanted:
+        shape = packed_shape(tensor.type_name, tensor.shape)
+        if shape is not None:
+            buffers[name] = mx.zeros(shape, dtype=mx.uint32)
+    mx.eval(list(buffers.values()))
+    views = {}
+    for name, buffer in list(buffers.items()):
+        view = np.asarray(buffer)
+        if view.flags.owndata or not view.flags.writeable or not view.flags.c_contiguous:
+            del buffers[name]
+        else:
+            views[name] = view
+    return buffers, views
+
+
 def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
     """Convert a GGUF model to the loader's ``(config, weights)``.
 
@@ -127,7 +178,9 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     """
     model_file = read_gguf(path)
     tensors = model_file.tensors
-    config = config_from_metadata(model_file.metadata, set(tensors))
+    rope_freqs = tensors.get("rope_freqs.weight")
+    config = config_from_metadata(model_file.metadata, set(tensors), rope_freqs=None if rope_freqs is None else
+                                  np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1).tolist())
     check_types_supported({t.name: t.type_name for t in tensors.values()})
     unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")
     if unknown:
@@ -142,30 +195,20 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     weights: dict[str, mx.array] = {}
     inexact: list[str] = []
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
-    # numpy releases the GIL in its array loops, so tensors convert in parallel; the
-    # results are consumed in file order, so the outcome does not depend on the threads
+    buffers, views = _weight_buffers(wanted)
+    # numpy releases the GIL in its array loops, so tensors convert in parallel, writing
+    # the packed codes straight into their MLX arrays (allocated above, on this thread);
+    # scales, biases and the other types become MLX arrays here as each result arrives,
+    # and their numpy arrays are dropped at once, so freed memory is reused by the next
+    # conversions. Results come in file order: the outcome does not depend on the threads
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
-        results = pool.map(lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape), wanted)
-        converted_all = list(results)
-    for (name, tensor), numpy_result in zip(wanted, converted_all):
-        converted = to_mlx(numpy_result)  # MLX arrays made on this thread
-        target = hf_name(name)
-        parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
-        role = name.split(".")[-2]
-        if permute and role in heads and name.endswith((".weight", ".bias")):
-            parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
-        module = target.rpartition(".")[0]
-        if converted.bits is None:
-            weights[target] = parts["weight"]
-            continue
-        if not target.endswith(".weight"):
-            raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
-        weights[target] = parts["weight"]
-        weights[f"{module}.scales"] = parts["scales"]
-        weights[f"{module}.biases"] = parts["biases"]
-        quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
-        if not converted.exact:
-            inexact.append(name)
+        results = pool.map(
+            lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), wanted)
+        prebuild_tokenizer(model_file.metadata)  # while the workers convert (see prebuild)
+        for (name, tensor), numpy_result in zip(wanted, results):
+            converted = to_mlx(numpy_result, weight=buffers.get(name))  # MLX arrays made on this thread
+            del numpy_result
+            _add_converted(weights, quantization, inexact, path, name, tensor, converted, permute, heads)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}

@@ -63,13 +63,74 @@ def _get(metadata: dict, key: str, kind: type, default: Any = None, required: bo
         raise GGUFFormatError(f"GGUF metadata {key!r} = {value!r} is not a {kind.__name__}") from None
 
 
-def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def _rope_scaling(metadata: dict[str, Any], prefix: str, head_dim: int, context: int,
+                  rope_freqs: Optional[list[float]]) -> Optional[dict[str, Any]]:
+    """The Hugging Face ``rope_scaling`` of a GGUF file, or None for plain RoPE.
+
+    - ``rope_freqs`` (llama.cpp's converter writes Llama 3.1's ``llama3`` scaling as this
+      tensor: one factor per rotated pair, each pair's angle divided by its factor) maps
+      exactly onto the per-frequency factors of the ``longrope`` variant of
+      :class:`~mlx_ferrum.layers.rope.Rope` (wavelength ``factor * base**(2i/d)``),
+      with the long factors never switched in and no attention scaling.
+    - ``{arch}.rope.scaling.type = yarn``: ``factor`` and ``original_context_length``,
+      and ``yarn_beta_fast`` / ``yarn_beta_slow`` when present, are Hugging Face's
+      ``yarn`` parameters; its default attention factor ``0.1 ln(factor) + 1`` and
+      rounded correction range are llama.cpp's too. A file that also sets a YaRN
+      attention factor, extrapolation mix or log multiplier other than llama.cpp's
+      defaults is refused: those have no single Hugging Face equivalent here.
+    - ``linear`` with a factor other than 1: Hugging Face's ``linear``.
+
+    Raises:
+        UnsupportedArchitectureError: a scaling type or YaRN setting not mapped.
+        GGUFFormatError: ``rope_freqs`` has the wrong length, or YaRN lacks its
+            original context length.
+    """
+    if rope_freqs is not None:
+        if len(rope_freqs) != head_dim // 2:
+            raise GGUFFormatError(
+                f"rope_freqs has {len(rope_freqs)} factors; head_dim {head_dim} rotates {head_dim // 2} pairs"
+            )
+        factors = [float(f) for f in rope_freqs]
+        return {"rope_type": "longrope", "type": "longrope", "short_factor": factors, "long_factor": factors,
+                "original_max_position_embeddings": context, "factor": 1.0, "attention_factor": 1.0}
+    scaling = metadata.get(prefix + "rope.scaling.type")
+    factor = _get(metadata, prefix + "rope.scaling.factor", float, 1.0)
+    if scaling in (None, "none") or (scaling in ("linear", "yarn") and factor == 1.0):
+        return None
+    if scaling == "linear":
+        return {"type": "linear", "rope_type": "linear", "factor": factor}
+    if scaling == "yarn":
+        defaults = {"rope.scaling.yarn_attn_factor": 1.0, "rope.scaling.attn_factor": 1.0,
+                    "rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0}
+        odd = [f"{prefix}{key} = {metadata[prefix + key]!r}" for key, default in defaults.items()
+               if prefix + key in metadata and _get(metadata, prefix + key, float) != default]
+        if odd:
+            raise UnsupportedArchitectureError(
+                f"this GGUF file's YaRN RoPE sets {', '.join(odd)}, which this loader does not map "
+                "(only factor, original context length and beta_fast/beta_slow); use the Hugging Face checkpoint"
+            )
+        original = _get(metadata, prefix + "rope.scaling.original_context_length", int, required=True)
+        out = {"type": "yarn", "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if prefix + "rope.scaling." + key in metadata:
+                out[name] = _get(metadata, prefix + "rope.scaling." + key, float)
+        return out
+    raise UnsupportedArchitectureError(
+        f"GGUF RoPE scaling {scaling!r} ({prefix}rope.scaling.type) is not supported; supported: linear, yarn, "
+        "and llama3's rope_freqs factors"
+    )
+
+
+def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
+                         rope_freqs: Optional[list[float]] = None) -> dict[str, Any]:
     """Build the ``config.json`` dict of the model a GGUF file describes.
 
     Args:
         metadata: the file's metadata (``{key: value}``).
         tensor_names: llama.cpp names of its tensors (decides tied embeddings and
             Qwen2's q/k/v bias).
+        rope_freqs: the values of the ``rope_freqs.weight`` tensor when the file has
+            one (see :func:`_rope_scaling`).
 
     Returns:
         A config dict for :mod:`mlx_ferrum.models.llama` (no ``quantization`` entry).
@@ -77,7 +138,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     Raises:
         UnsupportedArchitectureError: ``general.architecture`` is not in
             :data:`ARCHITECTURES` (the message lists them), or the file uses a RoPE
-            scaling this loader cannot express (``rope_freqs`` factors).
+            scaling this loader cannot express (see :func:`_rope_scaling`), or
+            ``rope_freqs.weight`` is in ``tensor_names`` but ``rope_freqs`` is not given.
         GGUFFormatError: a required key is missing or has the wrong type.
     """
     arch = metadata.get("general.architecture")
@@ -85,7 +147,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         raise UnsupportedArchitectureError(
             f"GGUF general.architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
         )
-    if "rope_freqs.weight" in tensor_names:
+    if "rope_freqs.weight" in tensor_names and rope_freqs is None:
         raise UnsupportedArchitectureError(
             "this GGUF file carries per-frequency RoPE factors (rope_freqs, Llama 3.1+ long-context scaling), "
             "which this loader does not map yet; use the Hugging Face checkpoint of the model"
@@ -116,15 +178,9 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
-    scaling = metadata.get(prefix + "rope.scaling.type")
-    if scaling in ("linear", "yarn"):
-        factor = _get(metadata, prefix + "rope.scaling.factor", float, 1.0)
-        if factor != 1.0:
-            if scaling == "yarn":
-                raise UnsupportedArchitectureError(
-                    "this GGUF file uses YaRN RoPE scaling, which this loader does not map yet"
-                )
-            config["rope_scaling"] = {"type": "linear", "rope_type": "linear", "factor": factor}
+    scaling = _rope_scaling(metadata, prefix, head_dim, config["max_position_embeddings"], rope_freqs)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     window = _get(metadata, prefix + "attention.sliding_window", int, None)
     if window:
         config["sliding_window"] = window

@@ -88,8 +88,33 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
     return [(left, right) for *_ignored, left, right in ranked]
 
 
+#: tokenizers built ahead by :func:`prebuild`, keyed by ``id(metadata)`` (with the
+#: metadata itself, so a recycled id never matches), each handed out once
+_PREBUILT: dict[int, tuple[dict[str, Any], HFTokenizer]] = {}
+
+
+def prebuild(metadata: dict[str, Any]) -> None:
+    """Build the tokenizer of ``metadata`` now, for the next :func:`build_backend` of the
+    same metadata object to return.
+
+    The GGUF loader calls it on its own thread while worker threads convert the tensors
+    (numpy work that releases the GIL): the tokenizer is built in time the loading
+    thread would otherwise spend waiting. The reader caches a file's parsed header, so
+    the tokenizer later built for the same file receives the same dict. A failure is
+    not raised here: :func:`build_backend` raises it when the tokenizer is asked for.
+    Only the latest prebuilt tokenizer is kept.
+    """
+    try:
+        backend = _build(metadata)
+    except Exception:  # raised again, with its message, by build_backend
+        return
+    _PREBUILT.clear()
+    _PREBUILT[id(metadata)] = (metadata, backend)
+
+
 def build_backend(metadata: dict[str, Any]) -> HFTokenizer:
-    """The ``tokenizers.Tokenizer`` a GGUF file's metadata describes.
+    """The ``tokenizers.Tokenizer`` a GGUF file's metadata describes (the one
+    :func:`prebuild` made for this metadata object, if any, else a new one).
 
     Args:
         metadata: the file's metadata (``tokenizer.ggml.*`` keys).
@@ -99,6 +124,14 @@ def build_backend(metadata: dict[str, Any]) -> HFTokenizer:
             names a tokenizer model or pre-tokenizer this builder does not know (the
             message lists the supported ones).
     """
+    prebuilt = _PREBUILT.get(id(metadata))
+    if prebuilt is not None and prebuilt[0] is metadata:
+        del _PREBUILT[id(metadata)]
+        return prebuilt[1]
+    return _build(metadata)
+
+
+def _build(metadata: dict[str, Any]) -> HFTokenizer:
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if kind is None or not isinstance(tokens, list) or not tokens:
