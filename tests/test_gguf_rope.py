@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_fixtures import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, unpermute, write_llama_gguf  # noqa: E402
+from support.gguf_fixtures import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, unpermute, write_llama_gguf  # noqa: E402
 from mlx_ferrum.errors import UnsupportedArchitectureError  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 from mlx_ferrum.models.gguf.config import hf_name  # noqa: E402

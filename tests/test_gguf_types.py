@@ -153,7 +153,7 @@ def test_codes_written_into_an_mlx_array_equal_the_numpy_conversion(type_name):
     array must hold what the plain conversion returns, and dequantize to gguf's values."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from gguf_fixtures import quantized_bytes
+    from support.gguf_fixtures import quantized_bytes
 
     from mlx_ferrum.models.gguf.tensors import convert_numpy, packed_shape, to_mlx
 
