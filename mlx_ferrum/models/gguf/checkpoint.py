@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
+from ...layers.quantized16 import pair_groups, quantized16_like
 from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, to_mlx
 
 SUFFIX = ".gguf"
@@ -113,9 +115,12 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     Returns:
         ``(config, weights, file)``: the config dict (with a per-module
         ``quantization`` entry for every quantized tensor: bits from its type, group
-        32, affine), ``{parameter name: array}`` (quantized tensors as packed
-        ``weight`` + ``scales`` + ``biases``, q/k rows un-permuted for llama), and the
-        opened file (metadata for the tokenizer).
+        32, affine; and ``config["gguf"]["groups16"]``: ``{module path: bits}`` of the
+        Q6_K / Q3_K / Q2_K modules, whose ``scales`` / ``biases`` are the two group-32
+        sets ``[2, rows, cols / 32]`` of :mod:`mlx_ferrum.layers.quantized16`),
+        ``{parameter name: array}`` (quantized tensors as packed ``weight`` +
+        ``scales`` + ``biases``, q/k rows un-permuted for llama), and the opened file
+        (metadata for the tokenizer).
 
     Raises:
         GGUFFormatError: see :func:`~mlx_ferrum.models.gguf.reader.read_gguf`; a
@@ -140,7 +145,7 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     quantization: dict[str, Any] = {}
     weights: dict[str, mx.array] = {}
-    inexact: list[str] = []
+    groups16: dict[str, int] = {}
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
     # numpy releases the GIL in its array loops, so tensors convert in parallel; the
     # results are consumed in file order, so the outcome does not depend on the threads
@@ -160,17 +165,47 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             continue
         if not target.endswith(".weight"):
             raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
+        if converted.group_size == 16:  # two MLX group-32 sets of scales and biases over one array of codes
+            parts["scales"], parts["biases"] = pair_groups(parts["scales"]), pair_groups(parts["biases"])
+            groups16[module] = converted.bits
         weights[target] = parts["weight"]
         weights[f"{module}.scales"] = parts["scales"]
         weights[f"{module}.biases"] = parts["biases"]
         quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
-        if not converted.exact:
-            inexact.append(name)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
-    config["gguf"] = {"file": str(path), "architecture": arch, "requantized_8bit": inexact}
+    config["gguf"] = {"file": str(path), "architecture": arch, "groups16": groups16}
     return config, weights, model_file
 
 
-__all__ = ["find_gguf", "load_gguf_checkpoint"]
+def use_group16_modules(model, config: dict[str, Any]) -> None:
+    """Put a 16-group layer (:mod:`mlx_ferrum.layers.quantized16`) in place of each float
+    module ``config["gguf"]["groups16"]`` names, before the loader quantizes the others
+    (the 16-group layers have no ``to_quantized``, so MLX's quantization passes them by).
+
+    Args:
+        model: the float model, before its weights are loaded (modified in place).
+        config: the config :func:`load_gguf_checkpoint` returned.
+
+    Raises:
+        GGUFFormatError: a named module is missing or is neither a linear layer nor an
+            embedding.
+    """
+    groups16 = config.get("gguf", {}).get("groups16", {})
+    modules = dict(model.named_modules())
+    replacements = []
+    for path, bits in groups16.items():
+        module = modules.get(path)
+        replacement = None if module is None else quantized16_like(module, bits)
+        if replacement is None:
+            raise GGUFFormatError(
+                f"{config['gguf']['file']}: {path} holds a 16-weight-group quantized tensor, but the model's module "
+                f"there is {type(module).__name__ if module is not None else 'missing'} (a linear layer or an "
+                "embedding is needed)")
+        replacements.append((path, replacement))
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
+
+
+__all__ = ["find_gguf", "load_gguf_checkpoint", "use_group16_modules"]
