@@ -1,5 +1,5 @@
 """GGUF loading: memory against file size, load time and decode speed against the MLX
-folder, and the cost of the 8-bit requantization of Q6_K.
+folder, and the exactness of the 16-weight-group types (Q6_K).
 
 From the SmolLM2-135M-Instruct Q4_1 GGUF in ../shared/models it writes SmolLM2-sized
 files in Q8_0, Q4_0, Q5_0, Q5_1 (quantized from the file's exact values with the
@@ -16,8 +16,13 @@ each in a fresh process so peaks do not mix:
   type to float16: its peak memory;
 - the MLX folder of the same bits (Q4_1 only): seconds and memory;
 - decode tokens/s of the Q4_1 GGUF and the MLX folder (same bits);
-- the mean KL per token of the Q4_K_M-like model (Q6_K requantized to 8 bits) against
-  the same file dequantized exactly, float32, over the greedy_chat conversations.
+- decode tokens/s of the Q4_K_M-like and Q6_K files as loaded (each Q6_K tensor: two MLX
+  6-bit group-32 products, see mlx_ferrum/layers/quantized16.py) and of the same files
+  with each Q6_K tensor as one 6-bit group-32 product (the even scales only: wrong
+  values, but the cost an MLX folder of those bits has), alternated;
+- the mean KL per token of the Q4_K_M-like and Q6_K models as loaded against the same
+  files dequantized exactly (``gguf.quants.dequantize``, float32 ``nn.Linear``), over
+  the greedy_chat conversations.
 
 Usage: python benchmarks/bench_gguf.py [--out /tmp/bench_gguf] [--decode-tokens 32]
 """
@@ -121,6 +126,29 @@ def _add_value(writer, key, value):
 # -- one measurement per process ----------------------------------------------------
 
 
+def _one_product(model) -> int:
+    """Replace each 16-group layer by an MLX 6-bit group-32 layer over the same codes and
+    the even scales (the speed of one product; the values are not the file's)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    from mlx_ferrum.layers.quantized16 import QuantizedEmbedding16, QuantizedLinear16
+
+    swaps = []
+    for path, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear16, QuantizedEmbedding16)):
+            rows, packed = module.weight.shape
+            width = packed * 32 // module.bits
+            if isinstance(module, QuantizedEmbedding16):
+                layer = nn.QuantizedEmbedding(rows, width, group_size=32, bits=module.bits)
+            else:
+                layer = nn.QuantizedLinear(width, rows, bias=False, group_size=32, bits=module.bits)
+            layer.weight, layer.scales, layer.biases = module.weight, module.scales[0], module.biases[0]
+            swaps.append((path, layer))
+    model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
+
+
 def measure(target: str, mode: str, decode_tokens: int) -> dict:
     import mlx.core as mx
 
@@ -140,7 +168,9 @@ def measure(target: str, mode: str, decode_tokens: int) -> dict:
         result = {"load_s": time.perf_counter() - start}
     result["peak_bytes"] = int(mx.get_peak_memory())
     result["active_bytes"] = int(mx.get_active_memory())
-    if mode == "decode":
+    if mode == "decode_one_product":
+        result["swapped"] = _one_product(model)
+    if mode.startswith("decode"):
         import mlx_ferrum as mf
 
         prompt = [{"role": "user", "content": "Tell me a short story about the sea."}]
@@ -155,8 +185,10 @@ def measure(target: str, mode: str, decode_tokens: int) -> dict:
     return result
 
 
-def kl_q4_k_m(path: Path) -> dict:
-    """Mean KL(exact || ours) per token, float32, over the greedy_chat conversations."""
+def kl_exact(path: Path) -> dict:
+    """Mean KL(exact || ours) per token, float32, over the greedy_chat conversations:
+    every 16-weight-group tensor of ``path`` replaced by a float32 layer of its exact
+    dequantization in the reference."""
     import mlx.core as mx
     import mlx.nn as nn
     from gguf import GGMLQuantizationType, quants
@@ -171,7 +203,8 @@ def kl_q4_k_m(path: Path) -> dict:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     modules = dict(exact.named_modules())
     replaced = []
-    for name in config["gguf"]["requantized_8bit"]:
+    by_module = {hf_name(n).rsplit(".", 1)[0]: n for n in source.tensors if hf_name(n) is not None}
+    for name in (by_module[m] for m in config["gguf"]["groups16"]):
         tensor = source.tensors[name]
         values = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType[tensor.type_name]).reshape(tensor.shape)
         role = name.split(".")[-2]
@@ -180,7 +213,7 @@ def kl_q4_k_m(path: Path) -> dict:
         path_name = hf_name(name).rsplit(".", 1)[0]
         parent_name, _, child = path_name.rpartition(".")
         parent = modules[parent_name] if parent_name else exact
-        if isinstance(modules[path_name], nn.QuantizedEmbedding):
+        if isinstance(modules[path_name], (nn.QuantizedEmbedding, nn.Embedding)) or path_name.endswith("embed_tokens"):
             layer = nn.Embedding(*values.shape)
         else:
             layer = nn.Linear(values.shape[1], values.shape[0], bias=False)
@@ -197,7 +230,7 @@ def kl_q4_k_m(path: Path) -> dict:
         kls.append(np.array(kl))
         tokens += kl.shape[0]
     all_kl = np.concatenate(kls)
-    return {"requantized_tensors": len(replaced), "tokens": tokens, "mean_kl": float(all_kl.mean()),
+    return {"groups16_tensors": len(replaced), "tokens": tokens, "mean_kl": float(all_kl.mean()),
             "max_kl": float(all_kl.max())}
 
 
@@ -210,6 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="/tmp/bench_gguf")
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="alternated decode runs per 16-group file and mode")
     parser.add_argument("--measure", nargs=2, metavar=("TARGET", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--kl", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -217,7 +251,7 @@ def main() -> None:
         print(json.dumps(measure(args.measure[0], args.measure[1], args.decode_tokens)))
         return
     if args.kl:
-        print(json.dumps(kl_q4_k_m(Path(args.kl))))
+        print(json.dumps(kl_exact(Path(args.kl))))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,6 +278,14 @@ def main() -> None:
     folder = _run(["--measure", str(SMOL), "load"])
     decode_gguf = _run(["--measure", str(SOURCE), "decode", "--decode-tokens", str(args.decode_tokens)])
     decode_folder = _run(["--measure", str(SMOL), "decode", "--decode-tokens", str(args.decode_tokens)])
+    decode16 = {}
+    for kind in ("Q4_K_M", "Q6_K"):
+        runs = {"two products": [], "one product": []}
+        for _ in range(args.repeats):  # alternated, so a busy moment hits both
+            for label, mode in (("two products", "decode"), ("one product", "decode_one_product")):
+                runs[label].append(_run(["--measure", str(files[kind]), mode, "--decode-tokens",
+                                         str(args.decode_tokens)])["decode_tok_s"])
+        decode16[kind] = runs
     kls = {kind: _run(["--kl", str(files[kind])]) for kind in ("Q4_K_M", "Q6_K")}
     print("| file | size (MB) | load (s) | active / file | peak / file | mx.load peak / file |")
     print("|---|---|---|---|---|---|")
@@ -256,9 +298,14 @@ def main() -> None:
           f"peak {folder['peak_bytes'] / 2**20:.1f} MB")
     print(f"decode ({args.decode_tokens} tokens, greedy): Q4_1 GGUF {decode_gguf['decode_tok_s']:.2f} tok/s, "
           f"MLX folder {decode_folder['decode_tok_s']:.2f} tok/s")
+    for kind, runs in decode16.items():
+        two, one = np.median(runs["two products"]), np.median(runs["one product"])
+        print(f"decode {kind} ({args.decode_tokens} tokens, median of {args.repeats}): exact (two products per "
+              f"Q6_K tensor) {two:.2f} tok/s {runs['two products']}, one 6-bit product {one:.2f} tok/s "
+              f"{runs['one product']}: {two / one:.3f}x")
     for kind, kl in kls.items():
-        print(f"{kind}: {kl['requantized_tensors']} Q6_K tensors requantized to 8 bits; mean KL per token against "
-              f"the exact dequantization {kl['mean_kl']:.2e} (max {kl['max_kl']:.2e}) over {kl['tokens']} tokens")
+        print(f"{kind}: {kl['groups16_tensors']} Q6_K tensors; mean KL per token against the exact "
+              f"dequantization {kl['mean_kl']:.2e} (max {kl['max_kl']:.2e}) over {kl['tokens']} tokens")
 
 
 if __name__ == "__main__":
