@@ -18,7 +18,9 @@ where ``x_even`` is ``x`` with its odd 16-groups set to zero and ``x_odd = x - x
 (its even 16-groups zero): each product reads only exact weights, and zero inputs add
 exactly nothing. Both products are MLX's own quantized matmul, on every backend, at
 twice the work of one; the codes are stored once, the scales and biases twice as many
-as one group-32 tensor holds (as many as there are 16-groups).
+as one group-32 tensor holds (as many as there are 16-groups). On Metal, decode-sized
+inputs take one pass instead (:mod:`mlx_ferrum.kernels.quantized16`, the kernel
+``metal_kernels/matmul16.metal``, whose reference is the two products).
 
 Storage: ``weight`` ``uint32`` ``[out, in * bits / 32]`` (MLX's packing: code ``i`` of a
 row at bits ``[i * bits, (i + 1) * bits)``), ``scales`` and ``biases`` ``[2, out, in / 32]``
@@ -32,6 +34,8 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..kernels.quantized16 import matmul16, split_input
 
 #: inputs per scale in the weights these layers hold
 GROUP_SIZE = 16
@@ -55,41 +59,6 @@ def pair_groups(values: mx.array) -> mx.array:
     if groups % 2:
         raise ValueError(f"16-weight groups per row must be even (inputs a multiple of 32), got {groups}")
     return mx.contiguous(values.reshape(rows, groups // 2, 2).transpose(2, 0, 1))
-
-
-def _even_mask(dtype: mx.Dtype) -> mx.array:
-    """``[2, 1]``: 1 for the even 16-group of a 32-group, 0 for the odd one."""
-    return mx.array([[1], [0]], dtype=dtype)
-
-
-def split_input(x: mx.array) -> tuple[mx.array, mx.array]:
-    """``x`` ``[..., in]`` -> ``(x_even, x_odd)``: ``x`` with its odd (even) 16-groups zeroed.
-
-    Exact: ``x_even`` is ``x * 1`` or ``x * 0``, and ``x_odd = x - x_even`` is ``x - x`` or
-    ``x - 0``.
-    """
-    width = x.shape[-1]
-    grouped = x.reshape(*x.shape[:-1], width // MLX_GROUP_SIZE, 2, GROUP_SIZE)
-    even = (grouped * _even_mask(x.dtype)).reshape(x.shape)
-    return even, x - even
-
-
-def matmul16(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
-    """``x @ W.T`` for a 16-group affine weight (see the module docstring).
-
-    Args:
-        x: ``[..., in]`` float activations.
-        weight: ``uint32`` codes ``[out, in * bits / 32]``.
-        scales, biases: ``[2, out, in / 32]`` float (:func:`pair_groups`).
-        bits: code width (2-8, as MLX's affine quantization).
-
-    Returns:
-        ``[..., out]``, in the promoted dtype of ``x`` and the scales.
-    """
-    even, odd = split_input(x)
-    y = mx.quantized_matmul(even, weight, scales[0], biases[0], transpose=True, group_size=MLX_GROUP_SIZE, bits=bits)
-    return y + mx.quantized_matmul(odd, weight, scales[1], biases[1], transpose=True, group_size=MLX_GROUP_SIZE,
-                                   bits=bits)
 
 
 def dequantize16(weight: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
@@ -121,7 +90,8 @@ class QuantizedLinear16(nn.Module):
 
     Parameters: ``weight`` ``uint32`` ``[out, in * bits / 32]``, ``scales`` / ``biases``
     ``[2, out, in / 32]`` (see the module docstring), ``bias`` ``[out]`` when asked.
-    ``__call__(x)``: ``x`` ``[..., in]`` -> ``[..., out]`` (:func:`matmul16`).
+    ``__call__(x)``: ``x`` ``[..., in]`` -> ``[..., out]``
+    (:func:`mlx_ferrum.kernels.quantized16.matmul16`).
 
     Raises:
         ValueError: ``bits`` is not an MLX affine width, or ``in`` is not a multiple of 32.
@@ -166,7 +136,8 @@ class QuantizedEmbedding16(nn.Module):
     Parameters as :class:`QuantizedLinear16` (``[num_embeddings, dims]`` for ``[out, in]``).
     ``__call__(ids)``: int ids ``[...]`` -> rows ``[..., dims]``, each row dequantized
     exactly (:func:`dequantize16` of the gathered codes, scales and biases).
-    ``as_linear(x)``: ``x`` ``[..., dims]`` -> logits ``[..., num_embeddings]`` (:func:`matmul16`).
+    ``as_linear(x)``: ``x`` ``[..., dims]`` -> logits ``[..., num_embeddings]``
+    (:func:`mlx_ferrum.kernels.quantized16.matmul16`).
 
     Raises:
         ValueError: as :class:`QuantizedLinear16`.
