@@ -20,6 +20,12 @@ each in a fresh process so peaks do not mix:
   6-bit group-32 products, see mlx_ferrum/layers/quantized16.py) and of the same files
   with each Q6_K tensor as one 6-bit group-32 product (the even scales only: wrong
   values, but the cost an MLX folder of those bits has), alternated;
+- the time of one token's product with a Q6_K matrix (ffn_down) in four forms: one MLX
+  8-bit / 6-bit product, the two 6-bit products that keep it exact, and an exact pure-MLX
+  dequantization of the blocks followed by a matmul (what a block-reading kernel's
+  reference costs at every forward off the GPU); and of a single-token forward of the
+  Q4_K_M-like and Q6_K models, exact against one product per Q6_K tensor (alternated in
+  one process, min and median);
 - the mean KL per token of the Q4_K_M-like and Q6_K models as loaded against the same
   files dequantized exactly (``gguf.quants.dequantize``, float32 ``nn.Linear``), over
   the greedy_chat conversations.
@@ -185,6 +191,92 @@ def measure(target: str, mode: str, decode_tokens: int) -> dict:
     return result
 
 
+def step_times(path: Path, repeats: int) -> dict:
+    """Milliseconds of one single-token forward (no cache: the weights' matmuls dominate)
+    of the model as loaded and of the one-product variant (:func:`_one_product`), in one
+    process, alternated ``repeats`` times each; min and median (the min is the least
+    disturbed by other processes on a shared machine)."""
+    import mlx.core as mx
+
+    from mlx_ferrum.models import load_model
+
+    exact, _, _ = load_model(path)
+    one, _, _ = load_model(path)
+    swapped = _one_product(one)
+    ids = mx.array([[1]])
+    times = {"two products": [], "one product": []}
+    for _ in range(5):
+        mx.eval(exact(ids), one(ids))
+    for _ in range(repeats):
+        for label, model in (("two products", exact), ("one product", one)):
+            start = time.perf_counter()
+            mx.eval(model(ids))
+            times[label].append((time.perf_counter() - start) * 1e3)
+    return {"swapped": swapped, **{f"{k} {stat}": float(f(v)) for k, v in times.items()
+                                   for stat, f in (("min", np.min), ("median", np.median))}}
+
+
+def _dequantize_q6_k_blocks(raw, rows: int, cols: int):
+    """A pure-MLX exact dequantization of Q6_K blocks ``uint8 [rows, cols / 256, 210]``
+    (the layout of mlx_ferrum/models/gguf/tensors16.py): what a block-reading kernel's
+    reference would run at every forward off the GPU."""
+    import mlx.core as mx
+
+    nb = cols // 256
+    ql = raw[..., :128].astype(mx.uint32).reshape(rows, nb, 2, 2, 32)
+    qh = raw[..., 128:192].astype(mx.uint32).reshape(rows, nb, 2, 1, 32)
+    low = mx.concatenate([ql & 15, ql >> 4], axis=3)
+    high = mx.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
+    codes = (low | (high << 4)).astype(mx.float32).reshape(rows, nb, 16, 16) - 32.0
+    sc = raw[..., 192:208].view(mx.int8).astype(mx.float32)
+    d = raw[..., 208:210].view(mx.float16).astype(mx.float32)
+    return ((d * sc)[..., None] * codes).reshape(rows, cols)
+
+
+def matvec_times(path: Path, repeats: int) -> dict:
+    """Microseconds of ``x @ W.T`` for one token over the first Q6_K matrix of ``path``
+    (SmolLM2's ffn_down: 576 x 1536), alternated, min and median: one MLX 8-bit and one
+    6-bit group-32 product (the costs of requantizing, and of an MLX folder of 6 bits), the
+    two 6-bit products that keep it exact, and an exact dequantization of the blocks in
+    MLX followed by a float matmul (a block-reading kernel's reference, off the GPU)."""
+    import mlx.core as mx
+
+    from mlx_ferrum.kernels.quantized16 import matmul16_reference
+    from mlx_ferrum.layers.quantized16 import dequantize16, pair_groups
+    from mlx_ferrum.models.gguf.reader import read_gguf
+    from mlx_ferrum.models.gguf.tensors import convert_tensor
+
+    source = read_gguf(path)
+    name, tensor = next((n, t) for n, t in source.tensors.items() if t.type_name == "Q6_K")
+    rows, cols = tensor.shape
+    raw_np = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // 256, 210)
+    raw = mx.array(raw_np)
+    converted = convert_tensor("Q6_K", raw_np.reshape(rows, -1), (rows, cols))
+    w6, s6, b6 = converted.weight, pair_groups(converted.scales), pair_groups(converted.biases)
+    exact = _dequantize_q6_k_blocks(raw, rows, cols)
+    assert mx.array_equal(exact, dequantize16(w6, s6, b6, 6)).item(), "the block dequantization is not exact"
+    q8 = mx.quantize(exact, group_size=32, bits=8)
+    q6 = (w6, s6[0], b6[0])
+    x = mx.array(np.random.default_rng(0).normal(size=(1, cols)).astype(np.float32))
+    mx.eval(exact, *q8, *q6, s6, b6, x)
+    variants = {
+        "one 8-bit product": lambda: mx.quantized_matmul(x, *q8, transpose=True, group_size=32, bits=8),
+        "one 6-bit product": lambda: mx.quantized_matmul(x, *q6, transpose=True, group_size=32, bits=6),
+        "two 6-bit products (exact)": lambda: matmul16_reference(x, w6, s6, b6, 6),
+        "dequantize blocks + matmul (exact)": lambda: x @ _dequantize_q6_k_blocks(raw, rows, cols).T,
+    }
+    times: dict = {k: [] for k in variants}
+    for _ in range(5):
+        mx.eval([f() for f in variants.values()])
+    for _ in range(repeats):
+        for label, f in variants.items():
+            start = time.perf_counter()
+            mx.eval(f())
+            times[label].append((time.perf_counter() - start) * 1e6)
+    return {"tensor": name, "shape": [rows, cols],
+            **{k: {"min_us": float(np.min(v)), "median_us": float(np.median(v))} for k, v in times.items()}}
+
+
 def kl_exact(path: Path) -> dict:
     """Mean KL(exact || ours) per token, float32, over the greedy_chat conversations:
     every 16-weight-group tensor of ``path`` replaced by a float32 layer of its exact
@@ -244,14 +336,23 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_gguf")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="alternated decode runs per 16-group file and mode")
+    parser.add_argument("--step-repeats", type=int, default=200, help="alternated single-token forwards per variant")
     parser.add_argument("--measure", nargs=2, metavar=("TARGET", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--kl", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--step", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--matvec", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure[0], args.measure[1], args.decode_tokens)))
         return
     if args.kl:
         print(json.dumps(kl_exact(Path(args.kl))))
+        return
+    if args.matvec:
+        print(json.dumps(matvec_times(Path(args.matvec), args.step_repeats)))
+        return
+    if args.step:
+        print(json.dumps(step_times(Path(args.step), args.step_repeats)))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,6 +388,9 @@ def main() -> None:
                                          str(args.decode_tokens)])["decode_tok_s"])
         decode16[kind] = runs
     kls = {kind: _run(["--kl", str(files[kind])]) for kind in ("Q4_K_M", "Q6_K")}
+    matvec = _run(["--matvec", str(files["Q6_K"]), "--step-repeats", str(args.step_repeats)])
+    steps = {kind: _run(["--step", str(files[kind]), "--step-repeats", str(args.step_repeats)])
+             for kind in ("Q4_K_M", "Q6_K")}
     print("| file | size (MB) | load (s) | active / file | peak / file | mx.load peak / file |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -303,6 +407,15 @@ def main() -> None:
         print(f"decode {kind} ({args.decode_tokens} tokens, median of {args.repeats}): exact (two products per "
               f"Q6_K tensor) {two:.2f} tok/s {runs['two products']}, one 6-bit product {one:.2f} tok/s "
               f"{runs['one product']}: {two / one:.3f}x")
+    print(f"one token x {matvec['tensor']} {matvec['shape']}, {args.step_repeats} alternated runs (us, min / median):")
+    for label, t in matvec.items():
+        if isinstance(t, dict):
+            print(f"  {label}: {t['min_us']:.0f} / {t['median_us']:.0f}")
+    for kind, st in steps.items():
+        print(f"single-token forward {kind} ({args.step_repeats} alternated): exact {st['two products min']:.2f} ms "
+              f"min / {st['two products median']:.2f} median, one 6-bit product {st['one product min']:.2f} / "
+              f"{st['one product median']:.2f} ms: {st['two products min'] / st['one product min']:.3f}x (min), "
+              f"{st['two products median'] / st['one product median']:.3f}x (median)")
     for kind, kl in kls.items():
         print(f"{kind}: {kl['groups16_tensors']} Q6_K tensors; mean KL per token against the exact "
               f"dequantization {kl['mean_kl']:.2e} (max {kl['max_kl']:.2e}) over {kl['tokens']} tokens")
