@@ -190,3 +190,23 @@ def test_lora_beside_a_16_group_layer_equals_lora_beside_its_exact_float_weights
     base = np.array(ours(mx.array([ids]))[0])
     assert np.abs(logits["ours"] - logits["floats"]).max() <= 1e-4
     assert np.abs(logits["ours"][: len(ids)] - base).max() > 1e-2  # the adapter matters
+
+
+def test_tensor_parallelism_refuses_16_group_layers_by_name(tmp_path):
+    from gguf_fixtures import write_llama_gguf
+
+    from mlx_ferrum.distributed.sharding import shard_model
+    from mlx_ferrum.errors import ShardingError
+    from mlx_ferrum.models import load_model
+
+    class TwoRanks:
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return 0
+
+    write_llama_gguf(tmp_path / "model.gguf", "Q4_K", tensor_types={"blk.1.ffn_down.weight": "Q3_K"})
+    model, _, _ = load_model(tmp_path / "model.gguf")
+    with pytest.raises(ShardingError, match=r"model\.layers\.1\.mlp\.down_proj .*16-weight groups"):
+        shard_model(model, TwoRanks())
