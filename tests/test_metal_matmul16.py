@@ -6,8 +6,9 @@ numpy product of the weights written out from the codes, scales and biases (the 
 unpacked here from MLX's bit stream independently of the kernel). Shapes: every code
 width (2, 3, 4, 5, 6, 8; 3 and 6 bits cross word boundaries), 1, 3 and 8 input rows,
 output rows not a multiple of the threadgroup's 4, inputs with fewer 16-groups than a
-simdgroup has lanes, float32 / float16 / bfloat16 activations and scales. A planted
-bug (the odd 16-groups read with the even scales) must be caught.
+simdgroup has lanes, float32 / float16 / bfloat16 activations and scales; the harness's
+counting, ubsan and C++14 builds. A planted bug (the odd 16-groups read with the even
+scales) must be caught.
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def test_many_rows_and_metal_off_take_the_reference(monkeypatch):
         q16.matmul16(x, weight, scales, biases, 2)
         monkeypatch.setenv("FERRUM_METAL_KERNELS", "0")
         q16.matmul16(x[:1], weight, scales, biases, 2)
+
+
+@pytest.mark.parametrize("variant", ["counting", "ubsan", "cxx14"])
+def test_harness_variants(variant):
+    """Every output element written once; no out-of-bounds index, overflow or misaligned
+    access (a 3-bit code straddling the last word of the last row included); C++14-clean."""
+    with mh.options(variant=variant):
+        _check(3, 2, 5, 96, seed=2)
 
 
 def test_planted_bug_even_scales_for_odd_groups_is_caught(monkeypatch):
