@@ -1,5 +1,5 @@
 """GGUF loading: memory against file size, load time and decode speed against the MLX
-folder, and the cost of the 8-bit requantization of Q6_K.
+folder, and the exactness of the 16-weight-group types (Q6_K).
 
 From the SmolLM2-135M-Instruct Q4_1 GGUF in ../shared/models it writes SmolLM2-sized
 files in Q8_0, Q4_0, Q5_0, Q5_1 (quantized from the file's exact values with the
@@ -16,8 +16,19 @@ each in a fresh process so peaks do not mix:
   type to float16: its peak memory;
 - the MLX folder of the same bits (Q4_1 only): seconds and memory;
 - decode tokens/s of the Q4_1 GGUF and the MLX folder (same bits);
-- the mean KL per token of the Q4_K_M-like model (Q6_K requantized to 8 bits) against
-  the same file dequantized exactly, float32, over the greedy_chat conversations.
+- decode tokens/s of the Q4_K_M-like and Q6_K files as loaded (each Q6_K tensor: two MLX
+  6-bit group-32 products, see mlx_ferrum/layers/quantized16.py) and of the same files
+  with each Q6_K tensor as one 6-bit group-32 product (the even scales only: wrong
+  values, but the cost an MLX folder of those bits has), alternated;
+- the time of one token's product with a Q6_K matrix (ffn_down) in four forms: one MLX
+  8-bit / 6-bit product, the two 6-bit products that keep it exact, and an exact pure-MLX
+  dequantization of the blocks followed by a matmul (what a block-reading kernel's
+  reference costs at every forward off the GPU); and of a single-token forward of the
+  Q4_K_M-like and Q6_K models, exact against one product per Q6_K tensor (alternated in
+  one process, min and median);
+- the mean KL per token of the Q4_K_M-like and Q6_K models as loaded against the same
+  files dequantized exactly (``gguf.quants.dequantize``, float32 ``nn.Linear``), over
+  the greedy_chat conversations.
 
 Two further sections:
 
@@ -209,6 +220,29 @@ def _spread(values: list) -> str:
 # -- one measurement per process ----------------------------------------------------
 
 
+def _one_product(model) -> int:
+    """Replace each 16-group layer by an MLX 6-bit group-32 layer over the same codes and
+    the even scales (the speed of one product; the values are not the file's)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    from mlx_ferrum.layers.quantized16 import QuantizedEmbedding16, QuantizedLinear16
+
+    swaps = []
+    for path, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear16, QuantizedEmbedding16)):
+            rows, packed = module.weight.shape
+            width = packed * 32 // module.bits
+            if isinstance(module, QuantizedEmbedding16):
+                layer = nn.QuantizedEmbedding(rows, width, group_size=32, bits=module.bits)
+            else:
+                layer = nn.QuantizedLinear(width, rows, bias=False, group_size=32, bits=module.bits)
+            layer.weight, layer.scales, layer.biases = module.weight, module.scales[0], module.biases[0]
+            swaps.append((path, layer))
+    model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
+
+
 def measure(target: str, mode: str, decode_tokens: int) -> dict:
     import mlx.core as mx
 
@@ -234,7 +268,9 @@ def measure(target: str, mode: str, decode_tokens: int) -> dict:
         result = {"load_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu_start}
     result["peak_bytes"] = int(mx.get_peak_memory())
     result["active_bytes"] = int(mx.get_active_memory())
-    if mode == "decode":
+    if mode == "decode_one_product":
+        result["swapped"] = _one_product(model)
+    if mode.startswith("decode"):
         import mlx_ferrum as mf
 
         prompt = [{"role": "user", "content": "Tell me a short story about the sea."}]
@@ -249,8 +285,96 @@ def measure(target: str, mode: str, decode_tokens: int) -> dict:
     return result
 
 
-def kl_q4_k_m(path: Path) -> dict:
-    """Mean KL(exact || ours) per token, float32, over the greedy_chat conversations."""
+def step_times(path: Path, repeats: int) -> dict:
+    """Milliseconds of one single-token forward (no cache: the weights' matmuls dominate)
+    of the model as loaded and of the one-product variant (:func:`_one_product`), in one
+    process, alternated ``repeats`` times each; min and median (the min is the least
+    disturbed by other processes on a shared machine)."""
+    import mlx.core as mx
+
+    from mlx_ferrum.models import load_model
+
+    exact, _, _ = load_model(path)
+    one, _, _ = load_model(path)
+    swapped = _one_product(one)
+    ids = mx.array([[1]])
+    times = {"two products": [], "one product": []}
+    for _ in range(5):
+        mx.eval(exact(ids), one(ids))
+    for _ in range(repeats):
+        for label, model in (("two products", exact), ("one product", one)):
+            start = time.perf_counter()
+            mx.eval(model(ids))
+            times[label].append((time.perf_counter() - start) * 1e3)
+    return {"swapped": swapped, **{f"{k} {stat}": float(f(v)) for k, v in times.items()
+                                   for stat, f in (("min", np.min), ("median", np.median))}}
+
+
+def _dequantize_q6_k_blocks(raw, rows: int, cols: int):
+    """A pure-MLX exact dequantization of Q6_K blocks ``uint8 [rows, cols / 256, 210]``
+    (the layout of mlx_ferrum/models/gguf/tensors16.py): what a block-reading kernel's
+    reference would run at every forward off the GPU."""
+    import mlx.core as mx
+
+    nb = cols // 256
+    ql = raw[..., :128].astype(mx.uint32).reshape(rows, nb, 2, 2, 32)
+    qh = raw[..., 128:192].astype(mx.uint32).reshape(rows, nb, 2, 1, 32)
+    low = mx.concatenate([ql & 15, ql >> 4], axis=3)
+    high = mx.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
+    codes = (low | (high << 4)).astype(mx.float32).reshape(rows, nb, 16, 16) - 32.0
+    sc = raw[..., 192:208].view(mx.int8).astype(mx.float32)
+    d = raw[..., 208:210].view(mx.float16).astype(mx.float32)
+    return ((d * sc)[..., None] * codes).reshape(rows, cols)
+
+
+def matvec_times(path: Path, repeats: int) -> dict:
+    """Microseconds of ``x @ W.T`` for one token over the first Q6_K matrix of ``path``
+    (SmolLM2's ffn_down: 576 x 1536), alternated, min and median: one MLX 8-bit and one
+    6-bit group-32 product (the costs of requantizing, and of an MLX folder of 6 bits), the
+    two 6-bit products that keep it exact, and an exact dequantization of the blocks in
+    MLX followed by a float matmul (a block-reading kernel's reference, off the GPU)."""
+    import mlx.core as mx
+
+    from mlx_ferrum.kernels.quantized16 import matmul16_reference
+    from mlx_ferrum.layers.quantized16 import dequantize16, pair_groups
+    from mlx_ferrum.models.gguf.reader import read_gguf
+    from mlx_ferrum.models.gguf.tensors import convert_tensor
+
+    source = read_gguf(path)
+    name, tensor = next((n, t) for n, t in source.tensors.items() if t.type_name == "Q6_K")
+    rows, cols = tensor.shape
+    raw_np = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // 256, 210)
+    raw = mx.array(raw_np)
+    converted = convert_tensor("Q6_K", raw_np.reshape(rows, -1), (rows, cols))
+    w6, s6, b6 = converted.weight, pair_groups(converted.scales), pair_groups(converted.biases)
+    exact = _dequantize_q6_k_blocks(raw, rows, cols)
+    assert mx.array_equal(exact, dequantize16(w6, s6, b6, 6)).item(), "the block dequantization is not exact"
+    q8 = mx.quantize(exact, group_size=32, bits=8)
+    q6 = (w6, s6[0], b6[0])
+    x = mx.array(np.random.default_rng(0).normal(size=(1, cols)).astype(np.float32))
+    mx.eval(exact, *q8, *q6, s6, b6, x)
+    variants = {
+        "one 8-bit product": lambda: mx.quantized_matmul(x, *q8, transpose=True, group_size=32, bits=8),
+        "one 6-bit product": lambda: mx.quantized_matmul(x, *q6, transpose=True, group_size=32, bits=6),
+        "two 6-bit products (exact)": lambda: matmul16_reference(x, w6, s6, b6, 6),
+        "dequantize blocks + matmul (exact)": lambda: x @ _dequantize_q6_k_blocks(raw, rows, cols).T,
+    }
+    times: dict = {k: [] for k in variants}
+    for _ in range(5):
+        mx.eval([f() for f in variants.values()])
+    for _ in range(repeats):
+        for label, f in variants.items():
+            start = time.perf_counter()
+            mx.eval(f())
+            times[label].append((time.perf_counter() - start) * 1e6)
+    return {"tensor": name, "shape": [rows, cols],
+            **{k: {"min_us": float(np.min(v)), "median_us": float(np.median(v))} for k, v in times.items()}}
+
+
+def kl_exact(path: Path) -> dict:
+    """Mean KL(exact || ours) per token, float32, over the greedy_chat conversations:
+    every 16-weight-group tensor of ``path`` replaced by a float32 layer of its exact
+    dequantization in the reference."""
     import mlx.core as mx
     import mlx.nn as nn
     from gguf import GGMLQuantizationType, quants
@@ -265,7 +389,8 @@ def kl_q4_k_m(path: Path) -> dict:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     modules = dict(exact.named_modules())
     replaced = []
-    for name in config["gguf"]["requantized_8bit"]:
+    by_module = {hf_name(n).rsplit(".", 1)[0]: n for n in source.tensors if hf_name(n) is not None}
+    for name in (by_module[m] for m in config["gguf"]["groups16"]):
         tensor = source.tensors[name]
         values = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType[tensor.type_name]).reshape(tensor.shape)
         role = name.split(".")[-2]
@@ -274,7 +399,7 @@ def kl_q4_k_m(path: Path) -> dict:
         path_name = hf_name(name).rsplit(".", 1)[0]
         parent_name, _, child = path_name.rpartition(".")
         parent = modules[parent_name] if parent_name else exact
-        if isinstance(modules[path_name], nn.QuantizedEmbedding):
+        if isinstance(modules[path_name], (nn.QuantizedEmbedding, nn.Embedding)) or path_name.endswith("embed_tokens"):
             layer = nn.Embedding(*values.shape)
         else:
             layer = nn.Linear(values.shape[1], values.shape[0], bias=False)
@@ -291,7 +416,7 @@ def kl_q4_k_m(path: Path) -> dict:
         kls.append(np.array(kl))
         tokens += kl.shape[0]
     all_kl = np.concatenate(kls)
-    return {"requantized_tensors": len(replaced), "tokens": tokens, "mean_kl": float(all_kl.mean()),
+    return {"groups16_tensors": len(replaced), "tokens": tokens, "mean_kl": float(all_kl.mean()),
             "max_kl": float(all_kl.max())}
 
 
@@ -304,17 +429,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="/tmp/bench_gguf")
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--sections", default="memory,load-time,aligned,decode,kl",
-                        help="comma-separated: memory, load-time, aligned, decode, kl")
+    parser.add_argument("--sections", default="memory,load-time,aligned,decode,groups16,kl",
+                        help="comma-separated: memory, load-time, aligned, decode, groups16, kl")
     parser.add_argument("--rounds", type=int, default=9, help="alternating rounds of the load-time section")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated decode runs per 16-group file and mode")
+    parser.add_argument("--step-repeats", type=int, default=200, help="alternated single-token forwards per variant")
     parser.add_argument("--measure", nargs=2, metavar=("TARGET", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--kl", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--step", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--matvec", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure[0], args.measure[1], args.decode_tokens)))
         return
     if args.kl:
-        print(json.dumps(kl_q4_k_m(Path(args.kl))))
+        print(json.dumps(kl_exact(Path(args.kl))))
+        return
+    if args.matvec:
+        print(json.dumps(matvec_times(Path(args.matvec), args.step_repeats)))
+        return
+    if args.step:
+        print(json.dumps(step_times(Path(args.step), args.step_repeats)))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -350,11 +485,12 @@ def main() -> None:
             print(f"| {kind} | {size / 2**20:.1f} | {ours['active_bytes'] / size:.3f} | "
                   f"{ours['peak_bytes'] / size:.3f} | {mlx_cells} |")
         print()
-    if sections & {"memory", "decode", "kl"}:
-        _main_sections(out, sections, args.decode_tokens)
+    if sections & {"memory", "decode", "groups16", "kl"}:
+        _main_sections(out, sections, args)
 
 
-def _main_sections(out: Path, sections: set, decode_tokens: int) -> None:
+def _main_sections(out: Path, sections: set, args) -> None:
+    decode_tokens = args.decode_tokens
     files = {"Q4_1": SOURCE}
     metadata = values = None
     for kind in ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K_M", "Q6_K"):
@@ -391,11 +527,37 @@ def _main_sections(out: Path, sections: set, decode_tokens: int) -> None:
         decode_folder = _run(["--measure", str(SMOL), "decode", "--decode-tokens", str(decode_tokens)])
         print(f"decode ({decode_tokens} tokens, greedy): Q4_1 GGUF {decode_gguf['decode_tok_s']:.2f} tok/s, "
               f"MLX folder {decode_folder['decode_tok_s']:.2f} tok/s")
+    if "groups16" in sections:
+        decode16 = {}
+        for kind in ("Q4_K_M", "Q6_K"):
+            runs = {"two products": [], "one product": []}
+            for _ in range(args.repeats):  # alternated, so a busy moment hits both
+                for label, mode in (("two products", "decode"), ("one product", "decode_one_product")):
+                    runs[label].append(_run(["--measure", str(files[kind]), mode, "--decode-tokens",
+                                             str(decode_tokens)])["decode_tok_s"])
+            decode16[kind] = runs
+        matvec = _run(["--matvec", str(files["Q6_K"]), "--step-repeats", str(args.step_repeats)])
+        steps = {kind: _run(["--step", str(files[kind]), "--step-repeats", str(args.step_repeats)])
+                 for kind in ("Q4_K_M", "Q6_K")}
+        for kind, runs in decode16.items():
+            two, one = np.median(runs["two products"]), np.median(runs["one product"])
+            print(f"decode {kind} ({decode_tokens} tokens, median of {args.repeats}): exact (two products per "
+                  f"Q6_K tensor) {two:.2f} tok/s {runs['two products']}, one 6-bit product {one:.2f} tok/s "
+                  f"{runs['one product']}: {two / one:.3f}x")
+        print(f"one token x {matvec['tensor']} {matvec['shape']}, {args.step_repeats} alternated runs (us, min / median):")
+        for label, t in matvec.items():
+            if isinstance(t, dict):
+                print(f"  {label}: {t['min_us']:.0f} / {t['median_us']:.0f}")
+        for kind, st in steps.items():
+            print(f"single-token forward {kind} ({args.step_repeats} alternated): exact {st['two products min']:.2f} ms "
+                  f"min / {st['two products median']:.2f} median, one 6-bit product {st['one product min']:.2f} / "
+                  f"{st['one product median']:.2f} ms: {st['two products min'] / st['one product min']:.3f}x (min), "
+                  f"{st['two products median'] / st['one product median']:.3f}x (median)")
     if "kl" in sections:
         for kind in ("Q4_K_M", "Q6_K"):
             kl = _run(["--kl", str(files[kind])])
-            print(f"{kind}: {kl['requantized_tensors']} Q6_K tensors requantized to 8 bits; mean KL per token against "
-                  f"the exact dequantization {kl['mean_kl']:.2e} (max {kl['max_kl']:.2e}) over {kl['tokens']} tokens")
+            print(f"{kind}: {kl['groups16_tensors']} Q6_K tensors; mean KL per token against the exact "
+                  f"dequantization {kl['mean_kl']:.2e} (max {kl['max_kl']:.2e}) over {kl['tokens']} tokens")
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))

@@ -1,8 +1,8 @@
 """Every supported GGUF tensor type, on a tiny llama written with the ``gguf`` package:
 the weights we load, dequantized, equal the ``gguf`` package's own dequantization
-exactly (or within the documented 8-bit bound for the 16-weight-group types); logits
-match transformers' GGUF loader in float32 at every position; 32 greedy tokens agree
-in both KV layouts."""
+exactly (the 16-weight-group types Q6_K / Q3_K / Q2_K too, embedding and tied output
+included); logits match transformers' GGUF loader in float32 at every position; 32
+greedy tokens agree in both KV layouts."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from mlx_ferrum.executor import LlmExecutor  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 from mlx_ferrum.models.gguf.config import hf_name  # noqa: E402
 
-EXACT = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"]
-REQUANTIZED = ["Q6_K", "Q3_K", "Q2_K"]
+EXACT = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+#: code bits of each quantized type as loaded (the 16-weight-group types keep their own)
+BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}
+GROUPS16 = ("Q6_K", "Q3_K", "Q2_K")
 ATOL = 1e-3
 NEW_TOKENS = 32
 
@@ -28,6 +30,8 @@ def _module_weight(model, name: str) -> np.ndarray:
     """The float32 weight of the parameter ``name`` (dequantized when quantized)."""
     path = name.rsplit(".", 1)[0]
     module = dict(model.named_modules())[path]
+    if hasattr(module, "dequantized"):  # the 16-weight-group layers
+        return np.array(module.dequantized().astype(mx.float32))
     if hasattr(module, "scales"):
         return np.array(mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
                                       bits=module.bits).astype(mx.float32))
@@ -42,7 +46,7 @@ def _reference_rows(name: str, values: np.ndarray) -> np.ndarray:
     return values
 
 
-@pytest.fixture(scope="module", params=EXACT + REQUANTIZED)
+@pytest.fixture(scope="module", params=EXACT)
 def case(request, tmp_path_factory):
     type_name = request.param
     folder = tmp_path_factory.mktemp(type_name)
@@ -56,14 +60,7 @@ def test_loaded_weights_equal_gguf_dequantization(case):
     for name, values in reference.items():
         ours = _module_weight(model, hf_name(name))
         expected = _reference_rows(name, values)
-        if type_name in EXACT:
-            assert np.array_equal(ours, expected), (type_name, name)
-        else:
-            # 8-bit affine over 32 weights: within half a step of that group's range
-            groups = expected.reshape(expected.shape[0], -1, 32)
-            step = (groups.max(-1) - groups.min(-1)) / 255
-            err = np.abs(ours - expected).reshape(groups.shape).max(-1)
-            assert (err <= step * 0.5 + 1e-6).all(), (type_name, name)
+        assert np.array_equal(ours, expected), (type_name, name)
 
 
 def test_quantized_types_stay_quantized(case):
@@ -72,8 +69,7 @@ def test_quantized_types_stay_quantized(case):
     if type_name in ("F32", "F16", "BF16"):
         assert not hasattr(module, "scales")
     else:
-        bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}.get(type_name, 8)
-        assert (module.bits, module.group_size) == (bits, 32)
+        assert (module.bits, module.group_size) == (BITS[type_name], 16 if type_name in GROUPS16 else 32)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +95,7 @@ def transformers_case(case):
 def test_logits_match_transformers_gguf_loader(transformers_case):
     type_name, model, prompt, expected, ref_logits = transformers_case
     ours = np.array(model(mx.array([prompt + expected]))[0].astype(mx.float32))
-    # the requantized types differ from the file by up to half an 8-bit step per weight
-    tolerance = ATOL if type_name in EXACT else 5e-2
-    assert np.abs(ours - ref_logits).max() <= tolerance, type_name
+    assert np.abs(ours - ref_logits).max() <= ATOL, type_name
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -109,8 +103,6 @@ def test_greedy_tokens_match_transformers(transformers_case, layout):
     from support.hf_reference import executor_greedy
 
     type_name, model, prompt, expected, ref_logits = transformers_case
-    if type_name not in EXACT:
-        pytest.skip("requantized types are checked by their logits bound")
     cfg = RuntimeConfig(kv_layout=layout, kv_capacity=128, block_size=8, max_num_blocks=64 if layout == "paged" else None)
     tokens, ours = executor_greedy(LlmExecutor(model, config=cfg), prompt, len(prompt) // 2 if layout == "paged" else
                                    len(prompt), NEW_TOKENS)
@@ -129,8 +121,11 @@ def test_packed_codes_are_what_mlx_dequantizes(bits):
 
 
 #: loaded bytes / file tensor bytes: the legacy types store float16 scale + bias per 32
-#: weights (Q4_0: 5 bits against 4.5), the K-quants float32 ones (Q4_K: 6 against 4.5)
-MEMORY_BOUND = {"Q8_0": 1.15, "Q4_0": 1.15, "Q4_1": 1.15, "Q5_0": 1.15, "Q5_1": 1.15, "Q4_K": 1.4, "Q5_K": 1.4}
+#: weights (Q4_0: 5 bits against 4.5), the K-quants float32 ones (Q4_K: 6 against 4.5);
+#: the 16-weight-group types a float32 scale + bias per 16 weights (Q6_K: 6 + 4 bits
+#: against 6.5625, Q3_K: 3 + 4 against 3.4375, Q2_K: 2 + 4 against 2.625)
+MEMORY_BOUND = {"Q8_0": 1.15, "Q4_0": 1.15, "Q4_1": 1.15, "Q5_0": 1.15, "Q5_1": 1.15, "Q4_K": 1.4, "Q5_K": 1.4,
+                "Q6_K": 1.55, "Q3_K": 2.1, "Q2_K": 2.35}
 
 
 def test_loaded_bytes_stay_near_the_file(case):
@@ -140,7 +135,7 @@ def test_loaded_bytes_stay_near_the_file(case):
 
     type_name, folder, _, _ = case
     if type_name not in MEMORY_BOUND:
-        pytest.skip("float types are stored as they are; requantized types cost 10 bits per weight")
+        pytest.skip("float types are stored as they are")
     model, _, _ = load_model(folder / "model.gguf")  # the stored dtypes, no float32 cast
     loaded = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     stored = sum(np.asarray(t.data).nbytes for t in read_gguf(folder / "model.gguf").tensors.values())

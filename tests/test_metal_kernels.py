@@ -452,7 +452,7 @@ def test_prefill_tiles_never_span_sequences():
 def test_kernel_files_parse_and_are_found():
     d = metal.kernels_dir()
     names = sorted(p.stem for p in d.glob("*.metal"))
-    assert names == ["paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
+    assert names == ["matmul16", "paged_attention_decode", "paged_attention_reduce", "paged_prefill_attention",
                      "paged_prefill_attention_mma"]
     for n in names:
         src = metal.load_kernel_source(n)

@@ -49,6 +49,7 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_flatten
 
 from ..errors import ShardingError
+from ..layers.quantized16 import QuantizedEmbedding16, QuantizedLinear16
 
 
 _UNITS = {
@@ -260,11 +261,19 @@ def shard_model(model: nn.Module, group, sum_group=None, vocabulary: bool = True
         ``model``, with ``model.args`` replaced by a copy holding the per-rank head counts.
 
     Raises:
-        ShardingError: see :func:`check_shardable`, or a layer of an unknown shape.
+        ShardingError: see :func:`check_shardable`, or a layer of an unknown shape, or a
+            GGUF layer with 16-weight groups (Q6_K / Q3_K / Q2_K), which MLX's sharded
+            layers do not take.
     """
     size, rank = group.size(), group.rank()
     args = model.args
     check_shardable(args, size)
+    for path, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear16, QuantizedEmbedding16)):
+            raise ShardingError(
+                f"{path} holds a GGUF tensor with 16-weight groups (Q6_K, Q3_K or Q2_K), which tensor parallelism "
+                "does not split yet: run this model in one process, or use a GGUF file without those types (Q8_0, "
+                "Q4_K_S, Q5_K_S) or the MLX folder")
     for i, layer in enumerate(model.layers):
         if "self_attn" not in layer or "mlp" not in layer:
             raise ShardingError(f"layer {i} of {args.model_type} has no self_attn/mlp: no tensor-parallel plan for it")

@@ -37,9 +37,10 @@ import mlx.nn as nn
 
 from ..errors import LoraError
 from .linear import Linear
+from .quantized16 import QuantizedLinear16
 
 #: module types a LoRA can sit beside
-ADAPTABLE_TYPES = (nn.Linear, nn.QuantizedLinear)
+ADAPTABLE_TYPES = (nn.Linear, nn.QuantizedLinear, QuantizedLinear16)
 
 
 def lora_delta_gather(x: mx.array, a: mx.array, b: mx.array, slots: mx.array) -> mx.array:
@@ -127,7 +128,15 @@ class LoraQuantizedLinear(_LoraMixin, nn.QuantizedLinear):
     """An ``nn.QuantizedLinear`` with per-token LoRA slots; the LoRA product stays in float."""
 
 
-_LORA_CLASS = {nn.Linear: LoraLinear, Linear: LoraLinear, nn.QuantizedLinear: LoraQuantizedLinear}
+class LoraQuantizedLinear16(_LoraMixin, QuantizedLinear16):
+    """A :class:`~mlx_ferrum.layers.quantized16.QuantizedLinear16` (GGUF's 16-weight groups)
+    with per-token LoRA slots; the LoRA product stays in float."""
+
+
+_LORA_CLASS = {nn.Linear: LoraLinear, Linear: LoraLinear, nn.QuantizedLinear: LoraQuantizedLinear,
+               QuantizedLinear16: LoraQuantizedLinear16}
+#: the class each LoRA variant came from (``restore_module``)
+_BASE_CLASS = {LoraLinear: Linear, LoraQuantizedLinear: nn.QuantizedLinear, LoraQuantizedLinear16: QuantizedLinear16}
 
 
 def check_adaptable(module: nn.Module, path: str) -> None:
@@ -167,7 +176,7 @@ def adapt_module(module: nn.Module, path: str, index: int, context: LoraContext)
 
 
 def restore_module(module: nn.Module) -> None:
-    """Undo :func:`adapt_module`: the module becomes an ``nn.QuantizedLinear`` or a
-    :class:`~mlx_ferrum.layers.linear.Linear` again."""
+    """Undo :func:`adapt_module`: the module becomes an ``nn.QuantizedLinear``, a
+    ``QuantizedLinear16`` or a :class:`~mlx_ferrum.layers.linear.Linear` again."""
     if isinstance(module, _LoraMixin):
-        module.__class__ = nn.QuantizedLinear if isinstance(module, nn.QuantizedLinear) else Linear
+        module.__class__ = _BASE_CLASS[type(module)]

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from ..errors import LoraError, UnknownLoraError
 from ..layers.lora import ADAPTABLE_TYPES, LoraContext, adapt_module, check_adaptable
+from ..layers.quantized16 import QuantizedLinear16
 from .formats import LoraAdapter, LoraModule, load_adapter
 
 #: fused projections some checkpoints (Phi-3) ship and the models split at load:
@@ -38,9 +39,9 @@ FUSED_PROJECTIONS = {
 
 
 def module_dims(module: nn.Module) -> tuple[int, int]:
-    """``(in, out)`` features of an ``nn.Linear`` or ``nn.QuantizedLinear``."""
+    """``(in, out)`` features of an ``nn.Linear``, ``nn.QuantizedLinear`` or ``QuantizedLinear16``."""
     out_dims, packed = module.weight.shape
-    if isinstance(module, nn.QuantizedLinear):
+    if isinstance(module, (nn.QuantizedLinear, QuantizedLinear16)):
         return packed * 32 // module.bits, out_dims
     return packed, out_dims
 

@@ -354,7 +354,7 @@ def load_model(
             (see :mod:`mlx_ferrum.models.gguf`).
     """
     target = _resolve_dtype(dtype)
-    from .gguf import find_gguf, load_gguf_checkpoint
+    from .gguf import find_gguf, load_gguf_checkpoint, use_group16_modules
 
     gguf_path = find_gguf(path_or_repo_id, gguf_file=gguf_file, revision=revision)
     if gguf_path is not None:
@@ -384,6 +384,8 @@ def load_model(
     weights = model.sanitize(weights)
     # int/bool dtypes (beyond quantized codes and scales) and NaN/Inf refused
     validate_weights(weights, integer_dtypes=allowed_integer_dtypes(quant))
+    if gguf_path is not None:
+        use_group16_modules(model, config)
     if quant is not None:
         quantize_modules(model, quant, weights)
         check_quantized_dtypes(model, weights)

@@ -60,8 +60,10 @@ def quantized_bytes(type_name: str, values: np.ndarray, rng: np.random.Generator
 def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool = True,
                      architecture: str = "llama", embedding_type: Optional[str] = None,
                      heads: int = HEADS, kv_heads: int = KV_HEADS,
+                     tensor_types: Optional[dict[str, str]] = None,
                      extra: Optional[Callable[[Any], None]] = None) -> dict[str, np.ndarray]:
-    """Write a tiny llama GGUF at ``path`` with every matrix in ``type_name``;
+    """Write a tiny llama GGUF at ``path`` with every matrix in ``type_name`` (the
+    embedding in ``embedding_type``, and any tensor ``tensor_types`` names in its type);
     ``extra(writer)``, when given, adds metadata or tensors before the file is written.
 
     Returns:
@@ -110,6 +112,7 @@ def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool 
     reference: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
         kind = embedding_type if (embedding_type and name == "token_embd.weight") else type_name
+        kind = (tensor_types or {}).get(name, kind)
         values = rng.normal(0.0, 0.05, shape).astype(np.float32)
         if kind in ("F32", "F16"):
             data = values.astype(np.float32 if kind == "F32" else np.float16)

@@ -16,10 +16,12 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
+from ...layers.quantized16 import pair_groups, quantized16_like
 from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, packed_shape, to_mlx
 from .tokenizer import prebuild as prebuild_tokenizer
 
@@ -106,10 +108,12 @@ def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str]
             f"`hf download {name}`", f"`hf download {name} {gguf_file}`")) from exc
 
 
-def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], inexact: list[str], path: Path,
+def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], groups16: dict[str, int], path: Path,
                    name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int]) -> None:
     """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
-    with its module's quantization entry."""
+    with its module's quantization entry; a 16-weight-group tensor's module goes into
+    ``groups16`` (module path -> bits), its scales and biases paired into two MLX
+    group-32 sets (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
     target = hf_name(name)
     parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
     role = name.split(".")[-2]
@@ -121,12 +125,13 @@ def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], i
         return
     if not target.endswith(".weight"):
         raise GGUFFormatError(f"{path.name}: tensor {name!r} is quantized ({tensor.type_name}) but is not a weight")
+    if converted.group_size == 16:  # two MLX group-32 sets of scales and biases over one array of codes
+        parts["scales"], parts["biases"] = pair_groups(parts["scales"]), pair_groups(parts["biases"])
+        groups16[module] = converted.bits
     weights[target] = parts["weight"]
     weights[f"{module}.scales"] = parts["scales"]
     weights[f"{module}.biases"] = parts["biases"]
     quantization[module] = {"group_size": GROUP_SIZE, "bits": converted.bits, "mode": "affine"}
-    if not converted.exact:
-        inexact.append(name)
 
 
 def _weight_buffers(wanted: list) -> tuple[dict[str, mx.array], dict[str, np.ndarray]]:
@@ -164,9 +169,12 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     Returns:
         ``(config, weights, file)``: the config dict (with a per-module
         ``quantization`` entry for every quantized tensor: bits from its type, group
-        32, affine), ``{parameter name: array}`` (quantized tensors as packed
-        ``weight`` + ``scales`` + ``biases``, q/k rows un-permuted for llama), and the
-        opened file (metadata for the tokenizer).
+        32, affine; and ``config["gguf"]["groups16"]``: ``{module path: bits}`` of the
+        Q6_K / Q3_K / Q2_K modules, whose ``scales`` / ``biases`` are the two group-32
+        sets ``[2, rows, cols / 32]`` of :mod:`mlx_ferrum.layers.quantized16`),
+        ``{parameter name: array}`` (quantized tensors as packed ``weight`` +
+        ``scales`` + ``biases``, q/k rows un-permuted for llama), and the opened file
+        (metadata for the tokenizer).
 
     Raises:
         GGUFFormatError: see :func:`~mlx_ferrum.models.gguf.reader.read_gguf`; a
@@ -193,7 +201,7 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     quantization: dict[str, Any] = {}
     weights: dict[str, mx.array] = {}
-    inexact: list[str] = []
+    groups16: dict[str, int] = {}
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
     buffers, views = _weight_buffers(wanted)
     # numpy releases the GIL in its array loops, so tensors convert in parallel, writing
@@ -208,12 +216,41 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
         for (name, tensor), numpy_result in zip(wanted, results):
             converted = to_mlx(numpy_result, weight=buffers.get(name))  # MLX arrays made on this thread
             del numpy_result
-            _add_converted(weights, quantization, inexact, path, name, tensor, converted, permute, heads)
+            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
-    config["gguf"] = {"file": str(path), "architecture": arch, "requantized_8bit": inexact}
+    config["gguf"] = {"file": str(path), "architecture": arch, "groups16": groups16}
     return config, weights, model_file
 
 
-__all__ = ["find_gguf", "load_gguf_checkpoint"]
+def use_group16_modules(model, config: dict[str, Any]) -> None:
+    """Put a 16-group layer (:mod:`mlx_ferrum.layers.quantized16`) in place of each float
+    module ``config["gguf"]["groups16"]`` names, before the loader quantizes the others
+    (the 16-group layers have no ``to_quantized``, so MLX's quantization passes them by).
+
+    Args:
+        model: the float model, before its weights are loaded (modified in place).
+        config: the config :func:`load_gguf_checkpoint` returned.
+
+    Raises:
+        GGUFFormatError: a named module is missing or is neither a linear layer nor an
+            embedding.
+    """
+    groups16 = config.get("gguf", {}).get("groups16", {})
+    modules = dict(model.named_modules())
+    replacements = []
+    for path, bits in groups16.items():
+        module = modules.get(path)
+        replacement = None if module is None else quantized16_like(module, bits)
+        if replacement is None:
+            raise GGUFFormatError(
+                f"{config['gguf']['file']}: {path} holds a 16-weight-group quantized tensor, but the model's module "
+                f"there is {type(module).__name__ if module is not None else 'missing'} (a linear layer or an "
+                "embedding is needed)")
+        replacements.append((path, replacement))
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
+
+
+__all__ = ["find_gguf", "load_gguf_checkpoint", "use_group16_modules"]

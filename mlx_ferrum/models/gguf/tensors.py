@@ -15,7 +15,7 @@ same thing with another byte layout, so they are repacked, never dequantized:
 | Q5_0 | ``w = d * (q - 16)`` | 5-bit g32, scale d, bias ``-16 d`` | yes |
 | Q5_1 | ``w = d * q + m`` | 5-bit g32, scale d, bias m | yes |
 | Q4_K / Q5_K | 8 groups of 32 per 256, ``w = d*sc_j*q - dmin*m_j`` | 4/5-bit g32, scale ``d*sc_j``, bias ``-dmin*m_j`` | yes |
-| Q6_K / Q3_K / Q2_K | 16-weight groups | 8-bit g32 affine from the exact values | no (see docs) |
+| Q6_K / Q3_K / Q2_K | 16 groups of 16 per 256 | 6/3/2-bit codes, one scale and bias per 16 weights, as two MLX g32 sets (:mod:`.tensors16`, :mod:`mlx_ferrum.layers.quantized16`) | yes |
 
 Scales and biases are float16 when every one of them is exact in float16 (the legacy
 types: d, m and ``-2^k d`` are), else float32 (the K-quants' ``d * sc`` products have
@@ -49,9 +49,9 @@ SUPPORTED_TYPES: dict[str, tuple[Optional[int], bool]] = {
     "Q5_1": (5, True),
     "Q4_K": (4, True),
     "Q5_K": (5, True),
-    "Q6_K": (8, False),
-    "Q3_K": (8, False),
-    "Q2_K": (8, False),
+    "Q6_K": (6, True),
+    "Q3_K": (3, True),
+    "Q2_K": (2, True),
 }
 
 
@@ -66,6 +66,8 @@ class ConvertedTensor:
         bits: code width (None for float types).
         exact: whether dequantizing gives the GGUF values bit for bit.
         bfloat16: ``weight`` holds bfloat16 bits as uint16 (numpy has no bfloat16).
+        group_size: inputs per scale: 32, or 16 for Q6_K / Q3_K / Q2_K (whose
+            ``scales`` / ``biases`` are then ``[rows, cols / 16]``).
 
     :func:`convert_numpy` fills it with numpy arrays (safe in worker threads: it makes no
     MLX array, whose lazy operations belong to the creating thread's stream);
@@ -78,6 +80,7 @@ class ConvertedTensor:
     bits: Optional[int] = None
     exact: bool = True
     bfloat16: bool = False
+    group_size: int = GROUP_SIZE
 
 
 def check_types_supported(types_by_tensor: dict[str, str]) -> None:
@@ -307,13 +310,13 @@ def to_mlx(converted: ConvertedTensor, weight: Optional[mx.array] = None) -> Con
     if weight is not None:
         return ConvertedTensor(weight, None if converted.scales is None else mx.array(converted.scales),
                                None if converted.biases is None else mx.array(converted.biases),
-                               converted.bits, converted.exact)
+                               converted.bits, converted.exact, group_size=converted.group_size)
     weight = mx.array(converted.weight)
     if converted.bfloat16:
         weight = weight.view(mx.bfloat16)
     scales = None if converted.scales is None else mx.array(converted.scales)
     biases = None if converted.biases is None else mx.array(converted.biases)
-    return ConvertedTensor(weight, scales, biases, converted.bits, converted.exact)
+    return ConvertedTensor(weight, scales, biases, converted.bits, converted.exact, group_size=converted.group_size)
 
 
 def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> ConvertedTensor:
@@ -406,21 +409,16 @@ def convert_numpy(type_name: str, data: np.ndarray, shape: tuple[int, ...],
         q |= fifth.transpose(0, 1, 3, 4, 2)
         _pack_5bit(q.reshape(rows, cols), codes)
         return _quantized_packed(weight, scales, biases, 5, rows)
-    # 16-weight-group types: MLX's smallest affine group is 32, so requantize the exact values to 8 bits
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    return _convert16(type_name, raw, rows, cols)
 
-    values = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, blocks32, GROUP_SIZE).astype(np.float32)
-    # min/max affine: bias = the group's minimum, 255 steps to its maximum, so every
-    # weight is within half a step ((max - min) / 510) of its exact value
-    low, high = values.min(axis=-1), values.max(axis=-1)
-    scales = (high - low) / 255.0
-    safe = np.where(scales > 0, scales, 1.0)
-    q = np.clip(np.rint((values - low[..., None]) / safe[..., None]), 0, 255).astype(np.uint8)
-    converted = _quantized(q, scales.astype(np.float32), low, 8, rows)
-    converted.scales = converted.scales.astype(np.float32)
-    converted.biases = converted.biases.astype(np.float32)
-    converted.exact = False
+
+def _convert16(type_name: str, raw: np.ndarray, rows: int, cols: int) -> ConvertedTensor:
+    """Q6_K / Q3_K / Q2_K: codes packed as MLX does, scales and biases per 16 weights."""
+    from .tensors16 import unpack16
+
+    q, scales, biases, bits = unpack16(type_name, raw, rows, cols)
+    converted = _quantized(q, scales, biases, bits, rows)
+    converted.group_size = 16
     return converted
 
 
