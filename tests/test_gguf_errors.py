@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_fixtures import write_llama_gguf  # noqa: E402
+from support.gguf_fixtures import write_llama_gguf  # noqa: E402
 from mlx_ferrum.errors import (  # noqa: E402
     GGUFFormatError,
     TokenizerError,

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_fixtures import quantized_bytes  # noqa: E402
+from support.gguf_fixtures import quantized_bytes  # noqa: E402
 from mlx_ferrum.layers.quantized16 import (  # noqa: E402
     QuantizedEmbedding16,
     QuantizedLinear16,
@@ -135,7 +135,7 @@ def test_q4_k_m_like_file_matches_transformers(tmp_path):
     ``ffn_down`` in layer 1, as llama.cpp's Q4_K_M mixes them."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from gguf_fixtures import VOCAB, write_llama_gguf
+    from support.gguf_fixtures import VOCAB, write_llama_gguf
 
     from mlx_ferrum.models import load_model
 
@@ -162,11 +162,11 @@ def test_lora_beside_a_16_group_layer_equals_lora_beside_its_exact_float_weights
     """A PEFT adapter over every projection of an all-Q6_K model: the same logits (1e-4) as
     over the model whose 16-group layers are replaced by float layers of their exact weights."""
     import mlx.nn as nn
-    from lora_fixtures import random_peft_adapter
-    from lora_support import executor_with, run_greedy
+    from support.lora_fixtures import random_peft_adapter
+    from support.lora_support import executor_with, run_greedy
     from mlx.utils import tree_unflatten
 
-    from gguf_fixtures import write_llama_gguf
+    from support.gguf_fixtures import write_llama_gguf
     from mlx_ferrum.models import load_model
 
     write_llama_gguf(tmp_path / "model.gguf", "Q6_K")
@@ -193,7 +193,7 @@ def test_lora_beside_a_16_group_layer_equals_lora_beside_its_exact_float_weights
 
 
 def test_tensor_parallelism_refuses_16_group_layers_by_name(tmp_path):
-    from gguf_fixtures import write_llama_gguf
+    from support.gguf_fixtures import write_llama_gguf
 
     from mlx_ferrum.distributed.sharding import shard_model
     from mlx_ferrum.errors import ShardingError
