@@ -14,6 +14,9 @@ their store and backend:
 - paged: all sequences share one :class:`~mlx_ferrum.kv_cache.PagedKvPool`; a batched
   call packs every sequence's new tokens into ONE row (varlen, no padding), with
   per-token positions and a ``slot_mapping`` into the pool (ferrum's ``unified_decode``).
+  The runner allocates no block: the slots and block tables of each pass come from the
+  block manager's owner (the scheduler's ``SchedulerOutput``, as in vLLM and nano-vllm;
+  or :class:`~mlx_ferrum.executor.LlmExecutor` for the low-level API) and are only read.
   Pure decode passes run through a compiled step (:meth:`LlmRunner._decode_pass`).
 
 :meth:`LlmRunner.forward` returns the pass unevaluated, for the engine's pipelined step;
@@ -40,7 +43,7 @@ from ..kernels.exp2 import fusing as exp2_fusing
 from ..kernels.reference import SharedPrefix
 from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
-from ..kv_cache.manager import UNKNOWN_TOKEN
+from ..kv_cache.block_tables import BatchBlocks, KvGeometry
 from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata, paged_metadata
 from ..layers.linear import cache_transposed_weights
@@ -146,15 +149,19 @@ class LlmRunner:
         model: the loaded model.
         config: runtime settings; ``None`` reads them from the environment.
         model_id: a name for :attr:`info`.
-        manager: an existing paged manager to use (paged layout only); its block size
-            and block count size the pool.
+        manager: an existing paged block manager whose geometry sizes the pool (paged
+            layout only); the runner does not keep it: its owner drives it.
 
     Attributes:
         model, config, args, info, dtype: the model and its facts.
         store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`) with
             its attention backend (``store.backend``).
         layout: ``store.layout``, for reports.
-        manager, pool: the paged store's block manager and pool arrays (None for contiguous).
+        kv_geometry: the paged pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry`,
+            from which the scheduler (or :class:`~mlx_ferrum.executor.LlmExecutor`) builds
+            the block manager it owns (None for contiguous). The runner never allocates
+            blocks: each paged pass reads the slots and tables it is handed.
+        pool: the paged pool arrays (None for contiguous).
         max_seq_len: :meth:`kv_capacity`.
         weight_bytes: bytes of the model's parameters.
         busy: True while a pass is being built. closed: True after :meth:`close`.
@@ -202,11 +209,13 @@ class LlmRunner:
         # of the compiled step rather than a Transpose node each
         cache_transposed_weights(model)
         self.layout = self.store.layout
-        self.manager: Optional[LayerGroupKvManager] = self.store.manager
+        # what the block manager's owner (the scheduler, or LlmExecutor) builds its manager
+        # from; the runner itself keeps no block tables and never allocates
+        self.kv_geometry: Optional[KvGeometry] = self.store.geometry
         self.pool = self.store.pool  # PagedKvPool or QuantizedPagedKvPool (None: contiguous)
-        if self.manager is not None:
+        if self.kv_geometry is not None:
             # the pool's block past the manager's (see build_kv_store)
-            self._scratch_block = self.manager.num_blocks
+            self._scratch_block = self.kv_geometry.num_blocks
         # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
         self._metal_kernels = bool(self.config.metal_kernels)
         # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
@@ -223,7 +232,6 @@ class LlmRunner:
         # LoRA: the registry switches the decoder projections to their LoRA variants
         # (exactly the base until a pass binds slots); None without enable_lora
         self.lora: Optional[LoraRegistry] = None
-        self._cache_salts: dict = {}  # cache id -> its adapter's prefix-cache salt
         if self.config.enable_lora:
             self.lora = LoraRegistry(model, self.config.max_loras, self.config.max_lora_rank,
                                      self.config.max_cpu_loras, self.dtype)
@@ -237,14 +245,15 @@ class LlmRunner:
         return getattr(self.store, "caches", {})
 
     def has_cache(self, cache_id: str) -> bool:
-        """True when ``cache_id`` holds a cache."""
+        """True when ``cache_id`` holds per-sequence storage (contiguous buffers; always
+        False for the paged layout, whose block tables belong to the block manager's owner)."""
         return self.store.has(cache_id)
 
     def num_tokens(self, cache_id: str) -> int:
-        """Tokens stored for ``cache_id``.
+        """Tokens stored in ``cache_id``'s contiguous buffers.
 
         Raises:
-            UnknownCacheError: unknown ``cache_id``.
+            UnknownCacheError: unknown ``cache_id``, or the paged layout (ask the block manager).
         """
         return self.store.num_tokens(cache_id)
 
@@ -271,17 +280,19 @@ class LlmRunner:
             self.closed = True
 
     # ------------------------------------------------------------- core
-    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None,
+            blocks: Optional[BatchBlocks] = None) -> list[mx.array]:
         """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``),
         evaluated before returning.
 
-        Caches that do not exist are created. On any error every cache touched by this
-        call is restored to its previous length (and new ones released), so a failed call
-        leaves no blocks behind and other sequences untouched.
+        Contiguous caches that do not exist are created. On any error the contiguous
+        caches touched by this call are restored to their previous length (and new ones
+        dropped); the paged slots in ``blocks`` are given back by their owner.
 
         Args:
             work: one :class:`SeqWork` per sequence.
             prev_tokens: see :meth:`forward`.
+            blocks: see :meth:`forward`.
 
         Returns:
             One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``
@@ -293,20 +304,13 @@ class LlmRunner:
         self._check_open()
         if not work:
             return []
-        logits, state, undo = self._build(work, prev_tokens)
+        logits, state, undo = self._build(work, prev_tokens, blocks)
         try:
             mx.eval(logits, state)
         except BaseException:  # Ctrl-C too: the caches go back to their previous lengths
             with self._lock:
                 undo()
             raise
-        if self.manager is not None:
-            with self._lock:
-                for w in work:
-                    # hold only each sliding window between calls; a verify pass (all logits)
-                    # keeps its blocks until its rejected tokens are truncated
-                    if not w.all_logits and self.manager.has(w.cache_id):
-                        self.manager.trim_to_window(w.cache_id)
         out = []
         r = 0
         for w in work:
@@ -316,7 +320,7 @@ class LlmRunner:
         return out
 
     def forward(
-        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None, blocks: Optional[BatchBlocks] = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """Build one forward pass over ``work`` and return it UNEVALUATED.
 
@@ -330,6 +334,12 @@ class LlmRunner:
             prev_tokens: ``[R]`` int32 device array (a previous step's sampled tokens);
                 an item with ``prev_row >= 0`` takes its LAST token from
                 ``prev_tokens[prev_row]`` instead of ``tokens[-1]`` (a placeholder).
+            blocks: paged layout: the step's slots and block tables
+                (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`), one row per
+                item with as many slots as it has tokens, allocated by the block
+                manager's owner (the scheduler's ``SchedulerOutput.kv``, or
+                :class:`~mlx_ferrum.executor.LlmExecutor`); only read here. Unused by
+                the contiguous layout.
 
         Returns:
             ``(logits, state)``: logits ``[R, vocab]`` (model dtype), the rows of every
@@ -337,26 +347,50 @@ class LlmRunner:
             to evaluate with them.
 
         Raises:
-            PromptTooLongError, KvCacheExhaustedError, ExecutorError (nothing changes then).
+            PromptTooLongError, InvalidInputIdsError, ExecutorError (``blocks`` missing or
+            not matching ``work``); nothing changes then.
         """
         self._check_open()
         if not work:
             return mx.zeros((0, self.args.vocab_size), self.dtype), []
-        logits, state, _ = self._build(work, prev_tokens)
+        logits, state, _ = self._build(work, prev_tokens, blocks)
         return logits, state
 
-    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
+    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array], blocks: Optional[BatchBlocks]):
         """:meth:`forward` plus the store's ``undo`` (for :meth:`run` to call when the
         evaluation fails)."""
-        self._validate(work, prev_tokens)
+        self.validate(work, prev_tokens, blocks)
         with self._lock:
             self.busy = True
             try:
-                return self._forward(work, prev_tokens)
+                return self._forward(work, prev_tokens, blocks)
             finally:
                 self.busy = False
 
-    def _validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]) -> None:
+    def stored_tokens(self, cache_id: Hashable, blocks: Optional[BatchBlocks] = None) -> int:
+        """Tokens ``cache_id`` holds before this pass: its row's ``start`` in ``blocks``
+        (paged), or its contiguous buffers' length (0 for a new sequence)."""
+        if blocks is not None:
+            row = blocks.rows.get(cache_id)
+            return row.start if row is not None else 0
+        return self.store.num_tokens(cache_id) if self.store.has(cache_id) else 0
+
+    def validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array],
+                 blocks: Optional[BatchBlocks] = None, stored=None) -> None:
+        """Check a batch before anything is placed: each cache once, tokens given and in
+        the vocabulary, ``prev_tokens`` present when a row takes one, LoRA slots resident,
+        and every sequence within :meth:`kv_capacity`.
+
+        Args:
+            stored: ``cache_id -> tokens held before the pass`` (default
+                :meth:`stored_tokens` over ``blocks``); the executor adapter passes its
+                block manager's counts to check before it allocates.
+
+        Raises:
+            ExecutorError, InvalidInputIdsError, PromptTooLongError.
+        """
+        if stored is None:
+            stored = lambda cid: self.stored_tokens(cid, blocks)  # noqa: E731
         ids = [w.cache_id for w in work]
         if len(set(ids)) != len(ids):
             raise ExecutorError("a cache_id appears twice in one batch: send one item per sequence")
@@ -377,7 +411,7 @@ class LlmRunner:
                     + ("" if self.lora is not None else ": LoRA is off (RuntimeConfig(enable_lora=True))")
                     + "; take slots from acquire_lora(name, owner)"
                 )
-            have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
+            have = stored(w.cache_id)
             if have + len(w.tokens) > self.max_seq_len:
                 raise PromptTooLongError(
                     f"sequence {w.cache_id!r} would hold {have + len(w.tokens)} tokens, more than the context of "
@@ -394,7 +428,7 @@ class LlmRunner:
             ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
         return ids
 
-    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
+    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array], blocks: Optional[BatchBlocks]):
         """One code path for both layouts: the store places the tokens and says how
         many passes they take (paged: one packed pass; contiguous: one per token count).
 
@@ -417,13 +451,9 @@ class LlmRunner:
             with stage.deferring() if overlap else contextlib.nullcontext():
                 for indices in groups:
                     part = [work[i] for i in indices]
-                    # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix
-                    # caching hashes its block once set_token_ids() brings the id
                     passes, part_undo = self.store.prepare(
-                        [(w.cache_id,
-                          self._cache_key_ids(w, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens))
-                         for w in part],
-                        as_decode=[self._as_decode(w) for w in part])
+                        [(w.cache_id, w.tokens) for w in part],
+                        as_decode=[self._as_decode(w, blocks) for w in part], blocks=blocks)
                     undos.append(part_undo)
                     for kv_pass in passes:
                         part_owner: list[int] = []
@@ -441,13 +471,16 @@ class LlmRunner:
             logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
         return logits, self.store.state([w.cache_id for w in work]), undo
 
-    def _as_decode(self, w: SeqWork) -> bool:
+    def _as_decode(self, w: SeqWork, blocks: Optional[BatchBlocks]) -> bool:
         """True for a short row marked ``as_decode`` that returns every position's logits on
         a cache that exists (a speculative draft): it runs as one decode row per token (see
         ``PagedKvStore.prepare``), so a batch of drafts stays a decode pass and goes
         through the compiled step instead of the op-by-op prefill path."""
-        return (w.as_decode and w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
-                and self.manager is not None and self.manager.has(w.cache_id))
+        if not (w.as_decode and w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
+                and blocks is not None):
+            return False
+        row = blocks.rows.get(w.cache_id)
+        return row is not None and row.start > 0
 
     def schedule_kv_state(self) -> None:
         """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
@@ -503,15 +536,14 @@ class LlmRunner:
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if rows else logits[:0]
 
-    def _cache_key_ids(self, w: SeqWork, token_ids: list[int]) -> list[int]:
-        """The ids the KV store keys ``w``'s tokens by: salted by its adapter
-        (:func:`~mlx_ferrum.lora.salt_token_ids`), so prefix caching never shares blocks
-        across adapters; the salt is remembered for :meth:`set_token_ids`."""
+    def cache_key_ids(self, w: SeqWork, token_ids: list[int]) -> list[int]:
+        """The ids the prefix cache keys ``w``'s tokens by: salted by its adapter
+        (:func:`~mlx_ferrum.lora.salt_token_ids`) so prefix caching never shares blocks
+        across adapters; ``token_ids`` unchanged for the base model. For the block
+        manager's owner (the executor adapter), which appends the slots."""
         if w.lora_slot < 0 or self.lora is None:
             return token_ids
-        salt = prefix_salt(self.lora.slot_name(w.lora_slot))
-        self._cache_salts[w.cache_id] = salt
-        return salt_token_ids(token_ids, salt)
+        return salt_token_ids(token_ids, prefix_salt(self.lora.slot_name(w.lora_slot)))
 
     def _lora_token_slots(self, work: Sequence[SeqWork], kv_pass, size: int) -> Optional[mx.array]:
         """``[size]`` int32 LoRA slot of each flattened token of the pass (the zero slot for
@@ -574,7 +606,7 @@ class LlmRunner:
             input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
         else:
             input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
-        scratch_slot = self._scratch_block * self.manager.block_size
+        scratch_slot = self._scratch_block * self.kv_geometry.block_size
         # the step's metadata arrays are inputs of the compiled function (not constants of
         # its trace); the arrays derived from them are built inside it (_decode_graph)
         arrays = {
@@ -677,80 +709,33 @@ class LlmRunner:
             return self._call_model(input_ids, meta, lora_weights), pool.arrays()  # packed [B] tokens -> [B, vocab]
         return self._call_model(input_ids[None], meta, lora_weights)[0], pool.arrays()
 
-    # ------------------------------------------------------------ cache operations
+    # ------------------------------------------------------------ storage operations
     def trim_cache(self, cache_id: str, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of a cache (the engine's rollback of a
-        rejected draft); whole paged blocks past them are freed.
+        """Keep the first ``num_tokens`` tokens of a contiguous cache's buffers (the engine's
+        rollback of a rejected draft). Paged: nothing to do here; the block manager's owner
+        frees the blocks.
 
         Raises:
-            UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
+            UnknownCacheError: released contiguous cache. KvCacheError: ``num_tokens`` out of range.
         """
         with self._lock:
             self.store.truncate(cache_id, num_tokens)
 
     def fork_cache(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
-        """Start ``new_cache_id`` with ``cache_id``'s tokens (paged: shared blocks, copy-on-write;
-        contiguous: copied buffers).
+        """Start the contiguous cache ``new_cache_id`` with a copy of ``cache_id``'s buffers.
 
         Raises:
-            UnknownCacheError: unknown ``cache_id``.
+            UnknownCacheError: unknown ``cache_id``. ExecutorError: the paged layout (a
+            paged fork shares blocks in the block manager: ``LlmExecutor.fork_cache``).
         """
         with self._lock:
             self.store.fork(cache_id, new_cache_id)
 
-    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Create the paged cache ``cache_id`` holding the first ``num_tokens`` tokens of
-        ``token_ids`` by sharing prefix-cached blocks (reference counts; no K/V is computed
-        or copied). The engine calls this for what the scheduler planned
-        (``SchedulerOutput.prefix_lookups``, from the manager's read-only
-        ``longest_cached_prefix``); the match itself is the manager's ``match_prefix``
-        (chained SHA-256 block keys, as in vLLM's automatic prefix caching).
-
-        Args:
-            cache_id: a new cache id.
-            token_ids: the prompt's token ids (ints); for a sequence with a LoRA adapter,
-                salted with :func:`~mlx_ferrum.lora.salt_token_ids` (``Sequence.prefix_key_ids``).
-            num_tokens: cached tokens to share: a multiple of ``block_size``, at most
-                ``len(token_ids) - 1``; 0 creates an empty cache.
-
-        Raises:
-            ExecutorError: the contiguous layout, or prefix caching is off
-                (``RuntimeConfig(prefix_cache=True)`` / ``FERRUM_PREFIX_CACHE=1``).
-            KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
-                cached (nothing changes then).
-        """
-        if self.manager is None or not self.manager.prefix_cache:
-            raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
-                                "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
-        with self._lock:
-            self.store.claim_prefix(cache_id, token_ids, num_tokens)
-
-    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
-        """Tell the KV store the ids of tokens it stored before they were known on the host
-        (a pipelined step's ``prev_row`` token), so prefix caching can hash their blocks.
-
-        A no-op without prefix caching, for an unknown cache, and for positions not stored yet.
-
-        Args:
-            cache_id: the sequence.
-            start: position of ``token_ids[0]`` in the sequence (tokens).
-            token_ids: the ids (ints).
-
-        Raises:
-            KvCacheError: a position already holds a different known id.
-        """
-        manager = self.manager
-        if manager is None or not manager.prefix_cache:
-            return
-        with self._lock:
-            if manager.has(cache_id):
-                manager.set_token_ids(cache_id, start, salt_token_ids(token_ids, self._cache_salts.get(cache_id, 0)))
-
     def release_cache(self, cache_id: Hashable) -> None:
-        """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
+        """Free a sequence's contiguous buffers; unknown ids are ignored (release is
+        idempotent). Paged: nothing to do here (the block manager's owner frees blocks)."""
         with self._lock:
             self.store.release(cache_id)
-            self._cache_salts.pop(cache_id, None)
 
     # ------------------------------------------------------------- LoRA
     def _lora_registry(self) -> LoraRegistry:
@@ -817,14 +802,16 @@ class LlmRunner:
         return {} if self.lora is None else self.lora.metrics()
 
     # ------------------------------------------------------------ reports
-    def kv_used_bytes(self) -> int:
-        """Bytes of KV memory holding tokens: blocks in use (paged) or buffer capacities (contiguous)."""
-        return self.store.used_bytes()
+    def kv_used_bytes(self, block_manager: Optional[LayerGroupKvManager] = None) -> int:
+        """Bytes of KV memory holding tokens: the blocks ``block_manager`` holds (paged; 0
+        without it) or buffer capacities (contiguous)."""
+        return self.store.used_bytes(block_manager)
 
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
         return self.store.allocated_bytes()
 
-    def cache_metrics_snapshot(self) -> dict:
-        """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
-        return self.store.metrics()
+    def cache_metrics_snapshot(self, block_manager: Optional[LayerGroupKvManager] = None) -> dict:
+        """Paged: ``block_manager``'s block metrics (when given) and the pool's bytes;
+        contiguous: sequences and bytes held."""
+        return self.store.metrics(block_manager)
