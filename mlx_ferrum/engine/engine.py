@@ -3,9 +3,10 @@
 Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
 ``step()`` asks the scheduler which sequences run (the scheduler owns the KV block
 manager and appends the step's slots: ``SchedulerOutput.kv``), packs their new tokens
-(prefill chunks and decode tokens together) into ONE runner call that reads those slots, samples the sequences
-whose chunk reached their last token in one batched ``sample()``, detokenizes, checks
-stops, and frees the caches of finished requests at once.
+(prefill chunks and decode tokens together) into ONE runner call that reads those
+slots, samples the sequences whose chunk reached their last token in one batched
+``sample()``, detokenizes, checks stops, and frees the caches of finished requests at
+once (through the scheduler: the engine never touches the KV pool's arrays).
 
 ``add_request``, ``abort``, ``step``, ``generate`` and ``stream`` are thread-safe: any
 thread may submit while another drives ``step()``, and several threads may call
@@ -605,6 +606,7 @@ class Engine:
             self._end_flight()
         proposals: dict[int, Proposal] = {}
         launched, verified = None, []
+        launching = False
         if items:
             try:
                 if drafts:
@@ -629,6 +631,7 @@ class Engine:
                     items, proposals = _live_items(items, proposals)
                     work = self._build_work(items, proposals)
                 if work:
+                    launching = True
                     launched, verified = self._launch(items, work, proposals, outputs, plan)
                 else:
                     self._end_flight()
@@ -637,6 +640,15 @@ class Engine:
                 self.runner.schedule_kv_state()
                 self._end_flight()
                 outputs.extend(self._fail_step(items, e))
+            except BaseException:
+                if not launching:
+                    # Ctrl-C while the draft or the batch was built: the step never ran, so
+                    # its slots go back and the next step schedules the same tokens again
+                    # (_launch does the same when the runner is interrupted)
+                    with self._lock:
+                        self.scheduler.rollback(plan)
+                    self._end_flight()
+                raise
         with self._lock:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
