@@ -284,6 +284,7 @@ class Scheduler:
         self._reserved = 0
 
         # running sequences, oldest first; preempt the youngest when blocks run out
+        free = mgr.num_free if mgr is not None else 0  # changes only when one is preempted
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -295,9 +296,10 @@ class Scheduler:
                 continue
             # its own need does not change while others are preempted; only the free blocks do
             need = mgr.blocks_needed(seq.request_id, n) if mgr is not None else 0
-            while mgr is not None and need > mgr.num_free - self._reserved:
+            while mgr is not None and need > free - self._reserved:
                 victim = self.running[-1]
                 self._preempt(victim, out)
+                free = mgr.num_free
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
@@ -376,15 +378,19 @@ class Scheduler:
         decisions above counted the blocks, so this always fits; a row that still cannot
         be appended (a defect) goes to ``out.failed`` and leaves the step."""
         mgr = self.block_manager
+        prefix_cache = mgr.prefix_cache
         kept = []
         for item in out.items:
             seq = item.seq
             key_ids = None
-            if mgr.prefix_cache:
+            if prefix_cache:
                 # a token still in flight is -1 in output_ids, i.e. UNKNOWN_TOKEN: its block
                 # is hashed once set_token_ids() brings its id
                 key_ids = seq.token_at(seq.num_computed, seq.num_computed + item.num_tokens)
-                key_ids = salt_token_ids(key_ids, seq.prefix_salt) + [UNKNOWN_TOKEN] * item.num_lookahead
+                if seq.prefix_salt:
+                    key_ids = salt_token_ids(key_ids, seq.prefix_salt)
+                if item.num_lookahead:
+                    key_ids = key_ids + [UNKNOWN_TOKEN] * item.num_lookahead
             try:
                 append_row(mgr, out.kv, seq.request_id, item.num_tokens + item.num_lookahead, key_ids)
             except KvCacheError as e:

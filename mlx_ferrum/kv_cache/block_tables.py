@@ -124,27 +124,33 @@ def append_row(manager: LayerGroupKvManager, batch: BatchBlocks, cache_id: Hasha
         KvCacheExhaustedError: the pool or the sequence's capacity cannot hold them
             (nothing changes then).
     """
-    created = not manager.has(cache_id)
+    groups = manager.groups
+    seq = groups[0].seqs.get(cache_id)  # token counts are the same in every group
+    created = seq is None
     if created:
         manager.create(cache_id)
-    start = manager.num_tokens(cache_id)
+        seq = groups[0].seqs[cache_id]
+    start = seq.num_tokens
     try:
         results = manager.append_slots(cache_id, num_tokens, key_ids if manager.prefix_cache else None)
     except BaseException:
         if created:
             manager.release(cache_id)
         raise
-    if not batch.copies:
-        batch.copies = [[] for _ in manager.groups]
     row = batch.rows.get(cache_id)
     if row is None:
-        row = batch.rows[cache_id] = RowBlocks(start, [r.slots for r in results],
-                                               [g.seqs[cache_id].block_ids for g in manager.groups])
+        if len(groups) == 1:  # the common case, per row and step
+            row = RowBlocks(start, [results[0].slots], [seq.block_ids])
+        else:
+            row = RowBlocks(start, [r.slots for r in results], [g.seqs[cache_id].block_ids for g in groups])
+        batch.rows[cache_id] = row
     else:
         for slots, r in zip(row.slots, results):
             slots.extend(r.slots)
     for g, r in enumerate(results):
         if r.copies:
+            if not batch.copies:
+                batch.copies = [[] for _ in groups]
             batch.copies[g].extend(r.copies)
     return row
 

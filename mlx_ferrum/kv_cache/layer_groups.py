@@ -85,6 +85,8 @@ class LayerGroupKvManager:
     def num_free(self) -> int:
         """Blocks a new sequence can take: a sequence fits when it fits in every group,
         so this is the smallest group's free count."""
+        if len(self.groups) == 1:  # the common case, asked per sequence and step
+            return self.groups[0].allocator.num_free
         return min(g.allocator.num_free for g in self.groups)
 
     @property
