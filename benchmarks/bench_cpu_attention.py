@@ -51,7 +51,7 @@ from common import print_header, print_table  # noqa: E402
 from mlx_ferrum.kernels import exp2 as exp2_module  # noqa: E402
 from mlx_ferrum.kernels import reference  # noqa: E402
 from mlx_ferrum.runner.protocol import SeqWork  # noqa: E402
-import mlx_ferrum.runner.llm_runner as llm_runner  # noqa: E402
+import mlx_ferrum.runner.compiled_decode as compiled_decode  # noqa: E402
 
 
 def _per_call_ms(fn, repeats: int, calls: int = 50) -> float:
@@ -317,12 +317,12 @@ def _patched(owner, name: str, value):
 
 @contextlib.contextmanager
 def _power_only():
-    real = llm_runner.exp2_fusing
-    llm_runner.exp2_fusing = contextlib.nullcontext
+    real = compiled_decode.exp2_fusing
+    compiled_decode.exp2_fusing = contextlib.nullcontext
     try:
         yield
     finally:
-        llm_runner.exp2_fusing = real
+        compiled_decode.exp2_fusing = real
 
 
 def main(argv=None) -> int:

@@ -644,9 +644,9 @@ def test_traces_are_bounded_and_results_survive_a_reset(monkeypatch):
     the passes before and after stay equal to eager."""
     import threading
 
-    from mlx_ferrum.runner import llm_runner
+    from mlx_ferrum.runner import compiled_decode
 
-    monkeypatch.setattr(llm_runner, "MAX_DECODE_TRACES", 2)
+    monkeypatch.setattr(compiled_decode, "MAX_DECODE_TRACES", 2)
     model = tiny_model("llama", seed=7)
     run = Lockstep(model, block_size=8)
     cids = [f"s{i}" for i in range(9)]

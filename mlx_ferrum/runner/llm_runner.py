@@ -39,109 +39,31 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
-from ..kernels.exp2 import fusing as exp2_fusing
-from ..kernels.reference import SharedPrefix
 from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.block_tables import BatchBlocks, KvGeometry
 from ..kv_cache.store import KvStore
-from ..layers.attention import AttentionMetadata, paged_metadata
+from ..layers.attention import AttentionMetadata
 from ..layers.linear import cache_transposed_weights
-from ..layers.rope import Rope
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
+from .compiled_decode import MAX_DECODE_TRACES, CompiledDecodeStep
+from .inputs import device_input_ids, lora_token_slots, shape_bucket
+from .model_facts import layer_windows, model_dtype, table_ropes
 from .protocol import ModelInfo, SeqWork
+
+# re-exported here: code and tests import them from this module
+__all__ = ["LlmRunner", "MAX_DECODE_EXPANSION", "MAX_DECODE_TRACES", "layer_windows", "model_dtype", "shape_bucket",
+           "table_ropes"]
 
 logger = logging.getLogger(__name__)
 
-#: traces of the compiled decode step kept per executor and thread (see ``_compiled_step``)
-MAX_DECODE_TRACES = 64
 #: Longest row laid out as one decode row per token (a speculative draft plus its token):
 #: past it the decode attention's per-row reads of the whole context cost more than a
 #: prefill segment's.
 MAX_DECODE_EXPANSION = 16
 
 
-def shape_bucket(n: int) -> int:
-    """``n`` rounded up to a size a compiled decode step is traced for.
-
-    Sizes up to 8 are kept; above, ``n`` is rounded up to a multiple of a quarter of
-    its power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): four sizes per
-    octave, so less than a quarter of the padded work is waste, and a batch that
-    changes by a row or a context that crosses a block boundary mostly reuses a
-    trace. The idea of vLLM's CUDA-graph capture sizes.
-    """
-    if n <= 8:
-        return max(n, 1)
-    granule = 1 << (n.bit_length() - 3)
-    return -(-n // granule) * granule
-
-
-def _pad_rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
-    """``values`` ``[n]`` int32 padded to ``[rows]`` with ``fill``."""
-    if values.shape[0] == rows:
-        return values
-    return np.concatenate([values, np.full(rows - values.shape[0], fill, dtype=values.dtype)])
-
-
-def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> np.ndarray:
-    """A ``[n, m]`` block table padded to ``[rows, cols]``: extra columns point at block 0
-    (masked by ``context_lens``), extra rows at the scratch block."""
-    out = np.zeros((rows, cols), dtype=np.int32)
-    out[: table.shape[0], : table.shape[1]] = table
-    out[table.shape[0] :, 0] = scratch_block
-    return out
-
-
-def _shared_prefixes(arrays: dict, num_groups: int) -> Optional[list]:
-    """Per group, the compiled step's :class:`~mlx_ferrum.kernels.reference.SharedPrefix`
-    inputs (``arrays["shared_prefixes"]``) or None."""
-    given = arrays.get("shared_prefixes")
-    if not given:
-        return None
-    return [SharedPrefix(*given[str(g)]) if str(g) in given else None for g in range(num_groups)]
-
-
-def model_dtype(model: nn.Module) -> mx.Dtype:
-    """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
-    (the scales' dtype if affine-quantized), else the final norm's (the microscaling modes
-    store uint8 scales, which say nothing about the activations)."""
-    if isinstance(getattr(model, "dtype", None), mx.Dtype):
-        return model.dtype
-    emb = model.model.embed_tokens
-    for candidate in (getattr(emb, "scales", None), emb.weight, getattr(getattr(model.model, "norm", None), "weight", None)):
-        if candidate is not None and mx.issubdtype(candidate.dtype, mx.floating):
-            return candidate.dtype
-    for _, value in tree_flatten(model.parameters()):
-        if mx.issubdtype(value.dtype, mx.floating):
-            return value.dtype
-    return mx.float32
-
-
-def table_ropes(model: nn.Module) -> list[Rope]:
-    """The model's :class:`~mlx_ferrum.layers.rope.Rope` modules that take per-pass tables
-    (``has_table``), one per distinct ``table_key``: a paged pass's metadata carries one
-    ``(cos, sin)`` table for each, shared by every layer using it."""
-    ropes: dict = {}
-    for module in model.modules():
-        if isinstance(module, Rope) and module.has_table:
-            ropes.setdefault(module.table_key, module)
-    return list(ropes.values())
-
-
-def layer_windows(model: nn.Module) -> list[Optional[int]]:
-    """The sliding window of each layer (None: full attention), from ``model.args.window``.
-
-    One shared window (Mistral, Phi-3) lets the paged manager free blocks outside it;
-    mixed layers (Gemma 3, gpt-oss) get one block table per layer group in the
-    :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
-    """
-    args = model.args
-    if not hasattr(args, "window"):
-        return [None] * args.num_hidden_layers
-    return [args.window(i) for i in range(args.num_hidden_layers)]
-
-
-class LlmRunner:
+class LlmRunner(CompiledDecodeStep):
     """The :class:`~mlx_ferrum.runner.ModelRunner` over a Llama-family (or any registered)
     ``Model`` (``model.args`` a ``ModelArgs``).
 
@@ -419,14 +341,8 @@ class LlmRunner:
                     "(at most the model's max_position_embeddings for sound results)"
                 )
 
-    @staticmethod
-    def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
-        """The step's token ids as a device array; placeholders are filled from ``prev``
-        on the device, so a previous step's tokens never travel through the host."""
-        ids = mx.array(flat)
-        if patch_at:
-            ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
-        return ids
+    #: the step's token ids on the device (:func:`.inputs.device_input_ids`)
+    _input_ids = staticmethod(device_input_ids)
 
     def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array], blocks: Optional[BatchBlocks]):
         """One code path for both layouts: the store places the tokens and says how
@@ -548,13 +464,9 @@ class LlmRunner:
     def _lora_token_slots(self, work: Sequence[SeqWork], kv_pass, size: int) -> Optional[mx.array]:
         """``[size]`` int32 LoRA slot of each flattened token of the pass (the zero slot for
         tokens without an adapter and for padding), or None when no item of the pass has one."""
-        if self.lora is None or all(work[i].lora_slot < 0 for i in kv_pass.items):
+        if self.lora is None:
             return None
-        slots = np.full(size, self.lora.none_slot, dtype=np.int32)
-        for i, start in zip(kv_pass.items, kv_pass.starts):
-            if work[i].lora_slot >= 0:
-                slots[start : start + len(work[i].tokens)] = work[i].lora_slot
-        return mx.array(slots)
+        return lora_token_slots(self.lora.none_slot, work, kv_pass.items, kv_pass.starts, size)
 
     def _call_model(self, tokens: mx.array, meta: AttentionMetadata, lora_weights: Optional[dict]) -> mx.array:
         """``self.model(tokens, meta)`` with the pass's LoRA slots bound to the model's LoRA
@@ -564,150 +476,6 @@ class LlmRunner:
         weights = self.lora.weights() if lora_weights is None else lora_weights
         with self.lora.context.bound(meta.lora_slots, weights):
             return self.model(tokens, meta)
-
-    @staticmethod
-    def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
-        """Every attention row of the pass is a decode row with its logits returned:
-        one token per item, or an item laid out as one decode row per token (a draft)."""
-        tokens = sum(len(work[i].tokens) for i in kv_pass.items)
-        return kv_pass.decode_rows == tokens and all(
-            work[i].num_logit_rows == len(work[i].tokens) for i in kv_pass.items
-        )
-
-    def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
-        """Run a pure decode pass through the compiled step :meth:`_decode_graph`.
-
-        ``mx.compile`` traces the step once per (sequences, blocks per table) shape and
-        replays it afterwards: no Python per layer, and elementwise chains (RoPE, norms,
-        SwiGLU, the softmax of decode attention) fused into single kernels. Both sizes
-        are padded to :func:`shape_bucket` sizes so that traces repeat: pad rows write
-        the pool's scratch block (``self._scratch_block``, never handed out by the
-        manager) and have ``context_lens`` 1; pad table columns point at block 0 and are
-        masked. The pool arrays go in as inputs and come back as outputs, and the pool
-        is rebound to them. Returns the logits ``[B, vocab]`` in ``kv_pass.items``
-        order, or None when the model cannot be traced (it reads values on the host):
-        the executor then stays eager for good, and the caller runs the pass op by op.
-        """
-        f = kv_pass.inputs
-        n = int(f.num_decode_seqs)
-        rows, cols = shape_bucket(n), shape_bucket(f.block_tables[0].shape[1])
-        ids = np.zeros(rows, dtype=np.int32)
-        patch_at: list[int] = []
-        patch_rows: list[int] = []
-        r = 0
-        for i in kv_pass.items:
-            w = work[i]
-            ids[r : r + len(w.tokens)] = w.tokens
-            r += len(w.tokens)
-            if w.prev_row >= 0:
-                patch_at.append(r - 1)
-                patch_rows.append(w.prev_row)
-        if rows == n and len(patch_at) == n and prev is not None and prev.shape[0] == n and patch_rows == patch_at:
-            input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
-        else:
-            input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
-        scratch_slot = self._scratch_block * self.kv_geometry.block_size
-        # the step's metadata arrays are inputs of the compiled function (not constants of
-        # its trace); the arrays derived from them are built inside it (_decode_graph)
-        arrays = {
-            "positions": mx.array(_pad_rows(f.positions, rows, 0)),
-            "context_lens": mx.array(_pad_rows(f.context_lens, rows, 1)),
-            "slot_mappings": [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f.slot_mappings],
-            "block_tables": [mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f.block_tables],
-        }
-        shared_shape = ()
-        if f.shared_prefixes:
-            # a group's shared blocks and each row's tail (reference.SharedPrefix), keyed by
-            # group: the groups that have one are part of the trace's key
-            arrays["shared_prefixes"] = {}
-            for g, plan in enumerate(f.shared_prefixes):
-                if plan is not None:
-                    tails = _pad_table(plan.tails, rows, shape_bucket(plan.tails.shape[1]), self._scratch_block)
-                    # pad rows read the shared blocks and no tail key (context_lens 1)
-                    starts = _pad_rows(plan.tail_starts, rows, int(plan.tail_starts.max()))
-                    arrays["shared_prefixes"][str(g)] = [mx.array(plan.table), mx.array(tails), mx.array(starts)]
-                    shared_shape += ((g, plan.table.shape[0], tails.shape[1]),)
-        if self.lora is not None and any(work[i].lora_slot >= 0 for i in kv_pass.items):
-            # one decode row per token: a draft laid out as several rows repeats its slot
-            slots = np.full(rows, self.lora.none_slot, dtype=np.int32)
-            r = 0
-            for i in kv_pass.items:
-                w = work[i]
-                if w.lora_slot >= 0:
-                    slots[r : r + len(w.tokens)] = w.lora_slot
-                r += len(w.tokens)
-            # inputs of the compiled step, not constants of its trace: the next step's
-            # slots (and the stacks, after an adapter is loaded into a slot) differ
-            arrays["lora_slots"] = mx.array(slots)
-            arrays["lora_weights"] = self.lora.weights()
-        pool = self.pool
-        if self._wait_for_pools:
-            # On the CPU backend a pool still pending from the previous (pipelined) step
-            # cannot be updated in place by the compiled step: MLX copies every layer's
-            # pool (peak memory + whole pools, tens of ms per step on a large pool). The
-            # wait costs little there, as mx.async_eval already waited for all but the
-            # previous step's tail. GPU backends skip it, so the host keeps building
-            # ahead of the device (unmeasured here: no GPU on this machine).
-            mx.eval(pool.arrays())
-        try:
-            step = self._compiled_step((rows, cols, "lora_slots" in arrays, shared_shape))
-            logits, pool_arrays = step(input_ids, arrays, pool.arrays())
-        except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
-            if "compile" not in str(e) and "transformation" not in str(e):
-                raise
-            logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
-            self._compiled_decode = None
-            return None
-        pool.set_arrays(pool_arrays)
-        return logits if rows == n else logits[:n]
-
-    def _compiled_step(self, shape: tuple):
-        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use).
-
-        ``mx.compile`` keeps one trace per input shape; once more than
-        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table, with
-        LoRA, and per group with a shared prefix its shared and tail blocks) were seen
-        the function is dropped with its traces and compiled anew, so a long-running
-        server holds a bounded number of graphs. Steps with and without LoRA slots, and
-        with shared prefixes in different groups, get separate functions (their inputs
-        differ in structure).
-        """
-        key = threading.get_ident()
-        if len(shape) > 2 and shape[2]:
-            key = (key, "lora")
-        if len(shape) > 3 and shape[3]:
-            key = (key, tuple(g for g, _, _ in shape[3]))
-        entry = self._compiled_decode.get(key)
-        if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
-            entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
-        entry[1].add(shape)
-        return entry[0]
-
-    def _decode_graph(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
-        """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
-        metadata arrays, and every pool array (``pool.arrays()``: K/V, or a quantized pool's
-        codes, scales and biases) -> ``(logits [B, vocab], the written pool arrays)``.
-
-        The complete metadata (:func:`~mlx_ferrum.layers.backends.paged_metadata`: pool
-        indices, decode indices, RoPE tables) is built here from the traced inputs, before
-        the model runs, so every replay derives it from that step's arrays. The softmaxes'
-        ``2 ** x`` are traced as fusable arithmetic (:func:`~mlx_ferrum.kernels.exp2.fusing`)."""
-        with exp2_fusing():
-            return self._decode_graph_body(input_ids, arrays, pool_arrays)
-
-    def _decode_graph_body(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
-        pool = self.pool.with_arrays(pool_arrays)
-        store = self.store
-        meta = paged_metadata(
-            store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
-            store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=store.ropes,
-            metal_kernels=self._metal_kernels, shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
-        )
-        meta.lora_slots = arrays.get("lora_slots")
-        lora_weights = arrays.get("lora_weights")
-        if self._packed_tokens:
-            return self._call_model(input_ids, meta, lora_weights), pool.arrays()  # packed [B] tokens -> [B, vocab]
-        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.arrays()
 
     # ------------------------------------------------------------ storage operations
     def trim_cache(self, cache_id: str, num_tokens: int) -> None:
