@@ -51,7 +51,7 @@ from common import print_header, print_table  # noqa: E402
 from mlx_ferrum.kernels import exp2 as exp2_module  # noqa: E402
 from mlx_ferrum.kernels import reference  # noqa: E402
 from mlx_ferrum.runner.protocol import SeqWork  # noqa: E402
-import mlx_ferrum.runner.llm_runner as llm_runner  # noqa: E402
+import mlx_ferrum.runner.compiled_decode as compiled_decode  # noqa: E402
 
 
 def _per_call_ms(fn, repeats: int, calls: int = 50) -> float:
@@ -173,15 +173,15 @@ def _step_timer(runner, ids: list, context: int, rng):
 
 
 def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
-    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
-    runner = engine.runner
+    # the low-level executor: it owns the blocks its direct forward passes write
+    runner = mf.LlmExecutor(model, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
     rng = np.random.default_rng(0)
     ids = [f"seq{i}" for i in range(requests)]
     mx.eval(runner.forward([SeqWork(c, rng.integers(1, 500, context).tolist()) for c in ids], None)[0])
     step, timed = _step_timer(runner, ids, context, rng)
 
     def fused_side() -> float:
-        runner._compiled_decode = {}  # retrace with the fused 2**x, whatever the size
+        runner.runner._compiled_decode = {}  # retrace with the fused 2**x, whatever the size
         real = exp2_module.MIN_FUSED_SIZE
         exp2_module.MIN_FUSED_SIZE = 0
         try:
@@ -191,7 +191,7 @@ def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: in
         return timed()
 
     def power_side() -> float:
-        runner._compiled_decode = {}
+        runner.runner._compiled_decode = {}
         with _power_only():
             step()  # the trace of this step takes mx.power
         return timed()
@@ -251,13 +251,12 @@ def bench_step_split(model, tokenizer, levels: list[int], repeats: int) -> list[
 
 
 def bench_shared_prefix_step(model, tokenizer, requests: int, context: int, repeats: int) -> list[list]:
-    engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
-    runner = engine.runner
+    runner = mf.LlmExecutor(model, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
     rng = np.random.default_rng(5)
     mx.eval(runner.forward([SeqWork("base", rng.integers(1, 500, context).tolist())], None)[0])
     ids = [f"seq{i}" for i in range(requests)]
     for c in ids:
-        runner.fork_cache("base", c)
+        runner.manager.fork("base", c)  # shared blocks, in the block manager the executor owns
     step, timed = _step_timer(runner, ids, context, rng)
 
     def own_blocks() -> float:
@@ -317,12 +316,12 @@ def _patched(owner, name: str, value):
 
 @contextlib.contextmanager
 def _power_only():
-    real = llm_runner.exp2_fusing
-    llm_runner.exp2_fusing = contextlib.nullcontext
+    real = compiled_decode.exp2_fusing
+    compiled_decode.exp2_fusing = contextlib.nullcontext
     try:
         yield
     finally:
-        llm_runner.exp2_fusing = real
+        compiled_decode.exp2_fusing = real
 
 
 def main(argv=None) -> int:

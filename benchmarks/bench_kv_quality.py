@@ -61,6 +61,7 @@ import mlx_ferrum as mf  # noqa: E402
 from mlx_ferrum.config import RuntimeConfig  # noqa: E402
 from mlx_ferrum.kv_cache.contiguous import ContiguousKvCache  # noqa: E402
 from mlx_ferrum.kv_cache.quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool  # noqa: E402
+from mlx_ferrum.executor import LlmExecutor  # noqa: E402
 from mlx_ferrum.runner import LlmRunner, SeqWork  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -133,7 +134,7 @@ def make_runner(model, layout: str, kv_cache_dtype: str, rotate_keys: bool, max_
     """
     config = RuntimeConfig(kv_layout=layout, kv_cache_dtype=kv_cache_dtype, prefix_cache=False,
                            max_num_blocks=max_num_blocks if layout == "paged" else None)
-    runner = LlmRunner(model, config)
+    runner = LlmExecutor(model, config)  # paged passes need a block owner: the executor adapter
     if kv_cache_dtype != "auto":
         if not quantized_storage(runner):
             raise RuntimeError(f"RuntimeConfig(kv_cache_dtype={kv_cache_dtype!r}) built unquantized storage")

@@ -389,9 +389,10 @@ def test_prefix_cache_hit_leaving_one_token_equals_eager(family_model):
         ex, one_token_prefills = eng.runner, []
         forward = ex.forward
 
-        def spy(work, prev=None):
-            one_token_prefills.extend(w for w in work if len(w.tokens) == 1 and ex.num_tokens(w.cache_id) == 16)
-            return forward(work, prev)
+        def spy(work, prev=None, blocks=None):
+            # the row's start: tokens its cache held before the pass (the scheduler's slots)
+            one_token_prefills.extend(w for w in work if len(w.tokens) == 1 and blocks.rows[w.cache_id].start == 16)
+            return forward(work, prev, blocks)
 
         ex.forward = spy
         outs[compiled] = [o.token_ids for o in eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])]
@@ -424,7 +425,7 @@ def run_engine(model, compiled, async_scheduling, reqs, **kw):
     eng = mf.Engine(model, None, cfg)
     calls = count_compiled_calls(eng.runner) if compiled else None
     outs = eng.generate([p for p, _ in reqs], [sp for _, sp in reqs])
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     assert mgr.num_in_use == 0 and not mgr.seqs, "blocks were left behind"
     return [(o.token_ids, o.finish_reason) for o in outs], eng, calls
 
@@ -643,9 +644,9 @@ def test_traces_are_bounded_and_results_survive_a_reset(monkeypatch):
     the passes before and after stay equal to eager."""
     import threading
 
-    from mlx_ferrum.runner import llm_runner
+    from mlx_ferrum.runner import compiled_decode
 
-    monkeypatch.setattr(llm_runner, "MAX_DECODE_TRACES", 2)
+    monkeypatch.setattr(compiled_decode, "MAX_DECODE_TRACES", 2)
     model = tiny_model("llama", seed=7)
     run = Lockstep(model, block_size=8)
     cids = [f"s{i}" for i in range(9)]

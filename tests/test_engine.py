@@ -58,7 +58,7 @@ def test_preemption_under_kv_pressure_completes_everything_without_leaks(model):
     for (prompt, sp), o in zip(reqs, outs):
         assert len(o.token_ids) == sp.max_tokens
         assert o.token_ids == solo(model, prompt, sp).token_ids, f"request {o.request_id} differs from its solo run"
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     mgr.check_invariants()
     assert mgr.num_free == mgr.num_blocks and not mgr.seqs
     assert st["num_running"] == 0 and st["num_waiting"] == 0
@@ -89,7 +89,7 @@ def test_abort_frees_blocks_at_once_and_spares_the_others(model):
     ids = [eng.add_request(p, sp) for p, sp in reqs]
     for _ in range(4):
         eng.step()
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     used_before = mgr.num_in_use
     held = len(mgr.block_table(ids[2]))
     assert held > 0
@@ -132,7 +132,7 @@ def test_prefix_cache_eviction_when_the_pool_is_full(model):
     assert kv["evictions"] > 0
     for p, o in zip(prompts + prompts[:2], outs):
         assert o.token_ids == solo(model, p, sp).token_ids
-    eng.runner.manager.check_invariants()
+    eng.block_manager.check_invariants()
 
 
 def test_chunked_prefill_mixes_with_decodes_and_matches_solo(model):
@@ -144,9 +144,9 @@ def test_chunked_prefill_mixes_with_decodes_and_matches_solo(model):
     calls = []
     real_forward = eng.runner.forward
 
-    def spy(work, prev_tokens=None):
+    def spy(work, prev_tokens=None, blocks=None):
         calls.append([len(w.tokens) for w in work])
-        return real_forward(work, prev_tokens)
+        return real_forward(work, prev_tokens, blocks)
 
     eng.runner.forward = spy
     ids = [eng.add_request(p, sp) for p in short]
@@ -194,7 +194,7 @@ def test_concurrent_submission_from_threads_loses_nothing(model):
     stop.set()
     d.join(timeout=120)
     assert sorted(submitted) == sorted(finished) and len(finished) == 80
-    assert eng.runner.manager.num_free == eng.runner.manager.num_blocks
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
 
 
 def test_asyncio_stream_runs_beside_other_requests(model):

@@ -98,12 +98,12 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
     real_forward = eng.runner.forward
     calls = {"run": 0, "sample": 0}
 
-    def forward(work, prev_tokens=None):
+    def forward(work, prev_tokens=None, blocks=None):
         calls["run"] += 1
         if due(rng, calls["run"], 97, 13):
             counts["executor_before"] += 1
             raise InjectedFault("injected executor fault before the pass")
-        out = real_forward(work, prev_tokens)
+        out = real_forward(work, prev_tokens, blocks)
         if due(rng, calls["run"], 89, 7):
             counts["executor_after"] += 1
             raise InjectedFault("injected executor fault after the pass")
@@ -182,8 +182,8 @@ def test_random_faults_and_aborts_over_1000_requests(layout, monkeypatch):
     # nothing leaked, invariants hold
     ex = eng.runner
     if layout == "paged":
-        ex.manager.check_invariants()
-        assert not ex.manager.seqs and ex.manager.num_free == ex.manager.num_blocks
+        eng.block_manager.check_invariants()
+        assert not eng.block_manager.seqs and eng.block_manager.num_free == eng.block_manager.num_blocks
     else:
         assert not ex._contiguous
     assert not eng._seqs and not eng._pending and not eng._in_flight and not eng._deferred_release
@@ -343,7 +343,7 @@ def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, mo
     assert reasons.count("length") >= len(reasons) // 5, reasons
     assert any(len(prompt) + sp.max_tokens > cap for reqs in per_thread for prompt, sp in reqs)
 
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     mgr.check_invariants()
     assert not mgr.seqs and mgr.num_free == mgr.num_blocks
     assert not eng._seqs and not eng._boxes

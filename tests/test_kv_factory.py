@@ -38,11 +38,14 @@ def test_contiguous_layout_gives_per_sequence_caches_grown_or_preallocated():
 def test_explicit_block_count_sizes_the_manager_and_one_scratch_block_more_in_the_pool():
     store = build_kv_store(spec(), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=37), 0)
     assert isinstance(store, PagedKvStore) and store.layout == "paged"
-    assert type(store.manager) is LayerGroupKvManager and len(store.manager.groups) == 1
+    # the store keeps no block manager: it reports the geometry its owner builds one from
+    assert not hasattr(store, "manager")
+    manager = store.geometry.new_block_manager()
+    assert type(manager) is LayerGroupKvManager and len(manager.groups) == 1
     assert type(store.backend) is PagedAttentionBackend
-    assert store.manager.num_blocks == 37 and store.pool.num_blocks == 38
+    assert manager.num_blocks == 37 and store.pool.num_blocks == 38
     assert store.pool.shape == (38, 2, 16, 8) and store.pool.dtype == mx.float16
-    assert store.manager.max_blocks_per_seq == 7  # ceil(100 / 16)
+    assert manager.max_blocks_per_seq == 7  # ceil(100 / 16)
 
 
 def test_default_pool_is_what_max_num_seqs_sequences_use_at_least_sixteen_blocks():
@@ -50,7 +53,7 @@ def test_default_pool_is_what_max_num_seqs_sequences_use_at_least_sixteen_blocks
     expected = default_num_blocks(2, 2, 16, 8, mx.float16, 0, cfg.kv_memory_fraction, max_num_seqs=3, max_seq_len=100)
     assert expected == 3 * 7, "the budget, not the sequences, bounds this pool: pick smaller sizes"
     assert pool_num_blocks(spec(), cfg, weight_bytes=0) == 21
-    assert build_kv_store(spec(), cfg, 0).manager.num_blocks == 21
+    assert build_kv_store(spec(), cfg, 0).geometry.num_blocks == 21
     one_short = RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=None, max_num_seqs=1)
     assert pool_num_blocks(spec(max_seq_len=20), one_short, 0) == 16
 
@@ -74,16 +77,18 @@ def test_default_pool_is_capped_by_the_memory_left_beside_the_weights(monkeypatc
 def test_layer_windows_pick_the_layer_groups(windows, group_windows, layer_groups):
     store = build_kv_store(spec(windows), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=32,
                                                         prefix_cache=True), 0)
-    assert type(store.manager) is LayerGroupKvManager and store.manager.prefix_cache
-    assert store.manager.group_windows == group_windows and store.layer_groups == layer_groups
+    manager = store.geometry.new_block_manager()
+    assert type(manager) is LayerGroupKvManager and manager.prefix_cache
+    assert manager.group_windows == group_windows and store.group_windows == group_windows
+    assert store.layer_groups == layer_groups and manager.layer_groups == layer_groups
     # each group frees the blocks outside its own window
-    assert [g.sliding_window for g in store.manager.groups] == group_windows
+    assert [g.sliding_window for g in manager.groups] == group_windows
 
 
 def test_a_given_manager_sizes_the_pool_and_needs_the_paged_layout():
     manager = LayerGroupKvManager(12, 8, max_blocks_per_seq=13)
     store = build_kv_store(spec(), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=99), 0, manager)
-    assert store.manager is manager and store.pool.shape == (13, 2, 8, 8)
+    assert store.geometry.num_blocks == 12 and store.geometry.block_size == 8 and store.pool.shape == (13, 2, 8, 8)
     assert store.layer_groups == [0, 0]  # one group serves every layer
     with pytest.raises(ExecutorError, match="paged layout"):
         build_kv_store(spec(), RuntimeConfig(kv_layout="contiguous"), 0, manager)
@@ -96,6 +101,7 @@ def test_a_pool_beyond_free_memory_is_refused_before_any_allocation(monkeypatch)
     monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 100 * per)
     built = []
     monkeypatch.setattr(PagedKvCacheManager, "__init__", lambda *a, **k: built.append(a))
+    monkeypatch.setattr("mlx_ferrum.kv_cache.pool.PagedKvPool.__init__", lambda *a, **k: built.append(a))
     with pytest.raises(InsufficientMemoryError, match="FERRUM_KV_MAX_BLOCKS"):
         build_kv_store(spec(), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=10_000), 0)
     assert not built, "the manager's host bookkeeping was built before the memory check"
@@ -107,7 +113,8 @@ def test_the_runner_uses_the_store_the_factory_builds(layout):
     runner = LlmRunner(model, RuntimeConfig(kv_layout=layout, block_size=8, max_num_blocks=24))
     assert runner.layout == layout and runner.store.layout == layout
     if layout == "paged":
-        assert runner.manager is runner.store.manager and runner.pool is runner.store.pool
-        assert runner.manager.num_blocks == 24 and runner.pool.num_blocks == 25
+        assert runner.kv_geometry is runner.store.geometry and runner.pool is runner.store.pool
+        assert runner.kv_geometry.num_blocks == 24 and runner.pool.num_blocks == 25
+        assert not hasattr(runner, "manager"), "the runner must hold no block manager"
     else:
-        assert runner.manager is None and runner.pool is None
+        assert runner.kv_geometry is None and runner.pool is None

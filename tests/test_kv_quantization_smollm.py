@@ -64,12 +64,12 @@ def text_ids(smollm_float32):
 
 
 def _runner(model, layout: str, kv_cache_dtype: str, tokens: int):
-    from mlx_ferrum.runner import LlmRunner
+    from mlx_ferrum.executor import LlmExecutor
 
     blocks = -(-tokens // 16) + 4
     config = RuntimeConfig(kv_layout=layout, kv_cache_dtype=kv_cache_dtype, prefix_cache=False,
                            max_num_blocks=blocks if layout == "paged" else None)
-    return LlmRunner(model, config)
+    return LlmExecutor(model, config)  # the low-level API: it owns its block manager
 
 
 def _log_softmax64(logits: mx.array) -> np.ndarray:

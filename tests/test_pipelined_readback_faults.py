@@ -91,9 +91,9 @@ def assert_clean(eng):
     """No sequence, cache, block or pending output is left behind."""
     ex = eng.runner
     if ex.layout == "paged":
-        ex.manager.check_invariants()
-        assert not ex.manager.seqs, "a KV cache was left behind"
-        assert ex.manager.num_free == ex.manager.num_blocks, "blocks were left behind"
+        eng.block_manager.check_invariants()
+        assert not eng.block_manager.seqs, "a KV cache was left behind"
+        assert eng.block_manager.num_free == eng.block_manager.num_blocks, "blocks were left behind"
     else:
         assert not ex._contiguous, "contiguous caches were left behind"
     assert not eng.has_unfinished_requests()
@@ -102,7 +102,7 @@ def assert_clean(eng):
 
 
 def holds_kv(eng, rid):
-    return eng.runner.has_cache(rid)
+    return eng.block_manager.has(rid) if eng.block_manager is not None else eng.runner.has_cache(rid)
 
 
 class _Unreadable:
@@ -334,7 +334,7 @@ def test_ctrl_c_during_read_back_ends_the_steps_requests_then_propagates(model, 
             for rid in fault.step_requests:
                 assert rid not in eng._seqs and not holds_kv(eng, rid)
             if layout == "paged":
-                eng.runner.manager.check_invariants()
+                eng.block_manager.check_invariants()
             if pipelined:
                 assert eng._inflight is not None, "the step queued behind the read-back was lost"
                 assert [s.request_id for s, _, _ in eng._inflight.rows] == fault.queued_behind
@@ -643,7 +643,7 @@ def test_ctrl_c_while_async_eval_waits_ends_that_steps_sampled_requests(model, l
             for rid in state["fired"]:
                 assert rid not in eng._seqs and not holds_kv(eng, rid)
             if layout == "paged":
-                eng.runner.manager.check_invariants()
+                eng.block_manager.check_invariants()
             continue
         for o in outs:
             if o.finished:

@@ -53,7 +53,7 @@ def run_all(model, cfg, reqs):
 
 
 def assert_no_leak(eng):
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     if mgr is not None:
         assert mgr.num_in_use == 0, "blocks were left behind"
         assert not mgr.seqs
@@ -146,13 +146,13 @@ def test_abort_between_scheduling_and_the_forward_pass_touches_no_other_request(
     aborted = []
 
     def schedule(outputs):
-        items = real_schedule(outputs)
+        items, plan = real_schedule(outputs)
         if not aborted and eng.num_steps >= 5:
             in_flight = [it.seq.request_id for it in items if it.seq.output_ids and it.seq.output_ids[-1] == -1]
             if in_flight:
                 aborted.append(in_flight[0])
                 eng.abort(in_flight[0])  # as another thread would, between the two locked sections
-        return items
+        return items, plan
 
     eng._schedule = schedule
     final = finish_all(eng)
@@ -337,7 +337,7 @@ def test_generated_blocks_are_hashed_once_read_back(model):
     # the KV holds the prompt and every output but the last: 24 tokens, 3 full blocks of 8;
     # token 23 (output 16) was stored while it was still being sampled
     full = prompt + out.token_ids[:-1]
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     assert mgr.longest_cached_prefix(full + [1]) == 24
 
 
@@ -359,7 +359,7 @@ def test_preemption_and_aborts_inside_the_lag_in_every_mode(model):
             steps += 1
             if steps == 6:
                 eng.abort(ids[3])
-            eng.runner.manager.check_invariants()
+            eng.block_manager.check_invariants()
         assert eng.stats()["num_preemptions"] > 0
         results.append([done[i] for i in ids])
         assert_no_leak(eng)

@@ -24,6 +24,7 @@ from mlx_ferrum.kernels.quantized_reference import dequantize_kv, quantize_kv, r
 from mlx_ferrum.kv_cache.quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool
 from mlx_ferrum.layers.backends import NoCacheAttentionBackend, NoCacheMetadata
 from mlx_ferrum.layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
+from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.runner import LlmRunner, SeqWork
 from support.tiny_models import tiny_model
 
@@ -90,7 +91,7 @@ def prompts_for(model, lengths, seed):
 def test_every_step_equals_attention_over_the_stored_kv(llama, layout, kind, compiled):
     """Fresh prompts of two lengths, a chunked one, then greedy decode steps of the whole
     batch: each row's logits equal the no-cache oracle's over its whole sequence."""
-    runner = LlmRunner(llama, config(layout, kind, compiled))
+    runner = LlmExecutor(llama, config(layout, kind, compiled))  # the low-level API: it owns its block manager
     assert runner.store.backend.kv_cache_dtype == kind
     a, b, c, d = prompts_for(llama, [7, 7, 13, 9], seed=11)
     seqs = {"a": a, "b": b, "c": c[:5], "d": d}
@@ -119,7 +120,7 @@ def test_layer_groups_and_windows_read_only_their_own_blocks(gemma3, kind):
     by a whole step (scale / 15), so int4 could not be compared to this tolerance (its
     windows and groups run the same code, and every attention call of such a pass equals
     the oracle's on the same q/k/v: test_attention_calls_equal_the_oracle_on_the_same_inputs)."""
-    runner = LlmRunner(gemma3, config("paged", kind, compiled=True))
+    runner = LlmExecutor(gemma3, config("paged", kind, compiled=True))  # the low-level API: it owns its block manager
     assert len(runner.manager.groups) == 2
     seqs = dict(zip("xy", prompts_for(gemma3, [11, 5], seed=3)))
     out = dict(zip(seqs, runner.run([SeqWork(k, v) for k, v in seqs.items()])))
@@ -148,7 +149,7 @@ def test_attention_calls_equal_the_oracle_on_the_same_inputs(gemma3, kind, monke
         return out
 
     monkeypatch.setattr(QuantizedPagedAttentionBackend, "attend", checked)
-    runner = LlmRunner(gemma3, config("paged", kind))
+    runner = LlmExecutor(gemma3, config("paged", kind))  # the low-level API: it owns its block manager
     runner.run([SeqWork("x", prompts_for(gemma3, [19], seed=3)[0])])
     assert {w for w, _ in errors} == {None, WINDOW}
     assert max(e for _, e in errors) < 1e-5, errors
@@ -168,7 +169,7 @@ def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llam
     prompts = prompts_for(llama, [6, 6, 11], seed=2)
     before = mh.LAUNCHES.copy()
     with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("random",)):
-        runner = LlmRunner(llama, config("paged", kind, compiled=False, metal_kernels=True))
+        runner = LlmExecutor(llama, config("paged", kind, compiled=False, metal_kernels=True))  # the low-level API: it owns its block manager
         out = runner.run([SeqWork(str(i), p) for i, p in enumerate(prompts)])
         step = runner.run([SeqWork(str(i), [1]) for i in range(3)])
     assert mh.LAUNCHES["paged_attention_decode"] > before["paged_attention_decode"]
@@ -292,7 +293,7 @@ def test_int8_greedy_on_stories260k_mostly_matches_auto(stories_path):
     assert agree > 0.5, f"int8 greedy agrees with auto on {agree:.0%} of tokens"
 
     def forced(kind):
-        runner = LlmRunner(model, engine_config("paged", kind))
+        runner = LlmExecutor(model, engine_config("paged", kind))  # the low-level API: it owns its block manager
         work = [SeqWork(f"s{i}", p + a, all_logits=True) for i, (p, a) in enumerate(zip(prompts, auto))]
         return np.concatenate([np.array(o).argmax(-1) for o in runner.run(work)])
 

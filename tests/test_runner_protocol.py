@@ -1,4 +1,6 @@
-"""The engine and the draft proposer use nothing of their runner beyond the ModelRunner protocol."""
+"""The engine uses nothing of its runner beyond the ModelRunner protocol (the runner
+never allocates KV blocks: the scheduler owns them), and the draft proposer drives its
+own low-level executor (which owns its blocks) through a handful of its calls."""
 
 from __future__ import annotations
 
@@ -82,7 +84,10 @@ def test_the_engine_calls_only_model_runner_methods(layout):
     assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"] > 0, "speculation was not exercised"
     if layout == "paged":
         assert stats["prefix_cache_hit_rate"] > 0, "prefix caching was not exercised"
-        assert {"claim_prefix", "set_token_ids", "manager"} <= runner.used
+        # the engine builds its scheduler's block manager from the runner's geometry; it
+        # never asks the runner to claim, hash or free blocks
+        assert "kv_geometry" in runner.used
+    assert not {"claim_prefix", "set_token_ids", "manager", "has_cache", "num_tokens"} & runner.used
     assert {"forward", "trim_cache", "release_cache", "kv_capacity", "cache_metrics_snapshot"} <= runner.used
     assert runner.used <= PROTOCOL, f"the engine used {sorted(runner.used - PROTOCOL)} outside ModelRunner"
 
@@ -98,8 +103,10 @@ def test_the_draft_proposer_calls_only_model_runner_methods():
     prompts, params = mixed_workload(model.args.vocab_size)
     assert all(o.token_ids for o in eng.generate(prompts, params))
     assert eng.stats()["spec_proposed_tokens"] > 0
+    # the draft has no scheduler: its LlmExecutor owns the draft's blocks
+    allowed = {"run", "has_cache", "num_tokens", "trim_cache", "release_cache", "kv_capacity"}
     assert {"run", "has_cache", "release_cache"} <= proposer.runner.used
-    assert proposer.runner.used <= PROTOCOL, f"the proposer used {sorted(proposer.runner.used - PROTOCOL)}"
+    assert proposer.runner.used <= allowed, f"the proposer used {sorted(proposer.runner.used - allowed)}"
     assert target.used <= PROTOCOL, f"the engine used {sorted(target.used - PROTOCOL)}"
 
 
@@ -112,7 +119,9 @@ def test_an_executor_given_to_the_engine_is_driven_through_its_runner():
     out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
     assert executor.status().prefill_operations == 0  # the engine never goes through the adapter
-    assert not executor.manager.seqs  # one KV store: the engine released its cache in the executor's
+    # one block manager: the scheduler drove the executor's own and released its cache there
+    assert eng.block_manager is executor.manager and eng.scheduler.block_manager is executor.manager
+    assert executor.manager.peak_in_use > 0 and not executor.manager.seqs
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])

@@ -1,14 +1,18 @@
-"""The read-only scheduler plans exactly what the scheduler that wrote the manager did.
+"""The block-owning scheduler plans, and leaves the block manager, exactly as the
+scheduler that first wrote the manager did.
 
-``WritingScheduler`` below is the scheduler as it stood before it became read-only
-(commit 7f28a49): it called ``manager.create`` / ``match_prefix`` / ``release`` itself.
-Both run the same mixed workloads (shared prompt prefixes, preemption in a small pool,
-chunked prefill, aborts, rejections; one plain manager and one per-layer-group manager
-with a sliding group) on a host-only stand-in for the executor that appends slots to
-the manager as ``PagedKvStore.prepare`` does. Every step's plan (items with their token
-counts and ``num_computed``, preemptions, rejections) and the manager's block state
-after the step (free blocks, reference counts, evictable order, block tables) must be
-identical. No model runs: this is block bookkeeping only, so it is fast.
+``WritingScheduler`` below is the scheduler as it stood at commit 7f28a49: it called
+``manager.create`` / ``match_prefix`` / ``release`` itself and left the slot appends to
+the executor. Today's :class:`Scheduler` owns the manager and also appends every row's
+slots inside ``schedule()`` (``SchedulerOutput.kv``). Both run the same mixed workloads
+(shared prompt prefixes, preemption in a small pool, chunked prefill, aborts,
+rejections; one plain manager and one per-layer-group manager with a sliding group);
+for the oracle the driver appends the slots after ``schedule()`` as the old store did.
+Every step's plan (items with their token counts and ``num_computed``, preemptions,
+rejections) and the manager's block state after the step (free blocks, reference
+counts, evictable order, block tables) must be identical, and the new scheduler's
+``SchedulerOutput.kv`` must name exactly the slots the oracle's appends produced. No
+model runs: this is block bookkeeping only, so it is fast.
 """
 
 from __future__ import annotations
@@ -18,14 +22,10 @@ import random
 import pytest
 
 from mlx_ferrum.config import RuntimeConfig
-from mlx_ferrum.engine.engine import apply_kv_plan
 from mlx_ferrum.engine.sampling import SamplingParams
 from mlx_ferrum.engine.scheduler import ScheduledItem, Scheduler, SchedulerOutput
 from mlx_ferrum.engine.sequence import Sequence, SequenceStatus
-from mlx_ferrum.errors import KvCacheError
 from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvCacheManager
-from mlx_ferrum.kv_cache.block_plan import BlockPlan
-from mlx_ferrum.kv_cache.store import PagedKvStore
 
 BS = 8
 
@@ -114,22 +114,6 @@ class WritingScheduler(Scheduler):
         return out
 
 
-class HostExecutor:
-    """What ``apply_kv_plan`` needs of an executor, over a pool-less ``PagedKvStore``."""
-
-    def __init__(self, manager):
-        self.store = PagedKvStore(manager, None, 0)
-
-    def has_cache(self, cache_id):
-        return self.store.has(cache_id)
-
-    def release_cache(self, cache_id):
-        self.store.release(cache_id)
-
-    def claim_prefix(self, cache_id, token_ids, num_tokens):
-        self.store.claim_prefix(cache_id, token_ids, num_tokens)
-
-
 def workload(seed: int, n: int = 40, vocab: int = 50):
     """``(arrival step, prompt, max_tokens, abort step or None)`` per request; prompts
     start with one of three shared prefixes (or none), so the prefix cache hits."""
@@ -164,13 +148,12 @@ def _block_state(manager) -> tuple:
 
 def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 400):
     """Drive a scheduler like the engine (synchronous step) without a model; return
-    the per-step trace and counters. The read-only scheduler runs with the oracle's
+    the per-step trace and counters. The owning scheduler runs with the oracle's
     admission (no waiting for a prefix in flight, a later policy tested in test_engine)."""
     if scheduler_cls is Scheduler:
         sched = scheduler_cls(config, manager, max_seq_len=200, wait_for_prefix_in_flight=False)
     else:
         sched = scheduler_cls(config, manager, max_seq_len=200)
-    executor = HostExecutor(manager)
     seqs: dict[str, Sequence] = {}
     live: set[str] = set()
     trace = []
@@ -179,7 +162,8 @@ def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 40
     def finish(seq):
         seq.status = SequenceStatus.FINISHED
         sched.remove(seq)
-        executor.release_cache(seq.request_id)
+        if manager.has(seq.request_id):
+            manager.release(seq.request_id)
         live.discard(seq.request_id)
 
     for step in range(max_steps):
@@ -196,8 +180,9 @@ def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 40
         if step > 30 and not sched.has_unfinished():
             break
         out = sched.schedule()
-        if scheduler_cls is not WritingScheduler:
-            assert not apply_kv_plan(executor, out)
+        owning = scheduler_cls is not WritingScheduler
+        if owning:
+            assert not out.failed and set(out.kv.rows) == {it.seq.request_id for it in out.items}
         for s in out.rejected:
             finish(s)
         trace.append((
@@ -209,18 +194,31 @@ def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 40
         ))
         stats["preempted"] += len(out.preempted)
         stats["rejected"] += len(out.rejected)
-        stats["claimed_tokens"] += sum(x.num_tokens for x in getattr(out, "prefix_lookups", []) if x.admitted)
-        # the step runs: slots appended as PagedKvStore.prepare does, then one token sampled
+        # the step runs: for the oracle, slots appended as the old store did (the owning
+        # scheduler appended them in schedule()); then one token sampled
+        slots = []
         for it in out.items:
             s = it.seq
             rid = s.request_id
-            if manager.has(rid):
-                manager.trim_to_window(rid)
+            if owning:
+                row = out.kv.rows[rid]
+                assert row.start == s.num_computed and row.num_tokens == it.num_tokens
+                assert row.block_tables == [g.seqs[rid].block_ids for g in manager.groups]
+                slots.append([list(x) for x in row.slots])
             else:
-                manager.create(rid)
-            assert manager.num_tokens(rid) == s.num_computed
-            tokens = s.token_at(s.num_computed, s.num_computed + it.num_tokens)
-            manager.append_slots(rid, it.num_tokens, tokens if manager.prefix_cache else None)
+                if manager.has(rid):
+                    manager.trim_to_window(rid)
+                else:
+                    manager.create(rid)
+                assert manager.num_tokens(rid) == s.num_computed
+                tokens = s.token_at(s.num_computed, s.num_computed + it.num_tokens)
+                results = manager.append_slots(rid, it.num_tokens, tokens if manager.prefix_cache else None)
+                slots.append([r.slots for r in results])
+        # every row's slots are in place before any row is sampled (as in the engine: the
+        # forward pass takes the whole step's slots, then the step's tokens are read)
+        for it in out.items:
+            s = it.seq
+            rid = s.request_id
             if it.num_tokens < s.remaining:
                 stats["chunked"] += 1
             s.num_computed += it.num_tokens
@@ -231,7 +229,9 @@ def run(scheduler_cls, manager, config: RuntimeConfig, reqs, max_steps: int = 40
                     stats["finished"] += 1
         manager.check_invariants()
         trace.append(_block_state(manager))
+        trace.append(("slots", slots))
     assert not sched.has_unfinished(), "the workload did not finish"
+    stats["claimed_tokens"] = manager.groups[0].prefix_hit_tokens
     return trace, stats, sched.num_preemptions
 
 
@@ -246,7 +246,7 @@ def managers(kind: str, num_blocks: int, prefix_cache: bool):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("num_blocks,max_num_seqs,max_num_batched_tokens,prefill_chunk_size",
                          [(16, 6, 48, 16), (20, 5, 24, 8)])
-def test_read_only_scheduler_plans_what_the_writing_scheduler_did(kind, prefix_cache, seed, num_blocks, max_num_seqs,
+def test_owning_scheduler_plans_what_the_writing_scheduler_did(kind, prefix_cache, seed, num_blocks, max_num_seqs,
                                                                   max_num_batched_tokens, prefill_chunk_size):
     config = RuntimeConfig(kv_layout="paged", block_size=BS, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size)
@@ -264,37 +264,6 @@ def test_read_only_scheduler_plans_what_the_writing_scheduler_did(kind, prefix_c
         assert new == old
     assert {k: v for k, v in new_stats.items() if k != "claimed_tokens"} == \
         {k: v for k, v in old_stats.items() if k != "claimed_tokens"}
-
-
-def test_block_plan_counts_releases_and_claims_like_the_allocator():
-    """Shared prefix blocks: releasing one holder frees nothing, releasing the last frees
-    them; a claim revives free cached blocks (no longer free) but not blocks in use."""
-    mgr = LayerGroupKvManager(8, BS, max_blocks_per_seq=8, prefix_cache=True)
-    prompt = list(range(20))
-    mgr.create("a")
-    mgr.append_slots("a", 20, prompt)  # 3 blocks, 2 full and hashed
-    mgr.create("b")
-    assert mgr.match_prefix("b", prompt) == 16
-    mgr.append_slots("b", 4, prompt[16:])  # b: 2 shared + 1 own
-    plan = BlockPlan(mgr)
-    assert plan.num_free == mgr.num_free == 4
-    plan.release("a")
-    assert plan.num_free == 5 and not plan.has("a")  # a's partial block only
-    plan.release("b")
-    assert plan.num_free == 8
-    assert plan.longest_cached_prefix(prompt + [1]) == 16
-    plan.claim("c", prompt + [1], 16)
-    assert plan.num_free == 6 and plan.has("c")  # two cached blocks revived
-    assert plan.blocks_needed("c", 5) == 1
-    plan.claim("a", prompt, 16)
-    assert plan.num_free == 6  # the same blocks, already claimed
-    plan.cancel_claim("c")
-    plan.cancel_claim("a")
-    assert plan.num_free == 8
-    # nothing of it reached the manager
-    assert mgr.num_free == 4 and mgr.has("a") and mgr.has("b") and not mgr.has("c")
-    with pytest.raises(KvCacheError):
-        plan.claim("d", prompt, 24)  # only 16 cached
 
 
 def test_longest_cached_prefix_agrees_with_match_prefix():

@@ -101,15 +101,25 @@ def test_a_verify_pass_of_one_sequence_makes_no_plan_and_four_sequences_do():
     rows read its blocks as before; drafts of four requests under one prefix share them."""
     from mlx_ferrum.runner import LlmRunner
 
+    from mlx_ferrum.kv_cache.block_tables import BatchBlocks, append_row
+
     model = tiny_model("llama")
     store = LlmRunner(model, RuntimeConfig(kv_layout="paged", block_size=BS, max_num_blocks=256,
                                            prefix_cache=False)).store
-    store.prepare([("a", list(range(1, 6 * BS + 1)))])
-    one, _ = store.prepare([("a", [3, 4, 5, 6, 7])], as_decode=[True])
+    mgr = store.geometry.new_block_manager()  # the blocks' owner (the scheduler, in the engine)
+
+    def prepare(items, **kw):
+        blocks = BatchBlocks()
+        for cid, tokens in items:
+            append_row(mgr, blocks, cid, len(tokens))
+        return store.prepare(items, blocks=blocks, **kw)
+
+    prepare([("a", list(range(1, 6 * BS + 1)))])
+    one, _ = prepare([("a", [3, 4, 5, 6, 7])], as_decode=[True])
     assert one[0].inputs.shared_prefixes == []
     for cid in "bcd":
-        store.manager.fork("a", cid)
-    four, _ = store.prepare([(cid, [3, 4]) for cid in "abcd"], as_decode=[True] * 4)
+        mgr.fork("a", cid)
+    four, _ = prepare([(cid, [3, 4]) for cid in "abcd"], as_decode=[True] * 4)
     assert four[0].inputs.shared_prefixes and four[0].inputs.shared_prefixes[0] is not None
 
 

@@ -198,7 +198,7 @@ def test_greedy_batched_output_is_identical_with_and_without_speculation(model, 
     if proposer == "ngram":
         assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
     if layout == "paged":
-        mgr = eng.runner.manager
+        mgr = eng.block_manager
         mgr.check_invariants()
         assert mgr.num_free == mgr.num_blocks and not mgr.seqs
         if prop is not None:
@@ -245,13 +245,13 @@ def test_no_block_leaks_after_many_rejections_under_kv_pressure(model, random_dr
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o
-        eng.runner.manager.check_invariants()
+        eng.block_manager.check_invariants()
         prop.runner.manager.check_invariants()
     st = eng.stats()
     assert st["spec_proposed_tokens"] - st["spec_accepted_tokens"] > 200, "too few rejections"
     assert st["num_preemptions"] > 0, "the pool was never under pressure"
     assert all(done[i].finish_reason == "length" for i in ids)
-    for m in (eng.runner.manager, prop.runner.manager):
+    for m in (eng.block_manager, prop.runner.manager):
         assert m.num_free == m.num_blocks and not m.seqs
 
 
@@ -411,10 +411,10 @@ def test_prefix_cache_with_speculation_keeps_outputs_and_blocks_sound(model):
     for _ in range(2):  # the second round hits blocks written (and partly rolled back) by the first
         outs = eng.generate(prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-        eng.runner.manager.check_invariants()
+        eng.block_manager.check_invariants()
     st = eng.stats()
     assert st["spec_accepted_tokens"] < st["spec_proposed_tokens"] and st["prefix_cache_hit_rate"] > 0
-    assert not eng.runner.manager.seqs
+    assert not eng.block_manager.seqs
 
 
 @pytest.mark.slow
@@ -449,12 +449,20 @@ def test_a_draft_row_is_laid_out_as_decode_rows_with_causal_context_lengths():
     """PagedKvStore.prepare(as_decode=...) turns an n-token row into n one-query rows over
     the same block table, row j attending to the cache up to its own token."""
     from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvPool
+    from mlx_ferrum.kv_cache.block_tables import BatchBlocks, append_row
     from mlx_ferrum.kv_cache.store import PagedKvStore
 
     mgr = LayerGroupKvManager(32, 4, 16)
     store = PagedKvStore(mgr, PagedKvPool(1, 32, 1, 4, 8, mx.float32), bytes_per_token=64)
-    store.prepare([("a", list(range(6))), ("b", [1, 2, 3])])
-    passes, _ = store.prepare([("a", [7, 8, 9]), ("b", [4]), ("c", [5, 6, 7, 8, 9])], as_decode=[True, False, False])
+
+    def prepare(items, **kw):  # the slots come from the blocks' owner, as the scheduler's do
+        blocks = BatchBlocks()
+        for cid, tokens in items:
+            append_row(mgr, blocks, cid, len(tokens))
+        return store.prepare(items, blocks=blocks, **kw)
+
+    prepare([("a", list(range(6))), ("b", [1, 2, 3])])
+    passes, _ = prepare([("a", [7, 8, 9]), ("b", [4]), ("c", [5, 6, 7, 8, 9])], as_decode=[True, False, False])
     f = passes[0].inputs
     # decode rows first: a's three tokens (expanded) and b's one, then c's prefill segment
     assert [passes[0].items[k] for k in range(3)] == [0, 1, 2]

@@ -297,9 +297,9 @@ def _spy_forward(eng) -> list:
     tokens were still on the device (the executor takes them as ``prev``)."""
     forward, calls = eng.runner.forward, []
 
-    def spy(work, prev):
+    def spy(work, prev, blocks=None):
         calls.append(prev is not None)
-        return forward(work, prev)
+        return forward(work, prev, blocks)
 
     eng.runner.forward = spy
     return calls
@@ -342,7 +342,7 @@ def test_constrained_rows_overlap_and_equal_the_synchronous_step(stories, mode, 
         assert sum(calls) >= len(calls) // 2, calls
     else:
         assert not any(calls), calls
-    mgr = only.runner.manager
+    mgr = only.block_manager
     if mgr is not None:
         assert mgr.num_in_use == 0 and not mgr.seqs
     assert not only.has_unfinished_requests()
@@ -410,7 +410,7 @@ def test_constrained_rows_draft_and_verify_against_per_position_masks(stories, k
     for out, p in zip(drafted, params):
         if out.finish_reason == "stop":
             _check_constraint(p.structured_outputs, out.text)
-    mgr = eng.runner.manager
+    mgr = eng.block_manager
     if mgr is not None:
         assert mgr.num_in_use == 0 and not mgr.seqs
 
@@ -457,4 +457,4 @@ def test_a_failure_cutting_one_draft_leaves_the_other_rows_alone(stories, monkey
     outs = eng.generate(prompts, params)
     assert len(calls) >= 3
     assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
-    assert eng.runner.manager.num_in_use == 0 and not eng.runner.manager.seqs
+    assert eng.block_manager.num_in_use == 0 and not eng.block_manager.seqs

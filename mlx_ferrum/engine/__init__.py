@@ -8,7 +8,7 @@
 from .async_engine import AsyncEngine
 from .engine import Engine, RequestOutput
 from .sampling import SamplerState, SamplingParams, sample
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 from .structured import StructuredOutputsParams
 
@@ -20,6 +20,7 @@ __all__ = [
     "SamplerState",
     "SamplingParams",
     "Scheduler",
+    "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
     "StructuredOutputsParams",

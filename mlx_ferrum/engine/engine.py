@@ -1,10 +1,12 @@
 """Engine: requests -> Scheduler -> runner -> sampler -> detokenizer.
 
 Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
-``step()`` asks the scheduler which sequences run, packs their new tokens (prefill
-chunks and decode tokens together) into ONE runner call, samples the sequences
-whose chunk reached their last token in one batched ``sample()``, detokenizes, checks
-stops, and frees the caches of finished requests at once.
+``step()`` asks the scheduler which sequences run (the scheduler owns the KV block
+manager and appends the step's slots: ``SchedulerOutput.kv``), packs their new tokens
+(prefill chunks and decode tokens together) into ONE runner call that reads those
+slots, samples the sequences whose chunk reached their last token in one batched
+``sample()``, detokenizes, checks stops, and frees the caches of finished requests at
+once (through the scheduler: the engine never touches the KV pool's arrays).
 
 ``add_request``, ``abort``, ``step``, ``generate`` and ``stream`` are thread-safe: any
 thread may submit while another drives ``step()``, and several threads may call
@@ -120,38 +122,6 @@ def context_full_message(num_tokens: int, capacity: int, max_position_embeddings
     return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
 
 
-def apply_kv_plan(runner: ModelRunner, plan: SchedulerOutput) -> list[tuple[Sequence, Exception]]:
-    """Apply the KV-cache changes the scheduler planned (it only reads the manager):
-    free the caches of the preempted sequences, in order, then perform the prefix-cache
-    lookups in order (``runner.claim_prefix``; a lookup whose sequence was not admitted
-    is released at once, see :class:`~mlx_ferrum.engine.scheduler.PrefixLookup`).
-
-    Called right after :meth:`Scheduler.schedule`, before the step is built, so the
-    manager then holds what the scheduler counted on, changed exactly as when the
-    scheduler wrote it itself: releases first (a claim may revive blocks a preempted
-    sequence held), then the lookups in the scheduler's order.
-
-    Returns:
-        ``(sequence, error)`` for each admitted claim that failed (the engine fails that
-        request); empty when the manager agreed with the plan, which it always should.
-    """
-    for seq in plan.preempted:
-        if runner.has_cache(seq.request_id):
-            runner.release_cache(seq.request_id)
-    failed = []
-    for lookup in plan.prefix_lookups:
-        seq = lookup.seq
-        try:
-            runner.claim_prefix(seq.request_id, seq.prefix_key_ids(), lookup.num_tokens)
-        except Exception as e:  # noqa: BLE001 - this request only
-            if lookup.admitted:
-                failed.append((seq, e))
-            continue
-        if not lookup.admitted:
-            runner.release_cache(seq.request_id)
-    return failed
-
-
 @dataclass
 class RequestOutput:
     """The state of one request after a step.
@@ -205,8 +175,9 @@ class Engine:
             efficient; the contiguous layout works with padded batches and no preemption.
         executor: the model runner to use instead of building one: a
             :class:`~mlx_ferrum.runner.ModelRunner` (e.g. :class:`~mlx_ferrum.runner.LlmRunner`),
-            or an :class:`~mlx_ferrum.executor.LlmExecutor`, whose runner is used (the
-            engine then shares its KV store with the executor's ferrum-style calls).
+            or an :class:`~mlx_ferrum.executor.LlmExecutor`, whose runner is used and
+            whose block manager the scheduler takes over (the engine then shares its KV
+            caches with the executor's ferrum-style calls).
         proposer: a speculative-decoding proposer (``NgramProposer`` /
             ``DraftModelProposer`` from :mod:`mlx_ferrum.engine.speculative`) to use
             instead of the one ``config.speculative`` names.
@@ -236,12 +207,18 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config if config is not None else RuntimeConfig()
-        # an LlmExecutor (the ferrum-style adapter) is driven through its runner
+        # an LlmExecutor (the ferrum-style adapter) is driven through its runner; the block
+        # manager it owns becomes the scheduler's, so both see the same caches
+        shared_blocks = getattr(executor, "block_manager", None)
         executor = getattr(executor, "runner", executor)
         # everything below calls only ModelRunner methods (tests/test_runner_protocol.py checks it)
         self.runner: ModelRunner = executor if executor is not None else LlmRunner(model, self.config)
-        self._pool_tokens = _pool_token_limit(self.runner.manager)
-        self.scheduler = Scheduler(self.config, self.runner.manager, self.max_sequence_tokens())
+        geometry = self.runner.kv_geometry
+        #: the paged block manager, owned and driven by the scheduler (None: contiguous)
+        self.block_manager = (shared_blocks if shared_blocks is not None
+                              else geometry.new_block_manager() if geometry is not None else None)
+        self._pool_tokens = _pool_token_limit(self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_sequence_tokens())
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         # a checkpoint whose embedding is padded past its tokenizer (Qwen): the padding
         # ids have no text, so they are never sampled (mlx_ferrum.load refuses a pair
@@ -268,10 +245,10 @@ class Engine:
         self._in_flight: set[str] = set()
         self._deferred_release: list[str] = []
         # every mode runs on the pipelined step: prefix caching hashes a block once its
-        # ids are read back (runner.set_token_ids), penalties count the token still in
+        # ids are read back (scheduler.set_token_ids), penalties count the token still in
         # flight on the device, and only a row about to speculate waits for its token
         self._pipelined = bool(self.config.async_scheduling)
-        self._prefix_cache = bool(getattr(self.runner.manager, "prefix_cache", False))
+        self._prefix_cache = bool(getattr(self.block_manager, "prefix_cache", False))
         self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
@@ -397,7 +374,7 @@ class Engine:
         return cap if self._pool_tokens is None else min(cap, self._pool_tokens)
 
     def _pool_full_message(self, num_tokens: int) -> str:
-        mgr = self.runner.manager
+        mgr = self.block_manager
         return (f"the prompt has {num_tokens} tokens and the KV pool holds {self._pool_tokens} "
                 f"({mgr.num_blocks} KV blocks of {mgr.block_size} tokens): shorten it, or raise FERRUM_KV_MAX_BLOCKS "
                 "(RuntimeConfig.max_num_blocks) or FERRUM_KV_MEMORY_FRACTION")
@@ -449,7 +426,9 @@ class Engine:
         self._itl.extend(m.inter_token_latencies)
 
     def _release_request(self, request_id: str) -> None:
-        """Free a finished request's KV cache, draft cache and speculation record."""
+        """Free a finished request's KV blocks (the scheduler's), contiguous buffers (the
+        runner's storage), draft cache and speculation record."""
+        self.scheduler.free(request_id)
         self.runner.release_cache(request_id)
         if self._proposer is not None:
             self._proposer.release(request_id)
@@ -598,23 +577,24 @@ class Engine:
         box.clear()
         return got
 
-    def _schedule(self, outputs: list[RequestOutput]) -> list:
-        """The scheduler's items for this step; requests the pool can never hold end here
-        with ``"error"`` (their outputs are appended to ``outputs``). Call with the lock held."""
+    def _schedule(self, outputs: list[RequestOutput]) -> tuple[list, SchedulerOutput]:
+        """The scheduler's items for this step and its :class:`SchedulerOutput` (the rows'
+        slots are appended already); requests the pool can never hold, and rows whose
+        slots could not be appended, end here with ``"error"`` (their outputs are
+        appended to ``outputs``). Call with the lock held."""
         self._admit_lora_waiting()
         lookahead = None
         if self._policy is not None and self._policy.enabled_for_batch(self._num_requests()):
             lookahead = self._lookahead
         plan = self.scheduler.schedule(lookahead)
-        # the scheduler only reads the manager: its releases and prefix claims land here
-        for seq, exc in apply_kv_plan(self.runner, plan):
+        for seq, exc in plan.failed:
             self._finish(seq, "error", exception=exc)
             outputs.append(self._output(seq, "", []))
         for seq in plan.rejected:
             self._finish(seq, "error", "the request alone needs more KV blocks than the pool has: "
                          "raise FERRUM_KV_MAX_BLOCKS or shorten it")
             outputs.append(self._output(seq, "", []))
-        return [it for it in plan.items if not it.seq.finished]
+        return [it for it in plan.items if not it.seq.finished], plan
 
     def _step_body(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -623,7 +603,7 @@ class Engine:
             if self._inflight is not None and not self._can_overlap():
                 flight, self._inflight = self._inflight, None
                 outputs.extend(self._resolve(flight))
-            items = self._schedule(outputs)
+            items, plan = self._schedule(outputs)
             num_requests = self._num_requests()
             drafts = [(i, SpeculativeRequest(it.seq.request_id, it.seq.token_at(0, it.seq.num_tokens),
                                              it.num_lookahead, it.seq.sampler))
@@ -634,6 +614,7 @@ class Engine:
             self._end_flight()
         proposals: dict[int, Proposal] = {}
         launched, verified = None, []
+        launching = False
         if items:
             try:
                 if drafts:
@@ -648,12 +629,18 @@ class Engine:
                         else:
                             self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
                 with self._lock:
+                    # the lookahead slots a draft does not fill go back to the pool
+                    for i, _ in drafts:
+                        used = len(proposals[i].token_ids) if i in proposals else 0
+                        if not items[i].seq.finished:
+                            self.scheduler.release_lookahead(plan, items[i], used)
                     # an abort since scheduling took the request's in-flight token back
                     # (see _finish): its row no longer has the tokens it was planned with
                     items, proposals = _live_items(items, proposals)
                     work = self._build_work(items, proposals)
                 if work:
-                    launched, verified = self._launch(items, work, proposals, outputs)
+                    launching = True
+                    launched, verified = self._launch(items, work, proposals, outputs, plan)
                 else:
                     self._end_flight()
             except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
@@ -661,6 +648,15 @@ class Engine:
                 self.runner.schedule_kv_state()
                 self._end_flight()
                 outputs.extend(self._fail_step(items, e))
+            except BaseException:
+                if not launching:
+                    # Ctrl-C while the draft or the batch was built: the step never ran, so
+                    # its slots go back and the next step schedules the same tokens again
+                    # (_launch does the same when the runner is interrupted)
+                    with self._lock:
+                        self.scheduler.rollback(plan)
+                    self._end_flight()
+                raise
         with self._lock:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
@@ -756,7 +752,7 @@ class Engine:
         return arrays
 
     def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None,
-                outputs: Optional[list] = None):
+                outputs: Optional[list] = None, plan: Optional[SchedulerOutput] = None):
         """Queue the forward pass and the sampling of ``items``; nothing of this step is read back.
 
         Returns ``(flight, verified)``: the :class:`_InFlight` of the plain sampled rows
@@ -780,8 +776,15 @@ class Engine:
         proposals = proposals or {}
         prev = self._inflight.tokens if self._inflight is not None else None
         try:
-            # a BaseException (Ctrl-C) propagates after the runner restored every cache
-            logits, state = self.runner.forward(work, prev)
+            # the runner reads the slots the scheduler appended (plan.kv); when the pass
+            # cannot be built, the scheduler takes them back, so a BaseException (Ctrl-C)
+            # propagates with every cache as it was before this step
+            logits, state = self.runner.forward(work, prev, plan.kv if plan is not None else None)
+        except BaseException:
+            if plan is not None:
+                with self._lock:
+                    self.scheduler.rollback(plan)
+            raise
         finally:
             self._end_flight()
         with self._lock:
@@ -1004,7 +1007,7 @@ class Engine:
                         if self._prefix_cache:
                             # stored as UNKNOWN_TOKEN when the next step was queued: its
                             # block can be hashed now
-                            self.runner.set_token_ids(s.request_id, len(s.prompt_ids) + index, [tok])
+                            self.scheduler.set_token_ids(s, len(s.prompt_ids) + index, [tok])
                         outs.append(self._emit(s, [tok], [lp], [top], now, cap, index=index))
                         continue
                     except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
@@ -1138,6 +1141,9 @@ class Engine:
                 self.spec_accepted_tokens += res.num_accepted
                 self._policy.record(s.request_id, len(prop.token_ids), res.num_accepted, self.num_steps)
                 kept = s.num_computed + res.num_accepted  # prompt + output + accepted draft tokens
+                # the scheduler frees the rejected tokens' blocks (and learns the accepted
+                # ids); the runner cuts a contiguous cache's buffers (nothing for paged)
+                self.scheduler.commit_draft(s, s.num_computed, res.token_ids[: res.num_accepted])
                 self.runner.trim_cache(s.request_id, kept)
                 self._proposer.committed(s.request_id, kept)
                 s.num_computed = kept
@@ -1350,7 +1356,7 @@ class Engine:
         """Engine metrics: queue and running counts, token counters, TTFT and inter-token
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
         with self._lock:
-            kv = self.runner.cache_metrics_snapshot()
+            kv = self.runner.cache_metrics_snapshot(self.block_manager)
             ttft, itl = self._ttft, self._itl
             return {
                 "num_waiting": len(self.scheduler.waiting),

@@ -1,4 +1,5 @@
-"""Scheduler: which sequences run in the next step, and how many tokens each brings.
+"""Scheduler: which sequences run in the next step, how many tokens each brings, and
+where their K/V go. It owns the KV block manager.
 
 First come, first served, in the style of vLLM's unified scheduler (and nano-vllm):
 
@@ -7,32 +8,42 @@ First come, first served, in the style of vLLM's unified scheduler (and nano-vll
   Chunks and decode tokens of all sequences go into ONE forward pass.
 - Then waiting sequences are admitted while there are sequence slots
   (``max_num_seqs``), token budget (``max_num_batched_tokens``) and free blocks. With
-  prefix caching, an admitted sequence first takes the cached blocks of its prompt
-  (``SchedulerOutput.prefix_lookups``), and one whose prompt shares blocks that a
-  running sequence computes in this step waits for them (``Scheduler._prefix_in_flight``).
+  prefix caching, an admitted sequence first shares the cached blocks of its prompt,
+  and one whose prompt shares blocks that a running sequence computes in this step
+  waits for them (``Scheduler._prefix_in_flight``).
 - Preemption by recompute: when the pool cannot grow a running sequence, the most
-  recently admitted running sequence is preempted: its blocks are to be freed
+  recently admitted running sequence is preempted: its blocks are freed at once
   (``SchedulerOutput.preempted``) and it returns to the front of the waiting queue, to
   be recomputed (prompt + outputs so far) later.
 
-The scheduler only READS the host-side
-:class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` (block tables), never arrays, and
-never writes it: the releases and prefix claims it decides are recorded in a
-:class:`~mlx_ferrum.kv_cache.block_plan.BlockPlan` (so later decisions of the same step
-count with them) and applied by the engine, through the executor, right after
-:meth:`Scheduler.schedule` returns (:func:`mlx_ferrum.engine.engine.apply_kv_plan`). The
-executor appends the slots when it runs the step.
+Block ownership follows vLLM's block manager (Kwon et al., SOSP 2023) and nano-vllm:
+the scheduler holds the :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` (block
+tables, reference counts, prefix hashes; built by the engine from the runner's
+``kv_geometry``) and is the only one that changes it while the engine runs. Within
+:meth:`Scheduler.schedule` it frees preempted sequences, shares cached prefixes, counts
+the blocks each decision takes (so later decisions see earlier ones), and at the end
+appends every row's slots, the lookahead slots of speculation included. The step's
+:class:`SchedulerOutput` carries them (``SchedulerOutput.kv``: per row, its slots and
+block tables per layer group); the runner only reads it. The engine reports back what
+the step learned (:meth:`Scheduler.release_lookahead`, :meth:`Scheduler.commit_draft`,
+:meth:`Scheduler.set_token_ids`, :meth:`Scheduler.free`, :meth:`Scheduler.rollback`).
+
+The contiguous layout has no block manager (``block_manager=None``): admission is then
+bounded by ``max_num_seqs`` only, and ``SchedulerOutput.kv`` is None.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional, Sequence as Seq
 
 from ..config import RuntimeConfig
+from ..errors import KvCacheError
 from ..kv_cache import LayerGroupKvManager
-from ..kv_cache.block_plan import BlockPlan
+from ..kv_cache.block_tables import BatchBlocks, RowBlocks, append_row, shrink_row, undo_rows
+from ..kv_cache.manager import UNKNOWN_TOKEN
+from ..lora.registry import salt_token_ids
 from .sequence import Sequence, SequenceStatus
 
 
@@ -41,8 +52,10 @@ class ScheduledItem:
     """``num_tokens`` new tokens of ``seq`` (from ``seq.num_computed`` on) for this step.
 
     ``num_lookahead``: speculative tokens this decode row may add after its one token
-    (vLLM's ``num_lookahead_slots``): the step's token budget and the pool's free blocks
-    already count them, so the engine may append up to that many proposed tokens.
+    (vLLM's ``num_lookahead_slots``): the step's token budget counts them and their
+    slots are appended with the row's (``SchedulerOutput.kv``), so the engine may
+    append up to that many proposed tokens; it gives back the slots a draft does not
+    use (:meth:`Scheduler.release_lookahead`).
     """
 
     seq: Sequence
@@ -56,76 +69,90 @@ class ScheduledItem:
 
 
 @dataclass
-class PrefixLookup:
-    """A prefix-cache lookup the scheduler made for a waiting sequence; the engine performs
-    it (``executor.claim_prefix``) after the step is planned, in the scheduler's order.
-
-    Attributes:
-        seq: the sequence (its cache does not exist yet).
-        num_tokens: cached tokens found at the start of the sequence's tokens (a
-            multiple of ``block_size``; its last token is never among them).
-        admitted: True: ``seq`` was admitted and its cache starts with those tokens
-            (``seq.num_computed`` counts them). False: it did not fit this step; the
-            lookup is claimed and released at once, so it still counts as a prefix-cache
-            query and the blocks it found move to the back of the eviction order (they
-            are wanted again soon), as when the scheduler made the match itself.
-    """
-
-    seq: Sequence
-    num_tokens: int
-    admitted: bool
-
-
-@dataclass
 class SchedulerOutput:
-    """One step's plan: the items to run, and sequences preempted or refused.
+    """One step's plan: the rows to run with their KV slots, and sequences preempted,
+    refused or failed.
 
     Attributes:
-        items: what runs this step, running sequences first, then admitted ones.
-        preempted: sequences preempted this step, in order; the engine frees their
-            caches (if they hold one) before anything else.
+        items: what runs this step, running sequences first, then admitted ones: per row
+            the sequence (its request id, sampling parameters and adapter), its token
+            count (``num_tokens``) and its speculative lookahead.
+        preempted: sequences preempted this step, in order (their blocks are freed).
         rejected: sequences that can never run (the engine fails them).
-        prefix_lookups: the prefix-cache lookups of this step, in order (after the
-            preemptions' releases): :class:`PrefixLookup`.
+        failed: ``(sequence, error)`` for rows whose slots could not be appended (the
+            engine fails them; other rows are untouched).
+        kv: the rows' blocks (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`):
+            per request id, its first position (``start``), one slot per token
+            (``num_tokens + num_lookahead`` of them; ``block_id * block_size + offset``)
+            and its block table, per layer group; plus copy-on-write copies. None for
+            the contiguous layout.
     """
 
     items: list[ScheduledItem] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)
-    prefix_lookups: list[PrefixLookup] = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    kv: Optional[BatchBlocks] = None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the step's forward pass."""
+        """Tokens in the step's forward pass (lookahead slots not counted)."""
         return sum(i.num_tokens for i in self.items)
 
+    @property
+    def request_ids(self) -> list[str]:
+        """The rows' request ids, in row order."""
+        return [i.seq.request_id for i in self.items]
+
+    def row_blocks(self, request_id: Hashable) -> Optional[RowBlocks]:
+        """The row's :class:`~mlx_ferrum.kv_cache.block_tables.RowBlocks` (None: contiguous or no row)."""
+        return self.kv.rows.get(request_id) if self.kv is not None else None
+
+    def positions(self, request_id: Hashable) -> list[int]:
+        """Positions of the row's tokens (lookahead slots included) in its sequence."""
+        row = self.row_blocks(request_id)
+        if row is not None:
+            return list(range(row.start, row.context_len))
+        item = next(i for i in self.items if i.seq.request_id == request_id)
+        return list(range(item.seq.num_computed, item.seq.num_computed + item.num_tokens + item.num_lookahead))
 
 class Scheduler:
-    """FCFS scheduler with chunked prefill and preemption by recompute.
+    """FCFS scheduler with chunked prefill and preemption by recompute; the owner of the
+    KV block manager (see the module docstring).
 
     Args:
         config: budgets (``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_chunk_size``,
             ``max_num_prefill_seqs``).
-        manager: the executor's paged manager (only read), or None for the contiguous
-            layout (no block accounting then: admission is bounded by ``max_num_seqs`` only).
+        block_manager: the paged :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` this
+            scheduler owns and drives (built by the engine from the runner's
+            ``kv_geometry``), or None for the contiguous layout (no block accounting then:
+            admission is bounded by ``max_num_seqs`` only).
         max_seq_len: most tokens per sequence.
         wait_for_prefix_in_flight: with prefix caching, a waiting request whose prompt
             shares blocks that a running sequence computes this step waits for them
             (:meth:`_prefix_in_flight`) instead of computing them too.
+
+    Attributes:
+        block_manager: as given (``manager`` is the same object).
+        waiting, running: the queues. num_preemptions: preemptions so far.
     """
 
-    def __init__(self, config: RuntimeConfig, manager: Optional[LayerGroupKvManager], max_seq_len: int,
+    def __init__(self, config: RuntimeConfig, block_manager: Optional[LayerGroupKvManager], max_seq_len: int,
                  wait_for_prefix_in_flight: bool = True):
         self.config = config
-        self.manager = manager
+        self.block_manager = block_manager
         self.max_seq_len = max_seq_len
         self.wait_for_prefix_in_flight = wait_for_prefix_in_flight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
-        self._reserved = 0
-        self._plan: Optional[BlockPlan] = None  # this step's pending releases and prefix claims
+        self._reserved = 0  # blocks this step's decisions take, appended at the end of schedule()
         self.num_preemptions = 0
+
+    @property
+    def manager(self) -> Optional[LayerGroupKvManager]:
+        """The block manager (:attr:`block_manager`)."""
+        return self.block_manager
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""
@@ -136,21 +163,83 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence from the queues (its blocks are freed by the engine)."""
+        """Drop a finished or aborted sequence from the queues (its blocks are freed by
+        :meth:`free`, which the engine calls once no step in flight reads them)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _fits(self, seq: Sequence, n: int) -> bool:
-        """True when ``n`` more tokens of ``seq`` fit beside the blocks this step already reserved."""
-        if self._plan is None:
-            return True
-        return self._plan.blocks_needed(seq.request_id, n) <= self._plan.num_free - self._reserved
+    # ------------------------------------------------------------ block ownership
+    def free(self, request_id: Hashable) -> None:
+        """Free every block of ``request_id``'s cache (unknown ids are ignored)."""
+        mgr = self.block_manager
+        if mgr is not None and mgr.has(request_id):
+            mgr.release(request_id)
 
-    def _reserve(self, seq: Sequence, n: int) -> None:
-        if self._plan is not None:
-            self._reserved += self._plan.blocks_needed(seq.request_id, n)
+    def release_lookahead(self, out: SchedulerOutput, item: ScheduledItem, used: int) -> None:
+        """Give back the lookahead slots of ``item`` past the first ``used`` (the draft
+        proposed fewer tokens than were granted); ``out.kv``'s row keeps ``num_tokens + used``
+        slots and ``item.num_lookahead`` becomes ``used``.
+
+        Raises:
+            KvCacheError: ``used`` above the granted lookahead.
+        """
+        if used > item.num_lookahead:
+            raise KvCacheError(f"{used} draft tokens for {item.num_lookahead} lookahead slots")
+        if self.block_manager is not None and used < item.num_lookahead:
+            shrink_row(self.block_manager, out.kv, item.seq.request_id, item.num_tokens + used)
+        item.num_lookahead = used
+
+    def commit_draft(self, seq: Sequence, start: int, accepted: Seq[int]) -> None:
+        """A verified draft: keep ``start + len(accepted)`` tokens of ``seq``'s cache (the
+        rejected draft tokens' blocks are freed) and record the accepted ids, appended
+        as unknown, for prefix caching.
+
+        Args:
+            start: tokens kept before the draft (its row's token included).
+            accepted: the accepted draft token ids (unsalted ints).
+
+        Raises:
+            KvCacheError: the cache holds fewer tokens, or a sliding window already freed
+                the blocks it would need.
+        """
+        mgr = self.block_manager
+        if mgr is None or not mgr.has(seq.request_id):
+            return
+        mgr.truncate(seq.request_id, start + len(accepted))
+        if accepted and mgr.prefix_cache:
+            mgr.set_token_ids(seq.request_id, start, salt_token_ids(accepted, seq.prefix_salt))
+
+    def set_token_ids(self, seq: Sequence, start: int, token_ids: Seq[int]) -> None:
+        """Record the ids of ``seq``'s tokens appended before they were read back (a
+        pipelined step's in-flight token, stored as ``UNKNOWN_TOKEN``), so prefix caching
+        can hash their blocks. A no-op without prefix caching or without a cache.
+
+        Raises:
+            KvCacheError: a position already holds a different known id.
+        """
+        mgr = self.block_manager
+        if mgr is not None and mgr.prefix_cache and mgr.has(seq.request_id):
+            mgr.set_token_ids(seq.request_id, start, salt_token_ids(token_ids, seq.prefix_salt))
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """The step of ``out`` did not run: give back every slot it appended (each row's
+        cache is cut back to its ``start``; caches released meanwhile are skipped)."""
+        if self.block_manager is not None and out.kv is not None:
+            undo_rows(self.block_manager, out.kv)
+
+    def block_metrics(self) -> dict:
+        """The block manager's metrics (``{}`` for the contiguous layout)."""
+        return self.block_manager.cache_metrics_snapshot() if self.block_manager is not None else {}
+
+    # ------------------------------------------------------------ planning
+    def _fits(self, seq: Sequence, n: int) -> bool:
+        """True when ``n`` more tokens of ``seq`` fit beside the blocks this step already took."""
+        mgr = self.block_manager
+        if mgr is None:
+            return True
+        return mgr.blocks_needed(seq.request_id, n) <= mgr.num_free - self._reserved
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """True when ``seq`` already holds its last token (``max_tokens`` or a full context)."""
@@ -159,15 +248,14 @@ class Scheduler:
         )
 
     def _alone_cannot_fit(self, seq: Sequence) -> bool:
-        if self.manager is None:
+        if self.block_manager is None:
             return False
-        need = -(-seq.num_tokens // self.manager.block_size)
-        return need > self.manager.num_blocks
+        need = -(-seq.num_tokens // self.block_manager.block_size)
+        return need > self.block_manager.num_blocks
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        if self._plan is not None and self._plan.has(victim.request_id):
-            self._plan.release(victim.request_id)  # the engine frees it (out.preempted)
+        self.free(victim.request_id)
         victim.num_computed = 0
         victim.status = SequenceStatus.WAITING
         victim.metrics.num_preemptions += 1
@@ -176,7 +264,7 @@ class Scheduler:
         out.preempted.append(victim)
 
     def schedule(self, lookahead: Optional[Callable[[Sequence], int]] = None) -> SchedulerOutput:
-        """Plan the next step (see the module docstring).
+        """Plan the next step and append its slots (see the module docstring).
 
         Args:
             lookahead: speculative tokens a decoding sequence would like to add this step
@@ -184,14 +272,19 @@ class Scheduler:
                 tokens, each decode row that asks is granted as many as the remaining token
                 budget and free blocks allow (``ScheduledItem.num_lookahead``), oldest first:
                 speculation never takes budget or blocks from ordinary work.
+
+        Returns:
+            The step's :class:`SchedulerOutput`; its ``kv`` rows hold the slots of every
+            item's tokens and lookahead.
         """
-        out = SchedulerOutput()
+        mgr = self.block_manager
+        out = SchedulerOutput(kv=BatchBlocks() if mgr is not None else None)
         budget = self.config.max_num_batched_tokens
         chunk = self.config.prefill_chunk_size
         self._reserved = 0
-        self._plan = BlockPlan(self.manager) if self.manager is not None else None
 
         # running sequences, oldest first; preempt the youngest when blocks run out
+        free = mgr.num_free if mgr is not None else 0  # changes only when one is preempted
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -201,12 +294,12 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            plan = self._plan
             # its own need does not change while others are preempted; only the free blocks do
-            need = plan.blocks_needed(seq.request_id, n) if plan is not None else 0
-            while plan is not None and need > plan.num_free - self._reserved:
+            need = mgr.blocks_needed(seq.request_id, n) if mgr is not None else 0
+            while mgr is not None and need > free - self._reserved:
                 victim = self.running[-1]
                 self._preempt(victim, out)
+                free = mgr.num_free
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
@@ -218,7 +311,7 @@ class Scheduler:
 
         # admit waiting sequences, first come first served
         prefilling = (self._prefilling() if self.waiting and self.wait_for_prefix_in_flight
-                      and self._plan is not None and self.manager.prefix_cache else None)
+                      and mgr is not None and mgr.prefix_cache else None)
         deferred: list[Sequence] = []
         # a cap on the sequences that prefill in this step: the running ones still in their
         # prompt count against it (and always run), new ones are admitted below it
@@ -231,28 +324,28 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            lookup = None
-            plan = self._plan
+            claimed = False
             tokens = None
-            if (plan is not None and not plan.has(seq.request_id) and seq.num_computed == 0 and self.manager.prefix_cache
+            if (mgr is not None and mgr.prefix_cache and not mgr.has(seq.request_id) and seq.num_computed == 0
                     and seq.params.prompt_logprobs is None):  # cached blocks bring no logits to score
                 tokens = seq.prefix_key_ids()  # salted by its LoRA adapter: no KV shared across adapters
-                cached = plan.longest_cached_prefix(tokens)
+                cached = mgr.longest_cached_prefix(tokens)
                 if prefilling is not None and self._prefix_in_flight(tokens, cached, prefilling):
                     deferred.append(self.waiting.popleft())
                     continue
-                # counted as taken at once: the blocks it revives are no longer free
-                plan.claim(seq.request_id, tokens, cached)
-                lookup = PrefixLookup(seq, cached, admitted=False)
-                out.prefix_lookups.append(lookup)
+                # taken at once (a prefix-cache query): the blocks it revives are no longer free
+                mgr.create(seq.request_id)
+                mgr.match_prefix(seq.request_id, tokens, max_tokens=cached)
+                claimed = True
                 seq.num_computed = cached
                 if seq.metrics.num_preemptions == 0:
                     seq.metrics.num_cached_tokens = cached
             n = min(seq.remaining, chunk, budget)
             if not self._fits(seq, n):
-                if lookup is not None:
-                    # give the shared prefix blocks back; they are looked up again next time
-                    plan.cancel_claim(seq.request_id)
+                if claimed:
+                    # give the shared prefix blocks back (to the back of the eviction order:
+                    # they are wanted again soon); they are looked up again next time
+                    self.free(seq.request_id)
                     seq.num_computed = 0
                 if not self.running and not out.items:
                     # nothing runs and it still does not fit: only eviction of cached
@@ -266,9 +359,8 @@ class Scheduler:
             self._order += 1
             seq.order = self._order
             self.running.append(seq)
-            if lookup is not None:
-                lookup.admitted = True
-            self._reserve(seq, n)
+            if mgr is not None:
+                self._reserved += mgr.blocks_needed(seq.request_id, n)
             out.items.append(ScheduledItem(seq, n))
             budget -= n
             prefills += 1
@@ -277,7 +369,35 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # first in the queue again, in their order
         if lookahead is not None:
             self._grant_lookahead(out, budget, lookahead)
+        if mgr is not None:
+            self._append_slots(out)
         return out
+
+    def _append_slots(self, out: SchedulerOutput) -> None:
+        """Append every item's slots (its tokens, then its lookahead), in item order: the
+        decisions above counted the blocks, so this always fits; a row that still cannot
+        be appended (a defect) goes to ``out.failed`` and leaves the step."""
+        mgr = self.block_manager
+        prefix_cache = mgr.prefix_cache
+        kept = []
+        for item in out.items:
+            seq = item.seq
+            key_ids = None
+            if prefix_cache:
+                # a token still in flight is -1 in output_ids, i.e. UNKNOWN_TOKEN: its block
+                # is hashed once set_token_ids() brings its id
+                key_ids = seq.token_at(seq.num_computed, seq.num_computed + item.num_tokens)
+                if seq.prefix_salt:
+                    key_ids = salt_token_ids(key_ids, seq.prefix_salt)
+                if item.num_lookahead:
+                    key_ids = key_ids + [UNKNOWN_TOKEN] * item.num_lookahead
+            try:
+                append_row(mgr, out.kv, seq.request_id, item.num_tokens + item.num_lookahead, key_ids)
+            except KvCacheError as e:
+                out.failed.append((seq, e))
+                continue
+            kept.append(item)
+        out.items = kept
 
     def _prefilling(self) -> list[tuple[Sequence, list[int]]]:
         """The running sequences whose prompt is not all computed, with their prefix-cache
@@ -298,7 +418,7 @@ class Scheduler:
         request keeps its place at the head of the queue; the wait ends when the blocks
         are computed, or when the sequence computing them is preempted or ends.
         """
-        block = self.manager.block_size
+        block = self.block_manager.block_size
         gain = max(block, -(-(len(tokens) - cached) // 2))
         target = -(-(cached + gain) // block) * block  # the shared tokens that would pay
         if target >= len(tokens):
@@ -311,6 +431,7 @@ class Scheduler:
         return False
 
     def _grant_lookahead(self, out: SchedulerOutput, budget: int, lookahead: Callable[[Sequence], int]) -> None:
+        mgr = self.block_manager
         for item in out.items:
             seq = item.seq
             if budget <= 0:
@@ -320,11 +441,11 @@ class Scheduler:
             k = min(lookahead(seq), budget)
             if k <= 0:
                 continue
-            if self._plan is not None:
-                base = self._plan.blocks_needed(seq.request_id, 1)
-                room = self._plan.num_free - self._reserved
-                while k > 0 and self._plan.blocks_needed(seq.request_id, 1 + k) - base > room:
+            if mgr is not None:
+                base = mgr.blocks_needed(seq.request_id, 1)
+                room = mgr.num_free - self._reserved
+                while k > 0 and mgr.blocks_needed(seq.request_id, 1 + k) - base > room:
                     k -= 1
-                self._reserved += self._plan.blocks_needed(seq.request_id, 1 + k) - base
+                self._reserved += mgr.blocks_needed(seq.request_id, 1 + k) - base
             item.num_lookahead = k
             budget -= k

@@ -31,7 +31,8 @@ import numpy as np
 
 from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
-from ..runner import LlmRunner, SeqWork
+from ..executor.llm_executor import LlmExecutor
+from ..runner import SeqWork
 from .logits_processors import process_logits
 from .rejection_sampler import Proposal, distributions, draw, uniforms
 from .sampling import SamplerState
@@ -185,7 +186,8 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """A draft model on its own :class:`~mlx_ferrum.runner.LlmRunner` and KV cache.
+    """A draft model on its own :class:`~mlx_ferrum.executor.LlmExecutor` (a runner with the
+    block manager it drives itself: the draft has no scheduler) and KV cache.
 
     Each :meth:`propose` feeds every request's tokens the draft has not seen yet
     (the whole prompt the first time), then runs ``k - 1`` more one-token steps for the
@@ -211,7 +213,7 @@ class DraftModelProposer:
                 "pick a draft that shares the target's tokenizer"
             )
         draft_config = dataclasses.replace(config, speculative=None, prefix_cache=False)
-        self.runner = LlmRunner(model, draft_config, model_id="draft")
+        self.runner = LlmExecutor(model, draft_config, model_id="draft")
 
     def propose(self, requests: Sequence[SpeculativeRequest]) -> list[Proposal]:
         """One :class:`Proposal` per request; on a draft failure (pool full, context

@@ -10,7 +10,16 @@ module offers the same runner to callers that speak ferrum's executor contract
 ``truncate_kv`` / ``fork_cache`` / ``release_cache`` work on handles; ``capabilities``,
 ``status``, ``warmup`` and ``shutdown`` report on and manage the runner. Every call
 validates its input, turns it into :class:`~mlx_ferrum.runner.SeqWork` and calls the
-runner; nothing else happens here.
+runner.
+
+The runner never allocates KV blocks. In the engine the scheduler owns the block
+manager; this low-level API has no scheduler, so the adapter owns one itself
+(:attr:`LlmExecutor.manager`, built from the runner's ``kv_geometry``) and plays the
+scheduler's part for it: before each pass it appends the rows' slots
+(:func:`~mlx_ferrum.kv_cache.block_tables.append_row`), hands them to the runner, gives
+them back when the pass fails, and frees blocks outside a sliding window after it (the
+block manager of vLLM, Kwon et al., SOSP 2023). An engine built over this executor
+shares the same manager (its scheduler drives it), so both see one set of caches.
 
 The ferrum-style calls evaluate their logits before returning, so timings in
 :meth:`LlmExecutor.status` are real. :meth:`LlmExecutor.forward` and the other
@@ -20,6 +29,7 @@ runner methods are passed through unchanged, for code written against the execut
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Hashable, Optional, Sequence
 
@@ -27,8 +37,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import RuntimeConfig
-from ..errors import ExecutorError, InvalidInputIdsError, UnknownCacheError
+from ..errors import ExecutorError, InvalidInputIdsError, KvCacheError, UnknownCacheError
 from ..kv_cache import LayerGroupKvManager
+from ..kv_cache.block_tables import BatchBlocks, append_row, undo_rows
+from ..kv_cache.manager import UNKNOWN_TOKEN
+from ..lora import prefix_salt, salt_token_ids
 from ..runner import LlmRunner, SeqWork
 # re-exported: code and tests import these from here
 from ..runner.llm_runner import MAX_DECODE_TRACES, layer_windows, model_dtype, shape_bucket  # noqa: F401
@@ -87,15 +100,19 @@ class LlmExecutor:
             is given (its model is used).
         config: runtime settings; ``None`` reads them from the environment.
         model_id: a name for :attr:`info`.
-        manager: an existing paged manager to use (paged layout only); its block size
-            and block count size the pool.
-        runner: an existing runner to wrap instead of building one (``config``,
-            ``model_id`` and ``manager`` are then the runner's).
+        manager: an existing paged block manager to own (paged layout only); its block
+            size and block count size the pool. None: one is built from the runner's
+            ``kv_geometry``.
+        runner: an existing runner to wrap instead of building one (``config`` and
+            ``model_id`` are then the runner's).
 
     Attributes:
         runner: the :class:`~mlx_ferrum.runner.LlmRunner` every call goes to (the engine
             drives the same object when given this executor).
-        model, config, args, info, dtype, layout, max_seq_len, manager, pool, store:
+        manager: the paged block manager this adapter owns (None: contiguous layout);
+            an engine built over this executor schedules with it. ``block_manager`` is
+            the same object.
+        model, config, args, info, dtype, layout, max_seq_len, pool, store:
             the runner's (``model`` may be replaced, e.g. by a wrapper in tests).
 
     Raises (from its calls):
@@ -121,6 +138,13 @@ class LlmExecutor:
                 raise ExecutorError("LlmExecutor needs a model (or an existing runner=)")
             runner = LlmRunner(model, config, model_id=model_id, manager=manager)
         self.runner = runner
+        geometry = runner.kv_geometry
+        if manager is not None and geometry is None:
+            raise ExecutorError("a block manager needs the paged layout: pass RuntimeConfig(kv_layout='paged')")
+        self.manager: Optional[LayerGroupKvManager] = (
+            manager if manager is not None else geometry.new_block_manager() if geometry is not None else None)
+        self._lock = threading.RLock()
+        self._salts: dict = {}  # cache id -> its adapter's prefix-cache salt (set_token_ids)
         self._counts = {"prefill": 0, "decode": 0}
         self._times = {"prefill": 0.0, "decode": 0.0}
         self._last_batch = 0
@@ -143,7 +167,7 @@ class LlmExecutor:
     dtype = property(lambda self: self.runner.dtype, doc="The model's activation dtype (also the KV dtype).")
     layout = property(lambda self: self.runner.layout, doc='``"paged"`` or ``"contiguous"``.')
     max_seq_len = property(lambda self: self.runner.max_seq_len, doc="Most tokens per sequence.")
-    manager = property(lambda self: self.runner.manager, doc="The paged block manager (None: contiguous).")
+    block_manager = property(lambda self: self.manager, doc="The paged block manager this adapter owns (None: contiguous).")
     pool = property(lambda self: self.runner.pool, doc="The paged K/V pool arrays (None: contiguous).")
     store = property(lambda self: self.runner.store, doc="The runner's KV store.")
     _contiguous = property(lambda self: self.runner._contiguous, doc="Contiguous caches by id (empty: paged).")
@@ -155,11 +179,9 @@ class LlmExecutor:
 
     # ------------------------------------------------------------- handles
     def _handle(self, cache_id: Hashable) -> KvCacheHandle:
-        if self.runner.manager is not None:
-            seq = self.runner.manager._seq(cache_id)
-            return KvCacheHandle(
-                cache_id, seq.num_tokens, "paged", self.runner.manager.block_size, tuple(seq.block_ids)
-            )
+        if self.manager is not None:
+            seq = self.manager._seq(cache_id)
+            return KvCacheHandle(cache_id, seq.num_tokens, "paged", self.manager.block_size, tuple(seq.block_ids))
         return KvCacheHandle(cache_id, self.runner.num_tokens(cache_id), "contiguous")
 
     def _check_open(self) -> None:
@@ -174,40 +196,139 @@ class LlmExecutor:
 
     # ------------------------------------------------------------- the runner's calls, unchanged
     def has_cache(self, cache_id: Hashable) -> bool:
-        """True when ``cache_id`` holds a cache."""
+        """True when ``cache_id`` holds a cache (a block table, or contiguous buffers)."""
+        if self.manager is not None:
+            return self.manager.has(cache_id)
         return self.runner.has_cache(cache_id)
 
     def num_tokens(self, cache_id: Hashable) -> int:
         """Tokens stored for ``cache_id``. Raises UnknownCacheError for an unknown id."""
+        if self.manager is not None:
+            return self.manager.num_tokens(cache_id)
         return self.runner.num_tokens(cache_id)
 
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold (``FERRUM_KV_CAPACITY`` or ``max_position_embeddings``)."""
         return self.runner.kv_capacity()
 
+    def _allocate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
+        """Append every item's slots in :attr:`manager` (caches that do not exist are
+        created) after the runner's checks; returns ``(blocks, undo)``, ``(None, no-op)``
+        for the contiguous layout. ``undo`` cuts each row back and releases the caches
+        this call created. Call with the lock held.
+
+        Raises:
+            PromptTooLongError, InvalidInputIdsError, ExecutorError (the runner's checks);
+            KvCacheExhaustedError: the pool is full (nothing changes then).
+        """
+        mgr = self.manager
+        if mgr is None:
+            return None, lambda: None
+        self.runner.validate(work, prev_tokens, stored=lambda cid: mgr.num_tokens(cid) if mgr.has(cid) else 0)
+        batch = BatchBlocks()
+        created: list = []
+
+        def undo() -> None:
+            undo_rows(mgr, batch)
+            for cid in created:
+                if mgr.has(cid):
+                    mgr.release(cid)
+                self._salts.pop(cid, None)
+
+        try:
+            for w in work:
+                key_ids = None
+                if mgr.prefix_cache:
+                    # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix
+                    # caching hashes its block once set_token_ids() brings the id
+                    ids = w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else list(w.tokens)
+                    key_ids = self.runner.cache_key_ids(w, ids)
+                    if w.lora_slot >= 0 and self.runner.lora is not None:
+                        self._salts[w.cache_id] = prefix_salt(self.runner.lora.slot_name(w.lora_slot))
+                if not mgr.has(w.cache_id):
+                    created.append(w.cache_id)
+                append_row(mgr, batch, w.cache_id, len(w.tokens), key_ids)
+        except BaseException:  # Ctrl-C too: never leave slots appended
+            undo()
+            raise
+        return batch, undo
+
     def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
-        """:meth:`LlmRunner.run`: one evaluated forward pass; ``[n_i or 1, vocab]`` per item."""
-        return self.runner.run(work, prev_tokens)
+        """One evaluated forward pass (:meth:`LlmRunner.run`) at slots this adapter
+        allocates; ``[n_i or 1, vocab]`` per item. On any error the touched caches go
+        back to their previous lengths (new ones are released). After the pass, blocks
+        outside a sliding window are freed, except for rows returning all logits (a
+        verify pass keeps them until its rejected tokens are truncated).
+
+        Raises:
+            PromptTooLongError, KvCacheExhaustedError, InvalidInputIdsError, ExecutorError.
+        """
+        self._check_open()
+        if not work:
+            return []
+        with self._lock:
+            blocks, undo = self._allocate(work, prev_tokens)
+            try:
+                out = self.runner.run(work, prev_tokens, blocks)
+            except BaseException:
+                undo()
+                raise
+            if self.manager is not None:
+                for w in work:
+                    if not w.all_logits and self.manager.has(w.cache_id):
+                        self.manager.trim_to_window(w.cache_id)
+            return out
 
     def forward(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None):
-        """:meth:`LlmRunner.forward`: one forward pass, unevaluated: ``(logits [R, vocab], state)``."""
-        return self.runner.forward(work, prev_tokens)
+        """One forward pass (:meth:`LlmRunner.forward`) at slots this adapter allocates,
+        unevaluated: ``(logits [R, vocab], state)``. Nothing changes when it raises."""
+        self._check_open()
+        if not work:
+            return self.runner.forward(work, prev_tokens)
+        with self._lock:
+            blocks, undo = self._allocate(work, prev_tokens)
+            try:
+                return self.runner.forward(work, prev_tokens, blocks)
+            except BaseException:
+                undo()
+                raise
 
     def schedule_kv_state(self) -> None:
         """:meth:`LlmRunner.schedule_kv_state`."""
         self.runner.schedule_kv_state()
 
     def trim_cache(self, cache_id: Hashable, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of a cache (see :meth:`truncate_kv` for handles).
+        """Keep the first ``num_tokens`` tokens of a cache (see :meth:`truncate_kv` for
+        handles); whole paged blocks past them are freed.
 
         Raises:
             UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
         """
-        self.runner.trim_cache(cache_id, num_tokens)
+        with self._lock:
+            if self.manager is not None:
+                self.manager.truncate(cache_id, num_tokens)
+            else:
+                self.runner.trim_cache(cache_id, num_tokens)
 
     def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
-        """:meth:`LlmRunner.set_token_ids` (prefix caching of tokens stored before they were known)."""
-        self.runner.set_token_ids(cache_id, start, token_ids)
+        """Tell the block manager the ids of tokens it stored before they were known on
+        the host (a pipelined step's ``prev_row`` token), so prefix caching can hash their
+        blocks. A no-op without prefix caching, for an unknown cache, and for positions
+        not stored yet.
+
+        Args:
+            cache_id: the sequence. start: position of ``token_ids[0]`` (tokens).
+            token_ids: the ids (ints), unsalted (the cache's adapter salt is added).
+
+        Raises:
+            KvCacheError: a position already holds a different known id.
+        """
+        mgr = self.manager
+        if mgr is None or not mgr.prefix_cache:
+            return
+        with self._lock:
+            if mgr.has(cache_id):
+                mgr.set_token_ids(cache_id, start, salt_token_ids(token_ids, self._salts.get(cache_id, 0)))
 
     # ---------------------------------------------------------- ferrum API
     def _timed(self, kind: str, batch: int, fn):
@@ -218,7 +339,7 @@ class LlmExecutor:
         self._times[kind] += dt
         self._last_batch = batch
         self._last_op = time.time()
-        self._peak_kv_bytes = max(self._peak_kv_bytes, self.runner.kv_used_bytes())
+        self._peak_kv_bytes = max(self._peak_kv_bytes, self.kv_used_bytes())
         return res
 
     def prefill(self, input: PrefillInput) -> PrefillOutput:
@@ -307,18 +428,7 @@ class LlmExecutor:
         Raises:
             UnknownCacheError: released cache. KvCacheError: ``new_len`` out of range.
         """
-        cid = kv_cache.cache_id
-        with self._lock:
-            self.store.truncate(cid, new_len)
-        return self._handle(cid)
-
-    def truncate_kv(self, kv_cache: KvCacheHandle, new_len: int) -> KvCacheHandle:
-        """Keep the first ``new_len`` tokens of a cache; paged blocks past them are freed.
-
-        Raises:
-            UnknownCacheError: released cache. KvCacheError: ``new_len`` out of range.
-        """
-        self.runner.trim_cache(kv_cache.cache_id, new_len)
+        self.trim_cache(kv_cache.cache_id, new_len)
         return self._handle(kv_cache.cache_id)
 
     def fork_cache(self, kv_cache: KvCacheHandle, new_cache_id: Optional[str] = None) -> KvCacheHandle:
@@ -328,12 +438,27 @@ class LlmExecutor:
             UnknownCacheError: released cache.
         """
         new_id = new_cache_id or f"seq-{next(_ids)}"
-        self.runner.fork_cache(kv_cache.cache_id, new_id)
+        with self._lock:
+            if self.manager is not None:
+                self.manager.fork(kv_cache.cache_id, new_id)
+                if kv_cache.cache_id in self._salts:
+                    self._salts[new_id] = self._salts[kv_cache.cache_id]
+            else:
+                self.runner.fork_cache(kv_cache.cache_id, new_id)
         return self._handle(new_id)
 
     def claim_prefix(self, cache_id: str, token_ids: Sequence[int], num_tokens: int) -> KvCacheHandle:
         """Create the paged cache ``cache_id`` sharing the first ``num_tokens`` prefix-cached
-        tokens of ``token_ids`` (see :meth:`LlmRunner.claim_prefix`).
+        tokens of ``token_ids`` (reference counts; no K/V is computed or copied). The match
+        is the manager's ``match_prefix`` (chained SHA-256 block keys, as in vLLM's
+        automatic prefix caching); ``longest_cached_prefix`` says how many tokens it finds.
+
+        Args:
+            cache_id: a new cache id.
+            token_ids: the prompt's token ids (ints; salted with
+                :func:`~mlx_ferrum.lora.salt_token_ids` for a LoRA sequence).
+            num_tokens: cached tokens to share: a multiple of ``block_size``, at most
+                ``len(token_ids) - 1``; 0 creates an empty cache.
 
         Returns:
             The new cache's handle (``num_tokens`` tokens).
@@ -343,12 +468,33 @@ class LlmExecutor:
             KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
                 cached (nothing changes then).
         """
-        self.runner.claim_prefix(cache_id, token_ids, num_tokens)
+        mgr = self.manager
+        if mgr is None or not mgr.prefix_cache:
+            raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
+                                "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
+        with self._lock:
+            if mgr.has(cache_id):
+                raise KvCacheError(f"KV cache {cache_id!r} already exists")
+            if mgr.longest_cached_prefix(token_ids) < num_tokens:
+                raise KvCacheError(f"{num_tokens} prefix tokens of {cache_id!r} are not all cached")
+            mgr.create(cache_id)
+            try:
+                mgr.match_prefix(cache_id, token_ids, max_tokens=num_tokens)
+            except BaseException:
+                mgr.release(cache_id)
+                raise
         return self._handle(cache_id)
 
     def release_cache(self, cache_id: str) -> None:
-        """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
-        self.runner.release_cache(cache_id)
+        """Free a sequence's cache (its blocks, or its contiguous buffers); unknown ids are
+        ignored (release is idempotent)."""
+        with self._lock:
+            if self.manager is not None:
+                if self.manager.has(cache_id):
+                    self.manager.release(cache_id)
+                self._salts.pop(cache_id, None)
+            else:
+                self.runner.release_cache(cache_id)
 
     # ------------------------------------------------------------- LoRA
     lora = property(lambda self: self.runner.lora, doc="The runner's LoRA registry (None: LoRA off).")
@@ -399,9 +545,14 @@ class LlmExecutor:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
         return self.runner.kv_allocated_bytes()
 
+    def kv_used_bytes(self) -> int:
+        """Bytes of KV memory holding tokens: the blocks this adapter's manager holds
+        (paged) or every buffer's capacity (contiguous)."""
+        return self.runner.kv_used_bytes(self.manager)
+
     def cache_metrics_snapshot(self) -> dict:
-        """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
-        return self.runner.cache_metrics_snapshot()
+        """Paged: the manager's block metrics and the pool's bytes; contiguous: sequences and bytes held."""
+        return self.runner.cache_metrics_snapshot(self.manager)
 
     def capabilities(self) -> ExecutorCapabilities:
         """What this executor does (every flag is true of the implementation)."""
@@ -443,7 +594,7 @@ class LlmExecutor:
         """Counts of prefill/decode calls and their average time in milliseconds."""
         avg = lambda k: 1000.0 * self._times[k] / self._counts[k] if self._counts[k] else 0.0  # noqa: E731
         alloc = self.kv_allocated_bytes()
-        used = self.runner.kv_used_bytes()
+        used = self.kv_used_bytes()
         state = self._state
         return ExecutorStatus(
             state=state,
@@ -474,4 +625,8 @@ class LlmExecutor:
 
     def shutdown(self) -> None:
         """Release every cache; later calls raise ``ExecutorError``."""
-        self.runner.close()
+        with self._lock:
+            if self.manager is not None:
+                for cid in list(self.manager.seqs):
+                    self.manager.release(cid)
+            self.runner.close()

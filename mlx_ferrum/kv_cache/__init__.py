@@ -8,12 +8,14 @@
   bookkeeping of the pool).
 - :func:`build_kv_store` (:mod:`.factory`): the one place a store's layout, attention
   backend, block manager and pool size are chosen, from a :class:`KvSpec`.
-- :class:`BlockPlan`: the scheduler's read-only view of a manager, with one step's
-  pending releases and prefix claims counted.
+- :mod:`.block_tables`: what a paged pass reads of the block manager
+  (:class:`KvGeometry`, :class:`RowBlocks`, :class:`BatchBlocks`) and the one allocation
+  path (:func:`append_row`), used by the manager's owner: the scheduler, or the
+  low-level executor adapter. The store never allocates.
 """
 
 from .block_allocator import BlockAllocator
-from .block_plan import BlockPlan
+from .block_tables import BatchBlocks, KvGeometry, RowBlocks, append_row
 from .contiguous import ContiguousKvCache
 from .factory import KvSpec, build_kv_store
 from .layer_groups import LayerGroupKvManager
@@ -23,13 +25,16 @@ from .pool import PagedKvPool, bytes_per_block, default_num_blocks
 __all__ = [
     "AppendResult",
     "BlockAllocator",
-    "BlockPlan",
+    "BatchBlocks",
     "ContiguousKvCache",
+    "KvGeometry",
     "KvSpec",
     "LayerGroupKvManager",
     "PagedKvCacheManager",
     "PagedKvPool",
+    "RowBlocks",
     "SequenceBlocks",
+    "append_row",
     "build_kv_store",
     "bytes_per_block",
     "default_num_blocks",

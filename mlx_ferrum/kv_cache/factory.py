@@ -10,7 +10,9 @@
   - a pool of :func:`pool_num_blocks` blocks (``max_num_blocks``, else sized from the
     memory budget and ``max_num_seqs`` sequences of ``max_seq_len`` tokens), checked
     against free memory before anything is allocated;
-  - a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`, the only paged block manager:
+  - a :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry` from which the owner of the
+    blocks (the scheduler, or the low-level executor adapter) builds the only paged block
+    manager, a :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`:
     one block table per layer group, so layers with different attention windows
     (Gemma 3, gpt-oss) free blocks independently; a model whose layers share one window
     (or have none) has one group (with that window, so blocks outside it are freed);
@@ -41,6 +43,7 @@ from .contiguous import ContiguousKvCache
 from ..kernels.quantized_reference import check_kv_cache_dtype
 from ..layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
 from ..layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
+from .block_tables import KvGeometry
 from .layer_groups import LayerGroupKvManager
 from .pool import PagedKvPool, check_pool_fits, default_num_blocks
 from .quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool, check_quantized_pool_fits
@@ -123,10 +126,16 @@ def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) ->
         config: ``block_size``, ``prefix_cache``.
         num_blocks: blocks to manage.
     """
+    return paged_geometry(spec, config, num_blocks).new_block_manager()
+
+
+def paged_geometry(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> KvGeometry:
+    """The paged pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry` for ``spec``:
+    ``num_blocks`` blocks of ``config.block_size`` tokens, ``ceil(max_seq_len / block_size)``
+    blocks per table, the model's layer windows, ``config.prefix_cache``."""
     bs = config.block_size
-    max_blocks_per_seq = -(-spec.max_seq_len // bs)
-    return LayerGroupKvManager(num_blocks, bs, max_blocks_per_seq, list(spec.layer_windows) or [None],
-                               prefix_cache=config.prefix_cache)
+    return KvGeometry(num_blocks, bs, -(-spec.max_seq_len // bs), tuple(spec.layer_windows) or (None,),
+                      bool(config.prefix_cache))
 
 
 def build_kv_store(
@@ -144,12 +153,12 @@ def build_kv_store(
             ``max_num_seqs``, ``prefix_cache``, ``kv_capacity``, ``kv_cache_step``.
         weight_bytes: bytes of the model's parameters (the pool's memory budget is what
             is left beside them).
-        manager: an existing :class:`LayerGroupKvManager` to store into (paged layout
-            only); its block size and block count size the pool. One group serves every
-            layer; several must match the model's layer windows.
+        manager: an existing :class:`LayerGroupKvManager` whose geometry sizes the pool
+            (paged layout only; its owner keeps driving it, the store never holds it). One
+            group serves every layer; several must match the model's layer windows.
 
     Returns:
-        A :class:`PagedKvStore` (``.manager``, ``.pool`` with ``manager.num_blocks + 1``
+        A :class:`PagedKvStore` (``.geometry``, ``.pool`` with ``geometry.num_blocks + 1``
         blocks: the last is the scratch block) or a :class:`ContiguousKvStore`.
 
     Raises:
@@ -182,18 +191,21 @@ def build_kv_store(
         else:
             check_pool_fits(spec.num_layers, num_blocks, spec.num_kv_heads, config.block_size, spec.head_dim,
                             spec.dtype, extra_blocks=1)
-        manager = build_paged_manager(spec, config, num_blocks)
+        geometry = paged_geometry(spec, config, num_blocks)
+    else:
+        # an existing manager only sizes the pool: its owner keeps driving it
+        geometry = KvGeometry.of(manager, spec.num_layers)
     # one block past the manager's: the scratch block that the pad rows of a compiled
     # decode step write to (the manager never hands it out)
     if spec.quantized:
-        pool = QuantizedPagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
+        pool = QuantizedPagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
                                     spec.head_dim, spec.kv_cache_dtype, rotate_keys=rotate_keys)
         backend = QuantizedPagedAttentionBackend(spec.kv_cache_dtype, pool.rotate_keys)
     else:
-        pool = PagedKvPool(spec.num_layers, manager.num_blocks + 1, spec.num_kv_heads, manager.block_size,
+        pool = PagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
                            spec.head_dim, spec.dtype)
         backend = PagedAttentionBackend()
-    return PagedKvStore(manager, pool, spec.bytes_per_token, backend, metal_kernels=bool(config.metal_kernels))
+    return PagedKvStore(geometry, pool, spec.bytes_per_token, backend, metal_kernels=bool(config.metal_kernels))
 
 
 def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
@@ -220,4 +232,4 @@ def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
 
 
 __all__: Sequence[str] = ["KvSpec", "build_kv_store", "build_paged_manager", "contiguous_cache_maker",
-                          "pool_num_blocks"]
+                          "paged_geometry", "pool_num_blocks"]

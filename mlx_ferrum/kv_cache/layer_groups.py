@@ -14,9 +14,9 @@ The pool itself (:class:`~mlx_ferrum.kv_cache.PagedKvPool`) keeps one array per
 layer; a layer's block ids are those of its group, so the groups never share a slot.
 Every group's pool has the same number of blocks.
 
-:class:`LayerGroupKvManager` is what the scheduler (through a
-:class:`~mlx_ferrum.kv_cache.BlockPlan`, reads only), the engine and the store use;
-sequence-level questions (tokens stored, whether ``n`` more tokens fit, blocks free)
+:class:`LayerGroupKvManager` is the block manager the scheduler owns and drives (or the
+low-level executor adapter, which has no scheduler); the store only reads the tables it
+is handed. Sequence-level questions (tokens stored, whether ``n`` more tokens fit, blocks free)
 are answered for all groups together. Each group's block tables are a
 :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager`.
 """
@@ -85,6 +85,8 @@ class LayerGroupKvManager:
     def num_free(self) -> int:
         """Blocks a new sequence can take: a sequence fits when it fits in every group,
         so this is the smallest group's free count."""
+        if len(self.groups) == 1:  # the common case, asked per sequence and step
+            return self.groups[0].allocator.num_free
         return min(g.allocator.num_free for g in self.groups)
 
     @property

@@ -3,13 +3,14 @@
 One layer group's tables: the paged store's manager is a
 :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`, which keeps one of these per group.
 
-Host-side bookkeeping only (vLLM's block manager; Kwon et al., SOSP 2023). The
-scheduler only reads it to decide admission and preemption (through a
-:class:`~mlx_ferrum.kv_cache.block_plan.BlockPlan`); the executor changes it (appends,
-prefix matches, releases, on the engine's behalf) and uses it to build
-``slot_mapping`` and ``block_tables``. The pool arrays belong to the executor:
-when an append must copy a shared block first (copy-on-write), the manager returns
-the ``(src, dst)`` block pairs and the executor copies them before writing.
+Host-side bookkeeping only (vLLM's block manager; Kwon et al., SOSP 2023). Its owner
+changes it: in the engine the scheduler (it allocates a step's slots, frees preempted
+and finished sequences, shares cached prefixes), in the low-level API the
+:class:`~mlx_ferrum.executor.LlmExecutor` adapter. The runner's paged store only reads
+the ``slot_mapping`` and ``block_tables`` its owner hands over
+(:mod:`~mlx_ferrum.kv_cache.block_tables`). The pool arrays belong to the store: when an
+append must copy a shared block first (copy-on-write), the manager returns the
+``(src, dst)`` block pairs and the store copies them before the step writes.
 
 Prefix caching (``FERRUM_PREFIX_CACHE``): each full block is keyed by a chained
 SHA-256 digest, ``sha256(parent_digest || its token ids as little-endian int64)``, so a

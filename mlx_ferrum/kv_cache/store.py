@@ -5,13 +5,17 @@ a batch's new tokens are placed and what attention metadata that yields) and in 
 attention backend the store was built with (:mod:`mlx_ferrum.layers.backends`, chosen
 once by :func:`~mlx_ferrum.kv_cache.factory.build_kv_store`). A store:
 
-- ``prepare(items)``: reserves room for each item's new tokens and returns the
+- ``prepare(items, as_decode, blocks)``: places each item's new tokens and returns the
   forward passes that run them (:class:`KvPass`: which items, in what order, laid out
-  how, with the pass's host-side inputs) plus an ``undo`` that restores every
-  touched cache (and drops created ones) if the pass fails;
+  how, with the pass's host-side inputs) plus an ``undo`` that restores the touched
+  storage if the pass fails. The paged store allocates nothing: it reads the slots and
+  block tables that the block manager's owner (the scheduler) appended
+  (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`); the contiguous store grows
+  its per-sequence buffers (that is storage, not block accounting);
 - ``metadata(kv_pass)``: the pass's complete, typed attention metadata (device arrays,
   the backend, every per-pass array the layers share), built before the model runs;
-- ``truncate``, ``fork``, ``release``: per-sequence operations;
+- ``truncate``, ``fork``, ``release``: per-sequence storage operations (contiguous
+  buffers; nothing to do for the paged pool);
 - ``used_bytes`` / ``allocated_bytes``: KV memory in bytes;
 - ``state(cache_ids)``: the arrays a pass writes, for the caller to evaluate.
 
@@ -43,7 +47,9 @@ from ..layers.backends import (
 )
 from ..layers.sdpa import contiguous_pad_mask
 from .contiguous import ContiguousKvCache
-from .layer_groups import LayerGroupKvManager
+from ..errors import ExecutorError
+from .block_tables import BatchBlocks, KvGeometry
+from .layer_groups import LayerGroupKvManager, layer_group_windows
 from .pool import PagedKvPool
 
 
@@ -116,11 +122,17 @@ class KvPass:
 
 
 class KvStore(Protocol):
-    """What the executor needs of a KV layout (see the module docstring)."""
+    """What the executor needs of a KV layout (see the module docstring).
+
+    Per-sequence methods (``has``, ``num_tokens``, ``truncate``, ``fork``, ``release``,
+    ``cache_ids``) concern per-sequence *storage*: the contiguous layout's buffers. The
+    paged store stores nothing per sequence (the block manager's owner does the block
+    accounting): they report nothing and change nothing there.
+    """
 
     layout: str
     backend: AttentionBackend
-    manager: Optional[LayerGroupKvManager]
+    geometry: Optional[KvGeometry]
     pool: Optional[PagedKvPool]
     supports_compiled_decode: bool
 
@@ -129,7 +141,8 @@ class KvStore(Protocol):
     def num_tokens(self, cache_id: Hashable) -> int: ...
 
     def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
-                as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]: ...
+                as_decode: Sequence[bool] = (), blocks: Optional[BatchBlocks] = None,
+                ) -> tuple[list[KvPass], Callable[[], None]]: ...
 
     def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> Any: ...
 
@@ -145,7 +158,7 @@ class KvStore(Protocol):
 
     def state(self, cache_ids: Sequence[Hashable]) -> list: ...
 
-    def used_bytes(self) -> int: ...
+    def used_bytes(self, block_manager: Optional[LayerGroupKvManager] = None) -> int: ...
 
     def allocated_bytes(self) -> int: ...
 
@@ -154,13 +167,23 @@ def _unknown(cache_id: Hashable) -> UnknownCacheError:
     return UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
 
 
+def _nothing() -> None:
+    """The paged store's ``undo``: it allocated nothing."""
+
+
 class PagedKvStore:
-    """The paged layout: a :class:`LayerGroupKvManager` (block tables, one per layer group)
-    over a :class:`PagedKvPool` (or a :class:`~mlx_ferrum.kv_cache.quantized.QuantizedPagedKvPool`),
-    read and written by one attention backend.
+    """The paged layout's storage: a :class:`PagedKvPool` (or a
+    :class:`~mlx_ferrum.kv_cache.quantized.QuantizedPagedKvPool`) read and written by one
+    attention backend at the slots and block tables it is handed.
+
+    It allocates nothing and holds no block table: the block manager
+    (:class:`LayerGroupKvManager`) belongs to the scheduler (or to the low-level
+    :class:`~mlx_ferrum.executor.LlmExecutor`), built from :attr:`geometry`; each pass
+    reads that step's :class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`.
 
     Args:
-        manager: host-side block tables (one group when no layer has its own window).
+        geometry: the pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry` (or a
+            :class:`LayerGroupKvManager`, whose geometry is taken).
         pool: the per-layer K/V block pools (this store is their only holder).
         bytes_per_token: K+V bytes of one token over all layers.
         backend: the attention backend (default :class:`PagedAttentionBackend`), chosen
@@ -168,35 +191,39 @@ class PagedKvStore:
         metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
 
     Attributes:
-        layer_groups: each layer's group in the manager (all 0 with one group).
+        block_size, group_windows: from the geometry (the window of each layer group).
+        layer_groups: each layer's group (all 0 with one group).
         ropes: the model's distinct table ropes, whose ``(cos, sin)`` tables the
             metadata carries (set by the runner with :meth:`set_ropes`).
 
     Raises:
-        KvCacheError: a manager of several groups whose ``layer_groups`` does not name
-            every layer of the pool.
+        KvCacheError: a geometry of several groups whose layers are not the pool's.
     """
 
     layout = "paged"
     supports_compiled_decode = True
 
-    def __init__(self, manager: LayerGroupKvManager, pool: PagedKvPool, bytes_per_token: int,
+    def __init__(self, geometry, pool: PagedKvPool, bytes_per_token: int,
                  backend: Optional[AttentionBackend] = None, metal_kernels: Optional[bool] = None):
-        self.manager = manager
+        num_layers = pool.num_layers if pool is not None else None
+        if isinstance(geometry, LayerGroupKvManager):
+            geometry = KvGeometry.of(geometry, num_layers)
+        self.geometry: KvGeometry = geometry
         self.pool = pool
         self.bytes_per_token = bytes_per_token
         self.backend = backend if backend is not None else PagedAttentionBackend()
         self.metal_kernels = metal_kernels
         self.ropes: list = []
-        # (a store without a pool does block bookkeeping only: the manager's layers)
-        num_layers = pool.num_layers if pool is not None else len(manager.layer_groups)
-        if len(manager.groups) == 1:
+        self.block_size = geometry.block_size
+        self.group_windows, layer_groups = layer_group_windows(geometry.layer_windows)
+        num_layers = num_layers if num_layers is not None else len(layer_groups)
+        if len(self.group_windows) == 1:
             self.layer_groups = [0] * num_layers
-        elif len(manager.layer_groups) == num_layers:
-            self.layer_groups = list(manager.layer_groups)
+        elif len(layer_groups) == num_layers:
+            self.layer_groups = list(layer_groups)
         else:
-            raise KvCacheError(f"the block manager groups {len(manager.layer_groups)} layers and the pool has "
-                               f"{num_layers}: build the manager from the model's layer windows")
+            raise KvCacheError(f"the block geometry groups {len(layer_groups)} layers and the pool has "
+                               f"{num_layers}: build it from the model's layer windows")
 
     def set_ropes(self, ropes: Sequence) -> None:
         """The model's ropes with tables (one per distinct ``table_key`` is kept)."""
@@ -206,19 +233,26 @@ class PagedKvStore:
         self.ropes = list(seen.values())
 
     def has(self, cache_id: Hashable) -> bool:
-        """True when ``cache_id`` holds a cache."""
-        return self.manager.has(cache_id)
+        """False: the paged store keeps nothing per sequence (the block manager knows)."""
+        return False
 
     def num_tokens(self, cache_id: Hashable) -> int:
-        """Tokens stored (raises UnknownCacheError for an unknown id)."""
-        return self.manager.num_tokens(cache_id)
+        """Raises UnknownCacheError: the block manager, not the store, counts a sequence's tokens."""
+        raise UnknownCacheError(f"the paged store keeps no per-sequence state ({cache_id!r}): "
+                                "ask the block manager's owner (the scheduler, or LlmExecutor)")
 
     def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
-                as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]:
-        """Append slots for every item and pack them into one pass, decode tokens first.
+                as_decode: Sequence[bool] = (), blocks: Optional[BatchBlocks] = None,
+                ) -> tuple[list[KvPass], Callable[[], None]]:
+        """Pack every item into one pass, decode tokens first, at the slots ``blocks`` gives.
+
+        The store allocates nothing: the owner of the block manager (the scheduler, or the
+        low-level executor adapter) appended the slots and hands over each row's slots and
+        block tables (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`); the store
+        makes the batch's copy-on-write copies in the pool and lays the pass out.
 
         Args:
-            items: ``(cache_id, token ids)`` per sequence.
+            items: ``(cache_id, token ids)`` per sequence (only the counts are read).
             as_decode: per item, True to lay its ``n`` tokens out as ``n`` decode rows of
                 one query each (the same block table, context lengths ``start + 1`` ..
                 ``start + n``) instead of one prefill segment. Each token then attends to
@@ -226,56 +260,39 @@ class PagedKvStore:
                 row's K/V is written before any row attends), so a speculative draft
                 runs through the decode attention, and through the compiled decode step
                 when the whole pass is decode rows, as vLLM runs drafts as multi-query decode.
+            blocks: the step's rows, one per item's cache id, each with as many slots as
+                the item has tokens.
+
+        Returns:
+            ``([KvPass], undo)``; ``undo`` does nothing (the block owner gives slots back).
 
         Raises:
-            KvCacheExhaustedError: the pool is full (nothing changes then).
+            ExecutorError: ``blocks`` missing, or a row absent or of another token count.
         """
-        mgr = self.manager
+        if blocks is None:
+            raise ExecutorError("the paged store allocates no blocks: pass the step's BatchBlocks "
+                                "(the scheduler's SchedulerOutput.kv, or use LlmExecutor)")
         expand = [bool(as_decode[i]) if i < len(as_decode) else False for i in range(len(items))]
         # decode rows (one token, or expanded drafts) first, stable
         order = sorted(range(len(items)), key=lambda i: not (len(items[i][1]) == 1 or expand[i]))
-        before: list[tuple[Hashable, Optional[int]]] = []
-
-        def undo() -> None:
-            for cid, prev in before:
-                if prev is None:
-                    mgr.release(cid)
-                else:
-                    mgr.truncate(cid, prev)
-
         starts: list[int] = []
-        group_slots: list[list[int]] = [[] for _ in mgr.groups]
-        group_copies: list[list[tuple[int, int]]] = [[] for _ in mgr.groups]
-        windowed = any(w is not None for w in mgr.group_windows)
-        known = mgr.seqs  # group 0's sequences: token counts are the same in every group
-        keep_ids = mgr.prefix_cache
-        try:
-            for i in order:
-                cid, tokens = items[i]
-                seq = known.get(cid)
-                if seq is None:
-                    mgr.create(cid)
-                    start = 0
-                else:
-                    if windowed:
-                        # Blocks the next token's window no longer covers are freed here, at
-                        # the start of the sequence's next pass rather than right after the
-                        # last one: the last pass may still be evaluating (pipelined step) and
-                        # a speculative verify pass has had its rejected tokens truncated by now.
-                        mgr.trim_to_window(cid)
-                    start = seq.num_tokens
-                before.append((cid, start if seq is not None else None))
-                results = mgr.append_slots(cid, len(tokens), tokens if keep_ids else None)
-                for g, result in enumerate(results):
-                    group_slots[g].extend(result.slots)
-                    if result.copies:
-                        group_copies[g].extend(result.copies)
-                starts.append(start)
-            for g, pairs in enumerate(group_copies):
+        group_slots: list[list[int]] = [[] for _ in self.group_windows]
+        rows = []
+        for i in order:
+            cid, tokens = items[i]
+            row = blocks.rows.get(cid)
+            if row is None or row.num_tokens != len(tokens):
+                raise ExecutorError(
+                    f"cache {cid!r} brings {len(tokens)} tokens but the step's blocks hold "
+                    f"{'no row' if row is None else f'{row.num_tokens} slots'} for it: allocate its slots first")
+            for g, slots in enumerate(row.slots):
+                group_slots[g].extend(slots)
+            starts.append(row.start)
+            rows.append(row)
+        for g, pairs in enumerate(blocks.copies):
+            if pairs:
                 self.pool.copy_blocks(pairs, layers=[n for n, x in enumerate(self.layer_groups) if x == g])
-        except BaseException:  # Ctrl-C too: never leave slots appended twice
-            undo()
-            raise
+                pairs.clear()  # made once, by the first pass that reads them
         lens = np.fromiter((len(items[i][1]) for i in order), dtype=np.int64, count=len(order))
         item_qsl = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(lens, out=item_qsl[1:])
@@ -293,8 +310,7 @@ class PagedKvStore:
         np.cumsum(row_lens, out=qsl[1:])
         ctx_np = positions[qsl[1:] - 1] + 1  # each row attends up to its last token
         ctx = ctx_np.tolist()
-        ids = [items[i][0] for i in order]
-        tables = [self._block_tables(g.seqs, ids) for g in mgr.groups]
+        tables = [self._block_tables([row.block_tables[g] for row in rows]) for g in range(len(self.group_windows))]
         if len(row_item) != len(order):
             tables = [t[row_item] for t in tables]
         num_decode = int(np.sum(row_lens == 1))
@@ -302,9 +318,9 @@ class PagedKvStore:
         # decode rows come first, in item order: the last one's item counts the sequences
         if num_decode and int(row_item[num_decode - 1]) + 1 >= SHARED_PREFIX_MIN_SEQS:
             row_seqs = row_item[:num_decode] if len(row_item) != len(order) else None
-            shared = [self.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], mgr.block_size,
+            shared = [self.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], self.block_size,
                                                  self.metal_kernels, row_seqs=row_seqs)
-                      if window is None else None for t, window in zip(tables, mgr.group_windows)]
+                      if window is None else None for t, window in zip(tables, self.group_windows)]
         inputs = PagedPassInputs(
             positions=positions.astype(np.int32),
             context_lens=np.asarray(ctx, dtype=np.int32),
@@ -318,7 +334,7 @@ class PagedKvStore:
         )
         decode_rows = num_decode if num_decode == int(item_qsl[-1]) else 0
         return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), inputs, packed=True,
-                       decode_rows=decode_rows)], undo
+                       decode_rows=decode_rows)], _nothing
 
     def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> PagedMetadata:
         """The pass's complete :class:`~mlx_ferrum.layers.backends.PagedMetadata` (numpy
@@ -333,10 +349,9 @@ class PagedKvStore:
         )
 
     @staticmethod
-    def _block_tables(seqs, cache_ids) -> np.ndarray:
-        """``[num_seqs, max_blocks]`` int32, zero-padded; blocks freed outside a sliding
-        window (-1) point at block 0, which attention never reads for them."""
-        tables = [seqs[cid].block_ids for cid in cache_ids]
+    def _block_tables(tables: list) -> np.ndarray:
+        """``[num_seqs, max_blocks]`` int32 from per-row block id lists, zero-padded; blocks
+        freed outside a sliding window (-1) point at block 0, which attention never reads for them."""
         widths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         table_arr = np.zeros((len(tables), int(widths.max())), dtype=np.int32)
         if len(tables) <= 8:
@@ -350,65 +365,46 @@ class PagedKvStore:
         return np.maximum(table_arr, 0, out=table_arr)
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
-        """Keep the first ``new_len`` tokens; blocks past them are freed."""
-        self.manager.truncate(cache_id, new_len)
+        """Nothing to do: a paged sequence's blocks are its block manager's to free."""
 
     def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
-        """Share ``cache_id``'s blocks with a new sequence (copy-on-write)."""
-        self.manager.fork(cache_id, new_cache_id)
+        """Raises ExecutorError: a paged fork shares blocks, which is the block manager's
+        (``LayerGroupKvManager.fork``; ``LlmExecutor.fork_cache``)."""
+        raise ExecutorError("a paged fork shares blocks: fork in the block manager (LlmExecutor.fork_cache)")
 
     def release(self, cache_id: Hashable) -> None:
-        """Free the sequence's blocks; unknown ids are ignored."""
-        if self.manager.has(cache_id):
-            self.manager.release(cache_id)
-
-    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Create ``cache_id`` sharing the first ``num_tokens`` prefix-cached tokens of
-        ``token_ids`` (``manager.create`` + ``match_prefix``; a query for the hit rate).
-
-        Raises:
-            KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
-                cached (nothing changes then).
-        """
-        mgr = self.manager
-        if mgr.has(cache_id):
-            raise KvCacheError(f"KV cache {cache_id!r} already exists")
-        if mgr.longest_cached_prefix(token_ids) < num_tokens:
-            raise KvCacheError(f"{num_tokens} prefix tokens of {cache_id!r} are not all cached")
-        mgr.create(cache_id)
-        try:
-            mgr.match_prefix(cache_id, token_ids, max_tokens=num_tokens)
-        except BaseException:
-            mgr.release(cache_id)
-            raise
+        """Nothing to do: a paged sequence's blocks are its block manager's to free."""
 
     def cache_ids(self) -> list:
-        """Every live cache id."""
-        return list(self.manager.seqs)
+        """Empty: the paged store keeps nothing per sequence."""
+        return []
 
     def state(self, cache_ids: Sequence[Hashable]) -> list:
         """The pool arrays (every pass writes them)."""
         return self.pool.arrays()
 
-    def used_bytes(self) -> int:
-        """Bytes of the blocks in use, per layer group (each group's blocks cost only its layers)."""
+    def used_bytes(self, block_manager: Optional[LayerGroupKvManager] = None) -> int:
+        """Bytes of the blocks ``block_manager`` holds in use, per layer group (each group's
+        blocks cost only its layers); 0 without a manager."""
+        if block_manager is None:
+            return 0
         per_layer = self.bytes_per_token // len(self.layer_groups)
-        block_size = self.manager.block_size
-        return sum(g.allocator.num_in_use * block_size * self.layer_groups.count(gi) * per_layer
-                   for gi, g in enumerate(self.manager.groups))
+        return sum(g.allocator.num_in_use * self.block_size * self.layer_groups.count(gi) * per_layer
+                   for gi, g in enumerate(block_manager.groups))
 
     def allocated_bytes(self) -> int:
         """Bytes of the whole pool (free blocks included)."""
         return self.pool.nbytes
 
-    def metrics(self) -> dict:
-        """The manager's block metrics, and the bytes as stored: ``kv_cache_dtype``,
-        ``bytes_per_token`` (K+V of one token over all layers, quantized scales and
-        biases included), ``allocated_bytes`` (the whole pool) and ``used_bytes`` (the
-        blocks in use)."""
-        return {**self.manager.cache_metrics_snapshot(), "kv_cache_dtype": self.backend.kv_cache_dtype,
+    def metrics(self, block_manager: Optional[LayerGroupKvManager] = None) -> dict:
+        """``block_manager``'s block metrics (when given), and the bytes as stored:
+        ``kv_cache_dtype``, ``bytes_per_token`` (K+V of one token over all layers,
+        quantized scales and biases included), ``allocated_bytes`` (the whole pool) and
+        ``used_bytes`` (the blocks in use)."""
+        blocks = block_manager.cache_metrics_snapshot() if block_manager is not None else {}
+        return {**blocks, "kv_cache_dtype": self.backend.kv_cache_dtype,
                 "bytes_per_token": self.bytes_per_token, "allocated_bytes": self.allocated_bytes(),
-                "used_bytes": self.used_bytes()}
+                "used_bytes": self.used_bytes(block_manager)}
 
 
 class ContiguousKvStore:
@@ -423,7 +419,7 @@ class ContiguousKvStore:
 
     layout = "contiguous"
     supports_compiled_decode = False
-    manager = None
+    geometry = None
     pool = None
 
     def __init__(self, make_caches: Callable[[], list[ContiguousKvCache]], bytes_per_token: int,
@@ -451,7 +447,8 @@ class ContiguousKvStore:
         return self._get(cache_id)[0].len
 
     def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
-                as_decode: Sequence[bool] = ()) -> tuple[list[KvPass], Callable[[], None]]:
+                as_decode: Sequence[bool] = (), blocks: Optional[BatchBlocks] = None,
+                ) -> tuple[list[KvPass], Callable[[], None]]:
         """One pass per distinct new-token count; caches are created as needed. The K/V
         writes happen inside attention, so ``undo`` truncates back to these lengths."""
         groups: dict[int, list[int]] = {}
@@ -523,7 +520,7 @@ class ContiguousKvStore:
                 out.extend(layer.arrays())
         return out
 
-    def used_bytes(self) -> int:
+    def used_bytes(self, block_manager=None) -> int:
         """Bytes of every buffer's capacity (the contiguous layout holds what it allocates)."""
         return sum(c[0].capacity for c in self.caches.values()) * self.bytes_per_token
 
@@ -531,7 +528,7 @@ class ContiguousKvStore:
         """Same as :meth:`used_bytes`."""
         return self.used_bytes()
 
-    def metrics(self) -> dict:
+    def metrics(self, block_manager=None) -> dict:
         """Sequences and bytes held (as stored: ``bytes_per_token`` over all layers, quantized
         scales and biases included)."""
         held = self.used_bytes()

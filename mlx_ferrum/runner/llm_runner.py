@@ -14,6 +14,9 @@ their store and backend:
 - paged: all sequences share one :class:`~mlx_ferrum.kv_cache.PagedKvPool`; a batched
   call packs every sequence's new tokens into ONE row (varlen, no padding), with
   per-token positions and a ``slot_mapping`` into the pool (ferrum's ``unified_decode``).
+  The runner allocates no block: the slots and block tables of each pass come from the
+  block manager's owner (the scheduler's ``SchedulerOutput``, as in vLLM and nano-vllm;
+  or :class:`~mlx_ferrum.executor.LlmExecutor` for the low-level API) and are only read.
   Pure decode passes run through a compiled step (:meth:`LlmRunner._decode_pass`).
 
 :meth:`LlmRunner.forward` returns the pass unevaluated, for the engine's pipelined step;
@@ -36,109 +39,31 @@ from mlx.utils import tree_flatten
 
 from ..config import RuntimeConfig, resolve_kv_capacity
 from ..errors import ExecutorError, InvalidInputIdsError, PromptTooLongError
-from ..kernels.exp2 import fusing as exp2_fusing
-from ..kernels.reference import SharedPrefix
 from ..kv_cache import LayerGroupKvManager
 from ..kv_cache.factory import KvSpec, build_kv_store
-from ..kv_cache.manager import UNKNOWN_TOKEN
+from ..kv_cache.block_tables import BatchBlocks, KvGeometry
 from ..kv_cache.store import KvStore
-from ..layers.attention import AttentionMetadata, paged_metadata
+from ..layers.attention import AttentionMetadata
 from ..layers.linear import cache_transposed_weights
-from ..layers.rope import Rope
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
+from .compiled_decode import MAX_DECODE_TRACES, CompiledDecodeStep
+from .inputs import device_input_ids, lora_token_slots, shape_bucket
+from .model_facts import layer_windows, model_dtype, table_ropes
 from .protocol import ModelInfo, SeqWork
+
+# re-exported here: code and tests import them from this module
+__all__ = ["LlmRunner", "MAX_DECODE_EXPANSION", "MAX_DECODE_TRACES", "layer_windows", "model_dtype", "shape_bucket",
+           "table_ropes"]
 
 logger = logging.getLogger(__name__)
 
-#: traces of the compiled decode step kept per executor and thread (see ``_compiled_step``)
-MAX_DECODE_TRACES = 64
 #: Longest row laid out as one decode row per token (a speculative draft plus its token):
 #: past it the decode attention's per-row reads of the whole context cost more than a
 #: prefill segment's.
 MAX_DECODE_EXPANSION = 16
 
 
-def shape_bucket(n: int) -> int:
-    """``n`` rounded up to a size a compiled decode step is traced for.
-
-    Sizes up to 8 are kept; above, ``n`` is rounded up to a multiple of a quarter of
-    its power of two (10, 12, 14, 16, 20, 24, 28, 32, 40, ...): four sizes per
-    octave, so less than a quarter of the padded work is waste, and a batch that
-    changes by a row or a context that crosses a block boundary mostly reuses a
-    trace. The idea of vLLM's CUDA-graph capture sizes.
-    """
-    if n <= 8:
-        return max(n, 1)
-    granule = 1 << (n.bit_length() - 3)
-    return -(-n // granule) * granule
-
-
-def _pad_rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
-    """``values`` ``[n]`` int32 padded to ``[rows]`` with ``fill``."""
-    if values.shape[0] == rows:
-        return values
-    return np.concatenate([values, np.full(rows - values.shape[0], fill, dtype=values.dtype)])
-
-
-def _pad_table(table: np.ndarray, rows: int, cols: int, scratch_block: int) -> np.ndarray:
-    """A ``[n, m]`` block table padded to ``[rows, cols]``: extra columns point at block 0
-    (masked by ``context_lens``), extra rows at the scratch block."""
-    out = np.zeros((rows, cols), dtype=np.int32)
-    out[: table.shape[0], : table.shape[1]] = table
-    out[table.shape[0] :, 0] = scratch_block
-    return out
-
-
-def _shared_prefixes(arrays: dict, num_groups: int) -> Optional[list]:
-    """Per group, the compiled step's :class:`~mlx_ferrum.kernels.reference.SharedPrefix`
-    inputs (``arrays["shared_prefixes"]``) or None."""
-    given = arrays.get("shared_prefixes")
-    if not given:
-        return None
-    return [SharedPrefix(*given[str(g)]) if str(g) in given else None for g in range(num_groups)]
-
-
-def model_dtype(model: nn.Module) -> mx.Dtype:
-    """The activation dtype of ``model``: ``model.dtype`` if set, else its embedding's float dtype
-    (the scales' dtype if affine-quantized), else the final norm's (the microscaling modes
-    store uint8 scales, which say nothing about the activations)."""
-    if isinstance(getattr(model, "dtype", None), mx.Dtype):
-        return model.dtype
-    emb = model.model.embed_tokens
-    for candidate in (getattr(emb, "scales", None), emb.weight, getattr(getattr(model.model, "norm", None), "weight", None)):
-        if candidate is not None and mx.issubdtype(candidate.dtype, mx.floating):
-            return candidate.dtype
-    for _, value in tree_flatten(model.parameters()):
-        if mx.issubdtype(value.dtype, mx.floating):
-            return value.dtype
-    return mx.float32
-
-
-def table_ropes(model: nn.Module) -> list[Rope]:
-    """The model's :class:`~mlx_ferrum.layers.rope.Rope` modules that take per-pass tables
-    (``has_table``), one per distinct ``table_key``: a paged pass's metadata carries one
-    ``(cos, sin)`` table for each, shared by every layer using it."""
-    ropes: dict = {}
-    for module in model.modules():
-        if isinstance(module, Rope) and module.has_table:
-            ropes.setdefault(module.table_key, module)
-    return list(ropes.values())
-
-
-def layer_windows(model: nn.Module) -> list[Optional[int]]:
-    """The sliding window of each layer (None: full attention), from ``model.args.window``.
-
-    One shared window (Mistral, Phi-3) lets the paged manager free blocks outside it;
-    mixed layers (Gemma 3, gpt-oss) get one block table per layer group in the
-    :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`.
-    """
-    args = model.args
-    if not hasattr(args, "window"):
-        return [None] * args.num_hidden_layers
-    return [args.window(i) for i in range(args.num_hidden_layers)]
-
-
-class LlmRunner:
+class LlmRunner(CompiledDecodeStep):
     """The :class:`~mlx_ferrum.runner.ModelRunner` over a Llama-family (or any registered)
     ``Model`` (``model.args`` a ``ModelArgs``).
 
@@ -146,15 +71,19 @@ class LlmRunner:
         model: the loaded model.
         config: runtime settings; ``None`` reads them from the environment.
         model_id: a name for :attr:`info`.
-        manager: an existing paged manager to use (paged layout only); its block size
-            and block count size the pool.
+        manager: an existing paged block manager whose geometry sizes the pool (paged
+            layout only); the runner does not keep it: its owner drives it.
 
     Attributes:
         model, config, args, info, dtype: the model and its facts.
         store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`) with
             its attention backend (``store.backend``).
         layout: ``store.layout``, for reports.
-        manager, pool: the paged store's block manager and pool arrays (None for contiguous).
+        kv_geometry: the paged pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry`,
+            from which the scheduler (or :class:`~mlx_ferrum.executor.LlmExecutor`) builds
+            the block manager it owns (None for contiguous). The runner never allocates
+            blocks: each paged pass reads the slots and tables it is handed.
+        pool: the paged pool arrays (None for contiguous).
         max_seq_len: :meth:`kv_capacity`.
         weight_bytes: bytes of the model's parameters.
         busy: True while a pass is being built. closed: True after :meth:`close`.
@@ -202,11 +131,13 @@ class LlmRunner:
         # of the compiled step rather than a Transpose node each
         cache_transposed_weights(model)
         self.layout = self.store.layout
-        self.manager: Optional[LayerGroupKvManager] = self.store.manager
+        # what the block manager's owner (the scheduler, or LlmExecutor) builds its manager
+        # from; the runner itself keeps no block tables and never allocates
+        self.kv_geometry: Optional[KvGeometry] = self.store.geometry
         self.pool = self.store.pool  # PagedKvPool or QuantizedPagedKvPool (None: contiguous)
-        if self.manager is not None:
+        if self.kv_geometry is not None:
             # the pool's block past the manager's (see build_kv_store)
-            self._scratch_block = self.manager.num_blocks
+            self._scratch_block = self.kv_geometry.num_blocks
         # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
         self._metal_kernels = bool(self.config.metal_kernels)
         # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
@@ -223,7 +154,6 @@ class LlmRunner:
         # LoRA: the registry switches the decoder projections to their LoRA variants
         # (exactly the base until a pass binds slots); None without enable_lora
         self.lora: Optional[LoraRegistry] = None
-        self._cache_salts: dict = {}  # cache id -> its adapter's prefix-cache salt
         if self.config.enable_lora:
             self.lora = LoraRegistry(model, self.config.max_loras, self.config.max_lora_rank,
                                      self.config.max_cpu_loras, self.dtype)
@@ -237,14 +167,15 @@ class LlmRunner:
         return getattr(self.store, "caches", {})
 
     def has_cache(self, cache_id: str) -> bool:
-        """True when ``cache_id`` holds a cache."""
+        """True when ``cache_id`` holds per-sequence storage (contiguous buffers; always
+        False for the paged layout, whose block tables belong to the block manager's owner)."""
         return self.store.has(cache_id)
 
     def num_tokens(self, cache_id: str) -> int:
-        """Tokens stored for ``cache_id``.
+        """Tokens stored in ``cache_id``'s contiguous buffers.
 
         Raises:
-            UnknownCacheError: unknown ``cache_id``.
+            UnknownCacheError: unknown ``cache_id``, or the paged layout (ask the block manager).
         """
         return self.store.num_tokens(cache_id)
 
@@ -271,17 +202,19 @@ class LlmRunner:
             self.closed = True
 
     # ------------------------------------------------------------- core
-    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None,
+            blocks: Optional[BatchBlocks] = None) -> list[mx.array]:
         """One forward pass over new tokens of several sequences (ferrum's ``unified_decode``),
         evaluated before returning.
 
-        Caches that do not exist are created. On any error every cache touched by this
-        call is restored to its previous length (and new ones released), so a failed call
-        leaves no blocks behind and other sequences untouched.
+        Contiguous caches that do not exist are created. On any error the contiguous
+        caches touched by this call are restored to their previous length (and new ones
+        dropped); the paged slots in ``blocks`` are given back by their owner.
 
         Args:
             work: one :class:`SeqWork` per sequence.
             prev_tokens: see :meth:`forward`.
+            blocks: see :meth:`forward`.
 
         Returns:
             One array per item: ``[n_i, vocab]`` if ``all_logits`` else ``[1, vocab]``
@@ -293,20 +226,13 @@ class LlmRunner:
         self._check_open()
         if not work:
             return []
-        logits, state, undo = self._build(work, prev_tokens)
+        logits, state, undo = self._build(work, prev_tokens, blocks)
         try:
             mx.eval(logits, state)
         except BaseException:  # Ctrl-C too: the caches go back to their previous lengths
             with self._lock:
                 undo()
             raise
-        if self.manager is not None:
-            with self._lock:
-                for w in work:
-                    # hold only each sliding window between calls; a verify pass (all logits)
-                    # keeps its blocks until its rejected tokens are truncated
-                    if not w.all_logits and self.manager.has(w.cache_id):
-                        self.manager.trim_to_window(w.cache_id)
         out = []
         r = 0
         for w in work:
@@ -316,7 +242,7 @@ class LlmRunner:
         return out
 
     def forward(
-        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None, blocks: Optional[BatchBlocks] = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """Build one forward pass over ``work`` and return it UNEVALUATED.
 
@@ -330,6 +256,12 @@ class LlmRunner:
             prev_tokens: ``[R]`` int32 device array (a previous step's sampled tokens);
                 an item with ``prev_row >= 0`` takes its LAST token from
                 ``prev_tokens[prev_row]`` instead of ``tokens[-1]`` (a placeholder).
+            blocks: paged layout: the step's slots and block tables
+                (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`), one row per
+                item with as many slots as it has tokens, allocated by the block
+                manager's owner (the scheduler's ``SchedulerOutput.kv``, or
+                :class:`~mlx_ferrum.executor.LlmExecutor`); only read here. Unused by
+                the contiguous layout.
 
         Returns:
             ``(logits, state)``: logits ``[R, vocab]`` (model dtype), the rows of every
@@ -337,26 +269,50 @@ class LlmRunner:
             to evaluate with them.
 
         Raises:
-            PromptTooLongError, KvCacheExhaustedError, ExecutorError (nothing changes then).
+            PromptTooLongError, InvalidInputIdsError, ExecutorError (``blocks`` missing or
+            not matching ``work``); nothing changes then.
         """
         self._check_open()
         if not work:
             return mx.zeros((0, self.args.vocab_size), self.dtype), []
-        logits, state, _ = self._build(work, prev_tokens)
+        logits, state, _ = self._build(work, prev_tokens, blocks)
         return logits, state
 
-    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]):
+    def _build(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array], blocks: Optional[BatchBlocks]):
         """:meth:`forward` plus the store's ``undo`` (for :meth:`run` to call when the
         evaluation fails)."""
-        self._validate(work, prev_tokens)
+        self.validate(work, prev_tokens, blocks)
         with self._lock:
             self.busy = True
             try:
-                return self._forward(work, prev_tokens)
+                return self._forward(work, prev_tokens, blocks)
             finally:
                 self.busy = False
 
-    def _validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array]) -> None:
+    def stored_tokens(self, cache_id: Hashable, blocks: Optional[BatchBlocks] = None) -> int:
+        """Tokens ``cache_id`` holds before this pass: its row's ``start`` in ``blocks``
+        (paged), or its contiguous buffers' length (0 for a new sequence)."""
+        if blocks is not None:
+            row = blocks.rows.get(cache_id)
+            return row.start if row is not None else 0
+        return self.store.num_tokens(cache_id) if self.store.has(cache_id) else 0
+
+    def validate(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array],
+                 blocks: Optional[BatchBlocks] = None, stored=None) -> None:
+        """Check a batch before anything is placed: each cache once, tokens given and in
+        the vocabulary, ``prev_tokens`` present when a row takes one, LoRA slots resident,
+        and every sequence within :meth:`kv_capacity`.
+
+        Args:
+            stored: ``cache_id -> tokens held before the pass`` (default
+                :meth:`stored_tokens` over ``blocks``); the executor adapter passes its
+                block manager's counts to check before it allocates.
+
+        Raises:
+            ExecutorError, InvalidInputIdsError, PromptTooLongError.
+        """
+        if stored is None:
+            stored = lambda cid: self.stored_tokens(cid, blocks)  # noqa: E731
         ids = [w.cache_id for w in work]
         if len(set(ids)) != len(ids):
             raise ExecutorError("a cache_id appears twice in one batch: send one item per sequence")
@@ -377,7 +333,7 @@ class LlmRunner:
                     + ("" if self.lora is not None else ": LoRA is off (RuntimeConfig(enable_lora=True))")
                     + "; take slots from acquire_lora(name, owner)"
                 )
-            have = self.num_tokens(w.cache_id) if self.has_cache(w.cache_id) else 0
+            have = stored(w.cache_id)
             if have + len(w.tokens) > self.max_seq_len:
                 raise PromptTooLongError(
                     f"sequence {w.cache_id!r} would hold {have + len(w.tokens)} tokens, more than the context of "
@@ -385,16 +341,10 @@ class LlmRunner:
                     "(at most the model's max_position_embeddings for sound results)"
                 )
 
-    @staticmethod
-    def _input_ids(flat: np.ndarray, patch_at: list[int], patch_rows: list[int], prev: Optional[mx.array]):
-        """The step's token ids as a device array; placeholders are filled from ``prev``
-        on the device, so a previous step's tokens never travel through the host."""
-        ids = mx.array(flat)
-        if patch_at:
-            ids[mx.array(patch_at, dtype=mx.int32)] = prev[mx.array(patch_rows, dtype=mx.int32)].astype(mx.int32)
-        return ids
+    #: the step's token ids on the device (:func:`.inputs.device_input_ids`)
+    _input_ids = staticmethod(device_input_ids)
 
-    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array]):
+    def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array], blocks: Optional[BatchBlocks]):
         """One code path for both layouts: the store places the tokens and says how
         many passes they take (paged: one packed pass; contiguous: one per token count).
 
@@ -417,13 +367,9 @@ class LlmRunner:
             with stage.deferring() if overlap else contextlib.nullcontext():
                 for indices in groups:
                     part = [work[i] for i in indices]
-                    # a token still being sampled (prev_row) is stored as UNKNOWN_TOKEN: prefix
-                    # caching hashes its block once set_token_ids() brings the id
                     passes, part_undo = self.store.prepare(
-                        [(w.cache_id,
-                          self._cache_key_ids(w, w.tokens[:-1] + [UNKNOWN_TOKEN] if w.prev_row >= 0 else w.tokens))
-                         for w in part],
-                        as_decode=[self._as_decode(w) for w in part])
+                        [(w.cache_id, w.tokens) for w in part],
+                        as_decode=[self._as_decode(w, blocks) for w in part], blocks=blocks)
                     undos.append(part_undo)
                     for kv_pass in passes:
                         part_owner: list[int] = []
@@ -441,13 +387,16 @@ class LlmRunner:
             logits = logits[mx.array(np.asarray(order, dtype=np.int32))]
         return logits, self.store.state([w.cache_id for w in work]), undo
 
-    def _as_decode(self, w: SeqWork) -> bool:
+    def _as_decode(self, w: SeqWork, blocks: Optional[BatchBlocks]) -> bool:
         """True for a short row marked ``as_decode`` that returns every position's logits on
         a cache that exists (a speculative draft): it runs as one decode row per token (see
         ``PagedKvStore.prepare``), so a batch of drafts stays a decode pass and goes
         through the compiled step instead of the op-by-op prefill path."""
-        return (w.as_decode and w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
-                and self.manager is not None and self.manager.has(w.cache_id))
+        if not (w.as_decode and w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
+                and blocks is not None):
+            return False
+        row = blocks.rows.get(w.cache_id)
+        return row is not None and row.start > 0
 
     def schedule_kv_state(self) -> None:
         """Queue (``mx.async_eval``) the evaluation of every KV array, without waiting.
@@ -503,26 +452,21 @@ class LlmRunner:
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if rows else logits[:0]
 
-    def _cache_key_ids(self, w: SeqWork, token_ids: list[int]) -> list[int]:
-        """The ids the KV store keys ``w``'s tokens by: salted by its adapter
-        (:func:`~mlx_ferrum.lora.salt_token_ids`), so prefix caching never shares blocks
-        across adapters; the salt is remembered for :meth:`set_token_ids`."""
+    def cache_key_ids(self, w: SeqWork, token_ids: list[int]) -> list[int]:
+        """The ids the prefix cache keys ``w``'s tokens by: salted by its adapter
+        (:func:`~mlx_ferrum.lora.salt_token_ids`) so prefix caching never shares blocks
+        across adapters; ``token_ids`` unchanged for the base model. For the block
+        manager's owner (the executor adapter), which appends the slots."""
         if w.lora_slot < 0 or self.lora is None:
             return token_ids
-        salt = prefix_salt(self.lora.slot_name(w.lora_slot))
-        self._cache_salts[w.cache_id] = salt
-        return salt_token_ids(token_ids, salt)
+        return salt_token_ids(token_ids, prefix_salt(self.lora.slot_name(w.lora_slot)))
 
     def _lora_token_slots(self, work: Sequence[SeqWork], kv_pass, size: int) -> Optional[mx.array]:
         """``[size]`` int32 LoRA slot of each flattened token of the pass (the zero slot for
         tokens without an adapter and for padding), or None when no item of the pass has one."""
-        if self.lora is None or all(work[i].lora_slot < 0 for i in kv_pass.items):
+        if self.lora is None:
             return None
-        slots = np.full(size, self.lora.none_slot, dtype=np.int32)
-        for i, start in zip(kv_pass.items, kv_pass.starts):
-            if work[i].lora_slot >= 0:
-                slots[start : start + len(work[i].tokens)] = work[i].lora_slot
-        return mx.array(slots)
+        return lora_token_slots(self.lora.none_slot, work, kv_pass.items, kv_pass.starts, size)
 
     def _call_model(self, tokens: mx.array, meta: AttentionMetadata, lora_weights: Optional[dict]) -> mx.array:
         """``self.model(tokens, meta)`` with the pass's LoRA slots bound to the model's LoRA
@@ -533,224 +477,33 @@ class LlmRunner:
         with self.lora.context.bound(meta.lora_slots, weights):
             return self.model(tokens, meta)
 
-    @staticmethod
-    def _is_decode_pass(work: Sequence[SeqWork], kv_pass) -> bool:
-        """Every attention row of the pass is a decode row with its logits returned:
-        one token per item, or an item laid out as one decode row per token (a draft)."""
-        tokens = sum(len(work[i].tokens) for i in kv_pass.items)
-        return kv_pass.decode_rows == tokens and all(
-            work[i].num_logit_rows == len(work[i].tokens) for i in kv_pass.items
-        )
-
-    def _decode_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array]) -> Optional[mx.array]:
-        """Run a pure decode pass through the compiled step :meth:`_decode_graph`.
-
-        ``mx.compile`` traces the step once per (sequences, blocks per table) shape and
-        replays it afterwards: no Python per layer, and elementwise chains (RoPE, norms,
-        SwiGLU, the softmax of decode attention) fused into single kernels. Both sizes
-        are padded to :func:`shape_bucket` sizes so that traces repeat: pad rows write
-        the pool's scratch block (``self._scratch_block``, never handed out by the
-        manager) and have ``context_lens`` 1; pad table columns point at block 0 and are
-        masked. The pool arrays go in as inputs and come back as outputs, and the pool
-        is rebound to them. Returns the logits ``[B, vocab]`` in ``kv_pass.items``
-        order, or None when the model cannot be traced (it reads values on the host):
-        the executor then stays eager for good, and the caller runs the pass op by op.
-        """
-        f = kv_pass.inputs
-        n = int(f.num_decode_seqs)
-        rows, cols = shape_bucket(n), shape_bucket(f.block_tables[0].shape[1])
-        ids = np.zeros(rows, dtype=np.int32)
-        patch_at: list[int] = []
-        patch_rows: list[int] = []
-        r = 0
-        for i in kv_pass.items:
-            w = work[i]
-            ids[r : r + len(w.tokens)] = w.tokens
-            r += len(w.tokens)
-            if w.prev_row >= 0:
-                patch_at.append(r - 1)
-                patch_rows.append(w.prev_row)
-        if rows == n and len(patch_at) == n and prev is not None and prev.shape[0] == n and patch_rows == patch_at:
-            input_ids = prev.astype(mx.int32)  # the steady state: last step's tokens, in order
-        else:
-            input_ids = self._input_ids(ids, patch_at, patch_rows, prev)
-        scratch_slot = self._scratch_block * self.manager.block_size
-        # the step's metadata arrays are inputs of the compiled function (not constants of
-        # its trace); the arrays derived from them are built inside it (_decode_graph)
-        arrays = {
-            "positions": mx.array(_pad_rows(f.positions, rows, 0)),
-            "context_lens": mx.array(_pad_rows(f.context_lens, rows, 1)),
-            "slot_mappings": [mx.array(_pad_rows(x, rows, scratch_slot)) for x in f.slot_mappings],
-            "block_tables": [mx.array(_pad_table(x, rows, cols, self._scratch_block)) for x in f.block_tables],
-        }
-        shared_shape = ()
-        if f.shared_prefixes:
-            # a group's shared blocks and each row's tail (reference.SharedPrefix), keyed by
-            # group: the groups that have one are part of the trace's key
-            arrays["shared_prefixes"] = {}
-            for g, plan in enumerate(f.shared_prefixes):
-                if plan is not None:
-                    tails = _pad_table(plan.tails, rows, shape_bucket(plan.tails.shape[1]), self._scratch_block)
-                    # pad rows read the shared blocks and no tail key (context_lens 1)
-                    starts = _pad_rows(plan.tail_starts, rows, int(plan.tail_starts.max()))
-                    arrays["shared_prefixes"][str(g)] = [mx.array(plan.table), mx.array(tails), mx.array(starts)]
-                    shared_shape += ((g, plan.table.shape[0], tails.shape[1]),)
-        if self.lora is not None and any(work[i].lora_slot >= 0 for i in kv_pass.items):
-            # one decode row per token: a draft laid out as several rows repeats its slot
-            slots = np.full(rows, self.lora.none_slot, dtype=np.int32)
-            r = 0
-            for i in kv_pass.items:
-                w = work[i]
-                if w.lora_slot >= 0:
-                    slots[r : r + len(w.tokens)] = w.lora_slot
-                r += len(w.tokens)
-            # inputs of the compiled step, not constants of its trace: the next step's
-            # slots (and the stacks, after an adapter is loaded into a slot) differ
-            arrays["lora_slots"] = mx.array(slots)
-            arrays["lora_weights"] = self.lora.weights()
-        pool = self.pool
-        if self._wait_for_pools:
-            # On the CPU backend a pool still pending from the previous (pipelined) step
-            # cannot be updated in place by the compiled step: MLX copies every layer's
-            # pool (peak memory + whole pools, tens of ms per step on a large pool). The
-            # wait costs little there, as mx.async_eval already waited for all but the
-            # previous step's tail. GPU backends skip it, so the host keeps building
-            # ahead of the device (unmeasured here: no GPU on this machine).
-            mx.eval(pool.arrays())
-        try:
-            step = self._compiled_step((rows, cols, "lora_slots" in arrays, shared_shape))
-            logits, pool_arrays = step(input_ids, arrays, pool.arrays())
-        except (ValueError, RuntimeError) as e:  # a host read while tracing (RuntimeError: buffer protocol)
-            if "compile" not in str(e) and "transformation" not in str(e):
-                raise
-            logger.info("decode steps run op by op: the model cannot be compiled (%s)", e)
-            self._compiled_decode = None
-            return None
-        pool.set_arrays(pool_arrays)
-        return logits if rows == n else logits[:n]
-
-    def _compiled_step(self, shape: tuple):
-        """This thread's ``mx.compile`` of :meth:`_decode_graph` (made on first use).
-
-        ``mx.compile`` keeps one trace per input shape; once more than
-        :data:`MAX_DECODE_TRACES` bucketed ``shape`` s (rows, blocks per table, with
-        LoRA, and per group with a shared prefix its shared and tail blocks) were seen
-        the function is dropped with its traces and compiled anew, so a long-running
-        server holds a bounded number of graphs. Steps with and without LoRA slots, and
-        with shared prefixes in different groups, get separate functions (their inputs
-        differ in structure).
-        """
-        key = threading.get_ident()
-        if len(shape) > 2 and shape[2]:
-            key = (key, "lora")
-        if len(shape) > 3 and shape[3]:
-            key = (key, tuple(g for g, _, _ in shape[3]))
-        entry = self._compiled_decode.get(key)
-        if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
-            entry = self._compiled_decode[key] = (mx.compile(self._decode_graph), set())
-        entry[1].add(shape)
-        return entry[0]
-
-    def _decode_graph(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
-        """The traced body of a compiled decode step: ``input_ids`` ``[B]`` int32, the step's
-        metadata arrays, and every pool array (``pool.arrays()``: K/V, or a quantized pool's
-        codes, scales and biases) -> ``(logits [B, vocab], the written pool arrays)``.
-
-        The complete metadata (:func:`~mlx_ferrum.layers.backends.paged_metadata`: pool
-        indices, decode indices, RoPE tables) is built here from the traced inputs, before
-        the model runs, so every replay derives it from that step's arrays. The softmaxes'
-        ``2 ** x`` are traced as fusable arithmetic (:func:`~mlx_ferrum.kernels.exp2.fusing`)."""
-        with exp2_fusing():
-            return self._decode_graph_body(input_ids, arrays, pool_arrays)
-
-    def _decode_graph_body(self, input_ids: mx.array, arrays: dict, pool_arrays: list):
-        pool = self.pool.with_arrays(pool_arrays)
-        store = self.store
-        meta = paged_metadata(
-            store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
-            store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=store.ropes,
-            metal_kernels=self._metal_kernels, shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
-        )
-        meta.lora_slots = arrays.get("lora_slots")
-        lora_weights = arrays.get("lora_weights")
-        if self._packed_tokens:
-            return self._call_model(input_ids, meta, lora_weights), pool.arrays()  # packed [B] tokens -> [B, vocab]
-        return self._call_model(input_ids[None], meta, lora_weights)[0], pool.arrays()
-
-    # ------------------------------------------------------------ cache operations
+    # ------------------------------------------------------------ storage operations
     def trim_cache(self, cache_id: str, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of a cache (the engine's rollback of a
-        rejected draft); whole paged blocks past them are freed.
+        """Keep the first ``num_tokens`` tokens of a contiguous cache's buffers (the engine's
+        rollback of a rejected draft). Paged: nothing to do here; the block manager's owner
+        frees the blocks.
 
         Raises:
-            UnknownCacheError: released cache. KvCacheError: ``num_tokens`` out of range.
+            UnknownCacheError: released contiguous cache. KvCacheError: ``num_tokens`` out of range.
         """
         with self._lock:
             self.store.truncate(cache_id, num_tokens)
 
     def fork_cache(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
-        """Start ``new_cache_id`` with ``cache_id``'s tokens (paged: shared blocks, copy-on-write;
-        contiguous: copied buffers).
+        """Start the contiguous cache ``new_cache_id`` with a copy of ``cache_id``'s buffers.
 
         Raises:
-            UnknownCacheError: unknown ``cache_id``.
+            UnknownCacheError: unknown ``cache_id``. ExecutorError: the paged layout (a
+            paged fork shares blocks in the block manager: ``LlmExecutor.fork_cache``).
         """
         with self._lock:
             self.store.fork(cache_id, new_cache_id)
 
-    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Create the paged cache ``cache_id`` holding the first ``num_tokens`` tokens of
-        ``token_ids`` by sharing prefix-cached blocks (reference counts; no K/V is computed
-        or copied). The engine calls this for what the scheduler planned
-        (``SchedulerOutput.prefix_lookups``, from the manager's read-only
-        ``longest_cached_prefix``); the match itself is the manager's ``match_prefix``
-        (chained SHA-256 block keys, as in vLLM's automatic prefix caching).
-
-        Args:
-            cache_id: a new cache id.
-            token_ids: the prompt's token ids (ints); for a sequence with a LoRA adapter,
-                salted with :func:`~mlx_ferrum.lora.salt_token_ids` (``Sequence.prefix_key_ids``).
-            num_tokens: cached tokens to share: a multiple of ``block_size``, at most
-                ``len(token_ids) - 1``; 0 creates an empty cache.
-
-        Raises:
-            ExecutorError: the contiguous layout, or prefix caching is off
-                (``RuntimeConfig(prefix_cache=True)`` / ``FERRUM_PREFIX_CACHE=1``).
-            KvCacheError: ``cache_id`` exists, or fewer than ``num_tokens`` tokens are
-                cached (nothing changes then).
-        """
-        if self.manager is None or not self.manager.prefix_cache:
-            raise ExecutorError("claim_prefix needs the paged layout with prefix caching: pass "
-                                "RuntimeConfig(kv_layout='paged', prefix_cache=True)")
-        with self._lock:
-            self.store.claim_prefix(cache_id, token_ids, num_tokens)
-
-    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
-        """Tell the KV store the ids of tokens it stored before they were known on the host
-        (a pipelined step's ``prev_row`` token), so prefix caching can hash their blocks.
-
-        A no-op without prefix caching, for an unknown cache, and for positions not stored yet.
-
-        Args:
-            cache_id: the sequence.
-            start: position of ``token_ids[0]`` in the sequence (tokens).
-            token_ids: the ids (ints).
-
-        Raises:
-            KvCacheError: a position already holds a different known id.
-        """
-        manager = self.manager
-        if manager is None or not manager.prefix_cache:
-            return
-        with self._lock:
-            if manager.has(cache_id):
-                manager.set_token_ids(cache_id, start, salt_token_ids(token_ids, self._cache_salts.get(cache_id, 0)))
-
     def release_cache(self, cache_id: Hashable) -> None:
-        """Free a sequence's cache; unknown ids are ignored (release is idempotent)."""
+        """Free a sequence's contiguous buffers; unknown ids are ignored (release is
+        idempotent). Paged: nothing to do here (the block manager's owner frees blocks)."""
         with self._lock:
             self.store.release(cache_id)
-            self._cache_salts.pop(cache_id, None)
 
     # ------------------------------------------------------------- LoRA
     def _lora_registry(self) -> LoraRegistry:
@@ -817,14 +570,16 @@ class LlmRunner:
         return {} if self.lora is None else self.lora.metrics()
 
     # ------------------------------------------------------------ reports
-    def kv_used_bytes(self) -> int:
-        """Bytes of KV memory holding tokens: blocks in use (paged) or buffer capacities (contiguous)."""
-        return self.store.used_bytes()
+    def kv_used_bytes(self, block_manager: Optional[LayerGroupKvManager] = None) -> int:
+        """Bytes of KV memory holding tokens: the blocks ``block_manager`` holds (paged; 0
+        without it) or buffer capacities (contiguous)."""
+        return self.store.used_bytes(block_manager)
 
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held: the whole pool (paged) or every buffer's capacity (contiguous)."""
         return self.store.allocated_bytes()
 
-    def cache_metrics_snapshot(self) -> dict:
-        """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
-        return self.store.metrics()
+    def cache_metrics_snapshot(self, block_manager: Optional[LayerGroupKvManager] = None) -> dict:
+        """Paged: ``block_manager``'s block metrics (when given) and the pool's bytes;
+        contiguous: sequences and bytes held."""
+        return self.store.metrics(block_manager)

@@ -83,36 +83,44 @@ class ModelRunner(Protocol):
     Implementation: :class:`~mlx_ferrum.runner.LlmRunner`. Every method may be called
     from any thread; calls are serialised by the runner's lock.
 
+    The runner never allocates KV blocks: the scheduler owns the block manager (built from
+    :attr:`kv_geometry`) and hands each paged pass its rows' slots and block tables
+    (``blocks``, the ``SchedulerOutput.kv`` of the step), which the runner only reads. The
+    storage methods below (``release_cache``, ``trim_cache``) concern the contiguous
+    layout's per-sequence buffers and do nothing for the paged pool.
+
     Attributes:
         config: the runtime settings the runner was built with.
         info: static facts (``vocab_size``, ``max_sequence_length``, ...).
         args: the model's ``ModelArgs`` (read by the server for its limits).
-        manager: the paged block manager, or None for the contiguous layout. Callers
-            above the runner only READ it (the scheduler through a
-            :class:`~mlx_ferrum.kv_cache.BlockPlan`); every change goes through the
-            methods below.
+        kv_geometry: the paged pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry`
+            (blocks, block size, layer groups and windows, prefix caching), or None for
+            the contiguous layout.
     """
 
     config: RuntimeConfig
     info: ModelInfo
     args: Any
-    manager: Optional[Any]
+    kv_geometry: Optional[Any]
 
     def forward(
-        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None
+        self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None, blocks: Optional[Any] = None,
     ) -> tuple[mx.array, list[mx.array]]:
         """Build one forward pass over ``work`` (each ``cache_id`` once) and return it
         UNEVALUATED: ``(logits [R, vocab] model dtype, the rows of every item in work
         order, num_logit_rows each; the KV arrays to evaluate with them)``.
         ``prev_tokens`` ``[N]`` int32 (device): an item with ``prev_row >= 0`` takes its
-        last token from it.
+        last token from it. ``blocks``: paged layout, the step's
+        :class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks` (one row per item, as
+        many slots as it has tokens), read only.
 
         Raises:
-            PromptTooLongError, KvCacheExhaustedError, InvalidInputIdsError, ExecutorError:
-            nothing changes then (every touched cache is restored).
+            PromptTooLongError, InvalidInputIdsError, ExecutorError (``blocks`` missing or
+            not matching): nothing changes then.
         """
 
-    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None) -> list[mx.array]:
+    def run(self, work: Sequence[SeqWork], prev_tokens: Optional[mx.array] = None,
+            blocks: Optional[Any] = None) -> list[mx.array]:
         """:meth:`forward`, evaluated: one array per item, ``[n_i, vocab]`` if
         ``all_logits`` else ``[1, vocab]`` (``[0, vocab]`` without logits).
 
@@ -123,38 +131,16 @@ class ModelRunner(Protocol):
     def schedule_kv_state(self) -> None:
         """Queue the evaluation of every KV array without waiting (after a failed pass)."""
 
-    def has_cache(self, cache_id: Hashable) -> bool:
-        """True when ``cache_id`` holds a cache."""
-
-    def num_tokens(self, cache_id: Hashable) -> int:
-        """Tokens stored for ``cache_id``. Raises UnknownCacheError for an unknown id."""
-
-    def claim_prefix(self, cache_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Create the paged cache ``cache_id`` sharing the first ``num_tokens`` prefix-cached
-        tokens of ``token_ids``.
-
-        Raises:
-            ExecutorError: contiguous layout or prefix caching off.
-            KvCacheError: ``cache_id`` exists or the tokens are not all cached (nothing changes).
-        """
-
-    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
-        """Tell the store the ids of tokens stored before they were known on the host
-        (positions ``start ..``), so prefix caching can hash their blocks.
-
-        Raises:
-            KvCacheError: a position already holds a different known id.
-        """
-
     def trim_cache(self, cache_id: Hashable, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of a cache.
+        """Keep the first ``num_tokens`` tokens of a contiguous cache's buffers (paged:
+        nothing to do; the scheduler frees the blocks).
 
         Raises:
-            UnknownCacheError: unknown cache. KvCacheError: ``num_tokens`` out of range.
+            UnknownCacheError: unknown contiguous cache. KvCacheError: ``num_tokens`` out of range.
         """
 
     def release_cache(self, cache_id: Hashable) -> None:
-        """Free a cache; unknown ids are ignored."""
+        """Free a sequence's contiguous buffers (paged: nothing to do); unknown ids are ignored."""
 
     def kv_capacity(self) -> int:
         """Most tokens one sequence may hold."""
@@ -162,8 +148,9 @@ class ModelRunner(Protocol):
     def kv_allocated_bytes(self) -> int:
         """Bytes of KV memory held (the whole pool, or every contiguous buffer)."""
 
-    def cache_metrics_snapshot(self) -> dict:
-        """Paged: the manager's block metrics; contiguous: sequences and bytes held."""
+    def cache_metrics_snapshot(self, block_manager: Optional[Any] = None) -> dict:
+        """Paged: ``block_manager``'s block metrics and the pool's bytes; contiguous:
+        sequences and bytes held."""
 
     # ------------------------------------------------------------------ LoRA
     # ``config.enable_lora`` says whether these serve adapters; when it is off the

@@ -1,9 +1,11 @@
-"""The scheduler only reads the paged KV manager (../shared/DESIGN.md); the engine
-applies the releases and prefix claims it plans, through the executor.
+"""The scheduler owns the paged KV block manager (../shared/DESIGN.md): in a whole
+engine run it is the only caller that changes it; the runner holds none.
 
-- The scheduler gets a proxy of the manager (and its allocator) that raises on every
-  mutating method; whole engine runs with preemption and prefix-cache hits must go
-  through (they raised at ``manager.create`` before the change).
+- The scheduler's manager is wrapped in a proxy that records, for every mutating
+  call, the first caller outside ``mlx_ferrum.kv_cache``; whole engine runs with
+  preemption, prefix-cache hits, speculation and aborts must show the scheduler as
+  the only writer (before the change the runner's store appended the slots and the
+  engine applied releases and prefix claims).
 - The same mixed workload (shared prefixes, preemption in a small pool, chunked
   prefill, aborts) gives every request the tokens of its solo run, with the prefix
   cache on and off, and leaks no block.
@@ -15,6 +17,7 @@ applies the releases and prefix claims it plans, through the executor.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -23,29 +26,37 @@ from mlx_ferrum.engine import Engine, SamplingParams
 from support.tiny_models import tiny_model
 
 BS = 8
-MANAGER_WRITES = ("create", "release", "append_slots", "match_prefix", "truncate", "fork", "trim_to_window")
-ALLOCATOR_WRITES = ("allocate_n", "allocate", "acquire", "free", "mark_cached")
+MANAGER_WRITES = ("create", "release", "append_slots", "match_prefix", "truncate", "fork", "trim_to_window",
+                  "set_token_ids")
 
 
-class ReadOnly:
-    """A view of a manager (or allocator) whose mutating methods and attribute writes raise."""
+def _writer() -> str:
+    """Module of the first frame (below this file) outside the kv_cache package."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith("mlx_ferrum.kv_cache"):
+            return name
+        frame = frame.f_back
+    return "?"
 
-    def __init__(self, target, forbidden):
+
+class WriteRecorder:
+    """A view of a manager that records which module calls each of its mutating methods."""
+
+    def __init__(self, target, writers: set):
         object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_forbidden", forbidden)
+        object.__setattr__(self, "_writers", writers)
 
     def __getattr__(self, name):
-        if name in self._forbidden:
-            raise AssertionError(f"the scheduler wrote the KV manager: {name}()")
         value = getattr(self._target, name)
-        if name == "allocator":
-            return ReadOnly(value, ALLOCATOR_WRITES)
-        if name == "groups":
-            return [ReadOnly(g, MANAGER_WRITES) for g in value]
-        return value
+        if name in MANAGER_WRITES:
+            def recorded(*args, **kwargs):
+                self._writers.add(_writer())
+                return value(*args, **kwargs)
 
-    def __setattr__(self, name, value):
-        raise AssertionError(f"the scheduler set manager.{name}")
+            return recorded
+        return value
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +105,28 @@ def run_with_aborts(engine: Engine, reqs, abort_every: int = 5, abort_after_step
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 @pytest.mark.parametrize("speculative", [None, "ngram"])
-def test_scheduler_never_writes_the_manager(model, prefix_cache, speculative):
+def test_only_the_scheduler_writes_the_block_manager(model, prefix_cache, speculative):
     prefixes, reqs = mixed_requests(seed=1)
     engine = Engine(model, None, config(max_num_blocks=20, max_num_seqs=8, max_num_batched_tokens=64,
                                         prefill_chunk_size=16, prefix_cache=prefix_cache, speculative=speculative,
                                         speculative_disable_by_batch_size=1 << 20))
-    manager = engine.runner.manager
-    engine.scheduler.manager = ReadOnly(manager, MANAGER_WRITES)
+    assert not hasattr(engine.runner, "manager") and not hasattr(engine.runner.store, "manager")
+    manager = engine.block_manager
+    writers: set = set()
+    engine.scheduler.block_manager = WriteRecorder(manager, writers)
     # warm the prefix cache with the shared prefixes, then the mixed workload
     engine.generate([p + [1] for p in prefixes], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     ids, aborted, final = run_with_aborts(engine, reqs)
     assert engine.scheduler.num_preemptions > 0, "the pool was never under pressure: the test is too easy"
     if prefix_cache:
         assert any(final[rid].metrics.num_cached_tokens > 0 for rid in ids)
+    if speculative:
+        assert engine.stats()["spec_num_drafts"] > 0, "speculation was not exercised"
     for rid, (prompt, sp) in zip(ids, reqs):
         if rid not in aborted:
             assert final[rid].finish_reason == "length"
             assert final[rid].token_ids == solo(model, prompt, sp), f"{rid} differs from its solo run"
+    assert writers == {"mlx_ferrum.engine.scheduler"}, f"the block manager was changed from {sorted(writers)}"
     manager.check_invariants()
     assert manager.num_free == manager.num_blocks and not manager.seqs
 
@@ -128,7 +144,7 @@ def test_prefix_cache_on_and_off_give_solo_tokens_under_preemption(model):
         if prefix_cache:
             assert any(final[rid].metrics.num_cached_tokens > 0 for rid in ids)
         outputs[prefix_cache] = {i: final[rid].token_ids for i, rid in enumerate(ids) if rid not in aborted}
-        manager = engine.runner.manager
+        manager = engine.block_manager
         manager.check_invariants()
         assert manager.num_free == manager.num_blocks and not manager.seqs
     assert outputs[True] == outputs[False]
