@@ -24,7 +24,6 @@ largest), see :mod:`mlx_ferrum.cli.bench`.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mlx.core as mx  # noqa: E402
 
 from common import (  # noqa: E402
     QWEN25_05B_CONFIG,

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
             print(f"layer {layer:2d}: |mean|/std, top 4 channels {np.round(np.sort(np.abs(mean) / std)[-4:], 2)}; "
                   f"channel RMS max/median {rms.max() / np.median(rms):.1f}")
     names = args.variants.split(";") if args.variants else list(VARIANTS)
-    print(f"| variant | mean KL | top-1 agreement |\n|---|---:|---:|")
+    print("| variant | mean KL | top-1 agreement |\n|---|---:|---:|")
     for name in names:
         t0 = time.perf_counter()
         lp, _ = run(VARIANTS[name])

@@ -1,6 +1,5 @@
 """The mlx-ferrum CLI on the real stories260K checkpoint: exact output, stats on stderr, chat REPL."""
 
-import json
 import os
 import subprocess
 import sys

@@ -4,7 +4,6 @@ import math
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from mlx_ferrum.executor import DecodeInput, PagedAttentionExecutor, PrefillInput
 from mlx_ferrum.kv_cache import LayerGroupKvManager

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from support.checkpoints import make_checkpoint as make_tiny_checkpoint
 from mlx_ferrum.config import RuntimeConfig

@@ -35,7 +35,7 @@ def test_the_server_commands_run_as_written(stories_path, stories_expected, tmp_
     client snippet, chat part included."""
     import shlex
 
-    from support.server_helpers import free_port, running_server
+    from support.server_helpers import running_server
 
     section = README.split("## OpenAI-compatible server", 1)[1].split("\n## ", 1)[0]
     command = re.findall(r"```bash\n(.*?)```", section, re.S)[0].replace("\\\n", " ")

@@ -7,7 +7,6 @@ tokenizer (Qwen) loads, and the engine never samples a padding id.
 
 from __future__ import annotations
 
-import shutil
 
 import mlx.core as mx
 import pytest

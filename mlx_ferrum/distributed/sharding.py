@@ -34,7 +34,6 @@ rank's KV heads, and the attention kernels see only the local heads.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -24,7 +24,7 @@ from ..config import RuntimeConfig
 from ..kv_cache import LayerGroupKvManager
 from ..layers.attention import AttentionMetadata, attention
 from .llm_executor import LlmExecutor
-from .types import DecodeInput, DecodeOutput, PrefillInput, PrefillOutput
+from .types import DecodeOutput, PrefillOutput
 
 
 class IdentityAttentionModel(nn.Module):

@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
 
 from mlx_ferrum.errors import KernelError
 
