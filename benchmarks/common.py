@@ -99,7 +99,7 @@ def openblas_threads() -> Optional[str]:
     was), so the figures of a script that asked were wrong.
 
     On the 2-core test machine ``OPENBLAS_NUM_THREADS=1`` made both sides of
-    ``bench_throughput.py`` faster on stories260K (docs/benchmarks.md §0): MLX's CPU
+    ``bench_throughput.py`` faster on stories260K (measured in the history of docs/benchmarks.md): MLX's CPU
     backend already keeps two threads busy (the one that queues ops and the stream's
     worker), and OpenBLAS's second thread spins between the many small products of a
     decode step, taking a core from them. The compute-bound Qwen-shaped run is faster

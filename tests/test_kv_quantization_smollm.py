@@ -100,7 +100,7 @@ def float32_kv(smollm_float32, text_ids):
 
 #: int4 misses its targets on this model (mean KL about 0.10, top-1 about 0.85): the loss is
 #: in the keys, spread over the layers, and no per-token group format within 0.30x of
-#: float16 measured reaches KL 0.02 (docs/benchmarks.md, "Quantized KV on SmolLM2").
+#: float16 measured reaches KL 0.02 (docs/benchmarks.md, "Quantized KV cache on SmolLM2").
 #: Strict, so the day int4 meets them this test says so.
 INT4_MISSES = pytest.mark.xfail(strict=True, reason="int4 KV misses KL <= 0.02 / top-1 >= 95% on SmolLM2 "
                                 "(per-token groups of 64; see docs/benchmarks.md)")

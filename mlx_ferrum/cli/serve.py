@@ -22,7 +22,7 @@ from .args import (DTYPES, HelpFormatter, add_gguf_arg, api_key, boolean, fracti
 #: offline and online entry points differ in their batching defaults): on the chat
 #: workload of ``benchmarks/bench_serving.py`` (32 clients whose requests come in waves),
 #: median time to first token was 0.25-0.28 s with 4 against 0.39 s uncapped and 0.44 s
-#: with 8, for up to 7 % fewer tokens per second (docs/benchmarks.md, section 19).
+#: with 8, for up to 7 % fewer tokens per second (docs/benchmarks.md, "Findings behind the defaults").
 SERVE_MAX_NUM_PREFILL_SEQS = 4
 
 

@@ -7,7 +7,7 @@ elementwise cost of attention there at small ``head_dim``. Inside ``mx.compile``
 graph of :func:`_exp2_graph` runs at about 2.5 ns per element, and a stories260K decode
 step over 32 sequences of 340 tokens ran 1.33x faster with it than with ``mx.power``
 (``benchmarks/bench_cpu_attention.py`` measures all three; docs/benchmarks.md,
-section 19). The method:
+"The CPU softmax's 2**x"). The method:
 
 - range reduction ``x = n + f`` with ``n = round(x)`` and ``f`` in ``[-1/2, 1/2]``;
 - ``2 ** f`` by a degree-6 polynomial fitted to it (least squares with relative weights
@@ -60,7 +60,7 @@ _ROUNDER = 12582912.0
 #: Largest input that takes the fused arithmetic: past it the score passes leave the
 #: cache. The Horner form ran 1.5x (2**20) to 3.5x (2**22) slower per element there than
 #: ``mx.power``; the one-kernel Estrin form was still 1.6x faster than ``mx.power`` at
-#: 2**22 (docs/benchmarks.md, section 19), so this limit is conservative now
+#: 2**22 (docs/benchmarks.md, "The CPU softmax's 2**x"), so this limit is conservative now
 #: (``benchmarks/bench_cpu_attention.py`` times both at this size and 8x past it).
 MAX_FUSED_SIZE = 1 << 19
 #: Smallest input that takes the fused arithmetic. Its graph has many nodes where
@@ -68,7 +68,7 @@ MAX_FUSED_SIZE = 1 << 19
 #: about what the arithmetic saves: with the one-kernel Estrin form, a stories260K decode
 #: step over 1 x 340 tokens (2.7 K scores) took the same time either way (0.98x), over
 #: 4 x 340 tokens (11 K) it was 1.24x and over 32 x 340 (87 K) 1.33x faster fused
-#: (``benchmarks/bench_cpu_attention.py``, section 3; docs/benchmarks.md, section 19).
+#: (``benchmarks/bench_cpu_attention.py``, section 3; docs/benchmarks.md, "The CPU softmax's 2**x").
 #: From 2 K elements, the SwiGLU of a 32-row decode step (5.5 K) is fused too.
 MIN_FUSED_SIZE = 1 << 11
 #: Smallest input :func:`exp2_eager` computes with the compiled arithmetic: each call of a

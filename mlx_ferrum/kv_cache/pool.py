@@ -108,7 +108,7 @@ class PagedKvPool:
         else:
             pools = [self.k[i] for i in layers] + [self.v[i] for i in layers]
         # Evaluate the gathers first: a pending read of a pool would make the scatter
-        # below copy the whole pool instead of updating it in place (benchmarks.md, §3).
+        # below copy the whole pool instead of updating it in place (docs/benchmarks.md, "Pool writes stay in place").
         blocks = [p[src] for p in pools]
         mx.eval(blocks)
         for p, b in zip(pools, blocks):
