@@ -332,10 +332,10 @@ def test_async_engine_serves_top_k_above_vocabulary(model):
 # ------------------------------------------------------------- bounded metrics
 def test_engine_latency_metrics_are_bounded(model):
     eng = Engine(model, None, config("paged"))
-    eng._itl = LatencyReservoir(capacity=16)
+    eng.outputs.itl = LatencyReservoir(capacity=16)
     eng.generate(PROMPTS * 3, GREEDY)
     st = eng.stats()
-    assert eng._itl.count == 12 * 11 and len(eng._itl.samples) == 16
+    assert eng.outputs.itl.count == 12 * 11 and len(eng.outputs.itl.samples) == 16
     assert st["itl_p50"] > 0 and st["itl_mean"] > 0
 
 

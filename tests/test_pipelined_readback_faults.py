@@ -598,7 +598,7 @@ def test_failed_read_back_while_six_threads_share_the_engine(model, pipelined):
         else:
             assert (out.finish_reason, out.token_ids) == ("length", ref)
     assert_clean(eng)
-    assert not eng._boxes
+    assert not eng.outputs.boxes
 
 
 # ---------------------------------------------------------------- Ctrl-C while async_eval waits

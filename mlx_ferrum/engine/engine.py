@@ -17,7 +17,6 @@ gets its own requests' outputs). :meth:`Engine.stream` drives the loop itself; :
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
@@ -31,21 +30,19 @@ from ..errors import LoraError, NonFiniteLogitsError, PromptTooLongError, Reques
 from ..runner import LlmRunner, ModelRunner, SeqWork
 from ..models.loader import tokenizer_id_limit
 from ..lora import prefix_salt
-from .metrics import LatencyReservoir
+from .lora_admission import LoraAdmission
+from .output_processor import IN_FLIGHT as _IN_FLIGHT, OutputProcessor, RequestOutput, host_logprobs, make_output
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import RequestMetrics, Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus
 from .rejection_sampler import Proposal, token_logprobs, verify
 from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
-from .stop import emit_token
 from . import prompt_logprobs as _prompt_lp
 from .structured import GrammarBackend
 
 _req_ids = itertools.count()
 
-#: Placeholder in ``Sequence.output_ids`` for a token sampled but not yet read back.
-_IN_FLIGHT = -1
 
 
 @dataclass
@@ -122,48 +119,6 @@ def context_full_message(num_tokens: int, capacity: int, max_position_embeddings
     return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
 
 
-@dataclass
-class RequestOutput:
-    """The state of one request after a step.
-
-    Attributes:
-        request_id: the request.
-        text: all text generated so far (stop strings trimmed).
-        delta: text added by this step.
-        token_ids: all generated token ids that were read back and emitted (never a
-            placeholder of a token still being computed): ``text`` is their text and
-            ``logprobs`` has one entry per id.
-        new_token_ids: ids added by this step.
-        finished: True once it ended; then ``finish_reason`` is ``"stop"``,
-            ``"length"``, ``"abort"`` or ``"error"`` (with ``error`` set).
-        error: with ``"error"``: ``"ExceptionType: message"``.
-        exception: with ``"error"``: the exception that failed the request, when there
-            was one (callers re-raise it; None for a refusal that has only ``error``).
-        logprobs: log-probability of each generated token, when asked.
-        top_logprobs: per token, ``{token_id: logprob}`` of the top alternatives, when asked.
-        metrics: timings (:class:`~mlx_ferrum.engine.sequence.RequestMetrics`).
-        prompt_token_ids: the prompt.
-        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token
-            ``None`` (the first) or ``{token id: logprob}`` (its own id and the top
-            alternatives); None until every prompt token is scored.
-    """
-
-    request_id: str
-    text: str
-    delta: str
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: Optional[str]
-    metrics: RequestMetrics
-    prompt_token_ids: list[int] = field(default_factory=list)
-    logprobs: Optional[list[float]] = None
-    top_logprobs: Optional[list[dict]] = None
-    error: Optional[str] = None
-    prompt_logprobs: Optional[list] = None
-    exception: Optional[BaseException] = None
-
-
 class Engine:
     """A continuous-batching engine over one model.
 
@@ -230,16 +185,10 @@ class Engine:
         # one step at a time; reentrant so that a caller of generate/stream may hold it
         # around step() (which takes it too) while it routes the step's outputs
         self._step_lock = threading.RLock()
-        # outputs of requests whose caller (generate / stream, on any thread) waits for
-        # them: whichever thread steps puts each output in its request's box
-        self._boxes: dict[str, collections.deque] = {}
-        self._boxes_changed = threading.Condition(threading.Lock())
-        self._steps_routed = 0
+        #: the output stage: tokens -> RequestOutputs, counters, and the boxes of waiting callers
+        self.outputs = OutputProcessor()
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
-        # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
-        self._ttft = LatencyReservoir()
-        self._itl = LatencyReservoir(seed=1)
         # request ids of the step now in the runner; an abort of one of them frees its
         # cache only after the runner call, so forward() never re-creates a released cache
         self._in_flight: set[str] = set()
@@ -252,7 +201,6 @@ class Engine:
         self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
-        self.num_generated_tokens = 0
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
         self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
@@ -270,10 +218,13 @@ class Engine:
         self.overlap_constrained_rows = mx.default_device().type != mx.DeviceType.cpu
         self._grammar_backend: Optional[GrammarBackend] = None  # built with the first constrained request
         self._grammar_init_lock = threading.Lock()
-        # LoRA: requests with an adapter hold a pinned slot from admission to their end;
-        # those that find every slot pinned by other adapters wait here, outside the scheduler
-        self._lora_slot_of: dict[str, int] = {}
-        self._lora_waiting: collections.deque = collections.deque()
+        #: LoRA: the adapter slots requests pin, and the requests waiting for one
+        self.lora_admission = LoraAdmission(self.runner, self.scheduler)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens emitted over the engine's life."""
+        return self.outputs.num_generated_tokens
 
     # ------------------------------------------------------ structured output
     def grammar_backend(self) -> GrammarBackend:
@@ -343,7 +294,7 @@ class Engine:
         if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
             raise PromptTooLongError(self._pool_full_message(len(ids)))
         params.check_vocab(self.model.args.vocab_size)
-        self._check_lora_name(lora)
+        self.lora_admission.check_name(lora)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         grammar = self.compile_constraint(params)
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
@@ -354,7 +305,7 @@ class Engine:
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is in use: pick another")
             self._seqs[rid] = seq
-            self._admit_with_lora(seq)
+            self.lora_admission.admit(seq)
         return rid
 
     def max_sequence_tokens(self) -> int:
@@ -398,7 +349,25 @@ class Engine:
         """True while a request waits or runs (or has an output not yet returned)."""
         with self._lock:
             return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
-                    or bool(self._lora_waiting))
+                    or bool(self.lora_admission.waiting))
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """End every request the engine holds with ``"error"`` (``exc``), and return their
+        final outputs together with any output not yet returned by :meth:`step`.
+
+        For a driver whose :meth:`step` raised past the engine's own isolation (the
+        :class:`~mlx_ferrum.engine.async_engine.AsyncEngine` loop): every client then gets a
+        final output and the engine stays usable. Thread-safe.
+        """
+        outs = []
+        with self._lock:
+            for seq in list(self._seqs.values()):
+                if not seq.finished:
+                    self._finish(seq, "error", exception=exc)
+                    outs.append(self._output(seq, "", []))
+            outs.extend(self._pending)
+            self._pending = []
+        return outs
 
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
                 exception: Optional[BaseException] = None) -> None:
@@ -413,17 +382,14 @@ class Engine:
             self.num_structured_length += 1
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
-        self._release_lora_of(seq)
+        self.lora_admission.release(seq)
         if seq.request_id in self._in_flight:
             # the step being built still reads its cache and its draft state
             self._deferred_release.append(seq.request_id)
         else:
             self._release_request(seq.request_id)
         self._seqs.pop(seq.request_id, None)
-        m = seq.metrics
-        if m.ttft is not None:
-            self._ttft.add(m.ttft)
-        self._itl.extend(m.inter_token_latencies)
+        self.outputs.record_finished(seq.metrics)
 
     def _release_request(self, request_id: str) -> None:
         """Free a finished request's KV blocks (the scheduler's), contiguous buffers (the
@@ -457,32 +423,9 @@ class Engine:
                     outs.append(self._output(s, "", []))
         return outs
 
-    def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
-        want_lp = seq.params.logprobs is not None
-        ids = seq.output_ids
-        end = len(ids)
-        # the pipelined step queues the next token before this one is emitted: its
-        # placeholder sits at the end (two of them between a launch and the read-back
-        # of the step before) and is no part of the output (token_ids, logprobs and
-        # text then all cover the same tokens)
-        while end and ids[end - 1] == _IN_FLIGHT:
-            end -= 1
-        return RequestOutput(
-            request_id=seq.request_id,
-            text=seq.text,
-            delta=delta,
-            token_ids=ids[:end],
-            new_token_ids=new_ids,
-            finished=seq.finished,
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            prompt_token_ids=seq.prompt_ids,
-            logprobs=list(seq.logprobs) if want_lp else None,
-            top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
-            error=seq.error,
-            exception=seq.exception,
-            prompt_logprobs=_prompt_lp.materialize(seq) if seq.params.prompt_logprobs is not None else None,
-        )
+    @staticmethod
+    def _output(seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
+        return make_output(seq, delta, new_ids)
 
     def _mask_undecodable(self, logits: mx.array) -> mx.array:
         """``logits`` (``[..., vocab]``) with the ids the tokenizer cannot decode at ``-inf``."""
@@ -524,65 +467,15 @@ class Engine:
                 with self._lock:
                     self._pending[:0] = outputs
                 raise
-            self._route(outputs)
+            self.outputs.route(outputs)
             return outputs
-
-    # ------------------------------------------------- outputs for waiting callers
-    def _route(self, outputs: list[RequestOutput]) -> None:
-        """Put each output whose request a caller of :meth:`generate` / :meth:`stream`
-        waits for in that request's box, and wake the waiting callers. Called under the
-        step lock, so a box receives its outputs in step order."""
-        with self._boxes_changed:
-            for out in outputs:
-                box = self._boxes.get(out.request_id)
-                if box is not None:
-                    box.append(out)
-            self._steps_routed += 1
-            self._boxes_changed.notify_all()
-
-    def _close_box(self, request_id: str) -> None:
-        with self._boxes_changed:
-            self._boxes.pop(request_id, None)
-
-    def _wait_outputs(self, request_ids) -> list[RequestOutput]:
-        """The next outputs of ``request_ids`` (at least one), in step order.
-
-        Steps the engine while no other thread does; while one does, waits for it to
-        route this caller's outputs, so any number of threads may drive one engine and
-        each gets exactly its own requests' outputs.
-        """
-        while True:
-            with self._boxes_changed:
-                got = [out for rid in request_ids for out in self._drain(rid)]
-                if got:
-                    return got
-                seen = self._steps_routed
-            if self._step_lock.acquire(blocking=False):
-                try:
-                    self.step()
-                finally:
-                    self._step_lock.release()
-                continue
-            with self._boxes_changed:
-                # another thread is stepping: sleep until it routed a step (the timeout
-                # only bounds the wait should that thread stop stepping, e.g. on Ctrl-C)
-                if self._steps_routed == seen:
-                    self._boxes_changed.wait(timeout=0.05)
-
-    def _drain(self, request_id: str) -> list[RequestOutput]:
-        box = self._boxes.get(request_id)
-        if not box:
-            return []
-        got = list(box)
-        box.clear()
-        return got
 
     def _schedule(self, outputs: list[RequestOutput]) -> tuple[list, SchedulerOutput]:
         """The scheduler's items for this step and its :class:`SchedulerOutput` (the rows'
         slots are appended already); requests the pool can never hold, and rows whose
         slots could not be appended, end here with ``"error"`` (their outputs are
         appended to ``outputs``). Call with the lock held."""
-        self._admit_lora_waiting()
+        self.lora_admission.admit_waiting(self._fail_waiting_lora)
         lookahead = None
         if self._policy is not None and self._policy.enabled_for_batch(self._num_requests()):
             lookahead = self._lookahead
@@ -730,7 +623,7 @@ class Engine:
                 tokens[-1] = 0
             work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
                                 all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
-        return self._with_lora_slots(work)
+        return self.lora_admission.with_slots(work)
 
     @staticmethod
     def _score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -> list[mx.array]:
@@ -1002,7 +895,7 @@ class Engine:
                 if error is None:
                     try:
                         tok = tokens[b]
-                        lp, top = self._host_logprobs(flight.results[b], host)
+                        lp, top = host_logprobs(flight.results[b], host)
                         s.sampler.append(tok)
                         if self._prefix_cache:
                             # stored as UNKNOWN_TOKEN when the next step was queued: its
@@ -1020,71 +913,14 @@ class Engine:
             raise
         return outs
 
-    @staticmethod
-    def _host_logprobs(result: tuple, host: dict) -> tuple:
-        """Row ``r`` of a :class:`~mlx_ferrum.engine.sampling.SampleResult`'s logprobs and top alternatives as Python
-        values (each result read back once per step)."""
-        res, r = result
-        if res is None or res.logprobs is None:
-            return None, None
-        got = host.get(id(res))
-        if got is None:
-            got = (res.logprobs.tolist(),
-                   (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None)
-            host[id(res)] = got
-        lps, tops = got
-        return lps[r], ((tops[0][r], tops[1][r]) if tops is not None else None)
-
     def _emit(self, s: Sequence, tokens: list[int], lps: list, tops: list, now: float, cap: int,
               index: Optional[int] = None) -> RequestOutput:
-        """The output stage: record 1 or more sampled tokens of ``s`` in order (metrics,
-        logprobs, text, stop checks), stopping at the first that ends the request, so EOS,
-        a stop string or ``max_tokens`` ends it where it would end one token at a time.
-
-        Args:
-            tokens: the ids; ``lps`` / ``tops``: per id its logprob and top alternatives
-                (``(ids, logprobs)``) or None.
-            index: the placeholder in ``output_ids`` the first token replaces (pipelined
-                step); None appends.
-        """
-        m = s.metrics
-        delta, new_ids = "", []
-        for j, tok in enumerate(tokens):
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.token_times.append(now)
-            self.num_generated_tokens += 1
-            lp, top = lps[j], tops[j]
-            if lp is not None and s.params.logprobs is not None:
-                s.logprobs.append(lp)
-                if top is not None and s.params.logprobs:
-                    k = s.params.logprobs
-                    s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
-            if index is not None and j == 0:
-                s.output_ids[index] = tok
-                at = index
-            else:
-                s.output_ids.append(tok)
-                at = len(s.output_ids) - 1
-            new_ids.append(tok)
-            out_of_room = at + 1 >= s.params.max_tokens or len(s.prompt_ids) + at + 1 >= cap
-            grammar_done = False
-            if s.grammar is not None and tok not in s.stop_ids:
-                s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
-                grammar_done = s.grammar.done
-            if s.grammar is not None:
-                # in its error state the grammar's mask allows only EOS: that is a failure,
-                # never a finished reply
-                s.grammar.check()
-            text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
-            if grammar_done and reason == "length" and not out_of_room:
-                reason = "stop"  # the constraint is complete: nothing may follow
-            s.text += text
-            delta += text
-            if reason is not None:
-                del s.output_ids[at + 1 :]  # a token queued in the pipeline's lag is dropped
-                self._finish(s, reason)
-                break
+        """The output stage (:meth:`OutputProcessor.emit
+        <mlx_ferrum.engine.output_processor.OutputProcessor.emit>`) for 1 or more sampled
+        tokens of ``s``; ends the request when one of them does. Call with the lock held."""
+        delta, new_ids, reason = self.outputs.emit(s, tokens, lps, tops, now, cap, index=index)
+        if reason is not None:
+            self._finish(s, reason)
         return self._output(s, delta, new_ids)
 
     def _draft_mask(self, seq: Sequence, proposal: Proposal) -> Optional[mx.array]:
@@ -1199,7 +1035,7 @@ class Engine:
             for p, sp, name in zip(prompts, plist, loras):
                 ids.append(self._add_boxed(p, sp, lora=name))
             while len(final) < len(ids):
-                for out in self._wait_outputs([rid for rid in ids if rid not in final]):
+                for out in self.outputs.wait_outputs([rid for rid in ids if rid not in final], self._step_lock, self.step):
                     if out.finished:
                         final[out.request_id] = out
         finally:
@@ -1210,7 +1046,7 @@ class Engine:
                         self.abort(rid)
                     except RequestError:
                         pass
-                self._close_box(rid)
+                self.outputs.close_box(rid)
         return [final[i] for i in ids]
 
     def _add_boxed(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str] = None,
@@ -1218,14 +1054,11 @@ class Engine:
         """:meth:`add_request`, with a box that collects the request's outputs from any
         thread's step (opened before the request can run, so none is missed)."""
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
-        with self._boxes_changed:
-            if rid in self._boxes:
-                raise RequestError(f"request id {rid!r} is in use: pick another")
-            self._boxes[rid] = collections.deque()
+        self.outputs.open_box(rid)
         try:
             return self.add_request(prompt, params, rid, lora=lora)
         except BaseException:
-            self._close_box(rid)
+            self.outputs.close_box(rid)
             raise
 
     def stream(
@@ -1243,7 +1076,7 @@ class Engine:
         done = False
         try:
             while not done:
-                for out in self._wait_outputs([rid]):
+                for out in self.outputs.wait_outputs([rid], self._step_lock, self.step):
                     yield out
                     done = out.finished
         finally:
@@ -1252,7 +1085,7 @@ class Engine:
                     self.abort(rid)
                 except RequestError:
                     pass
-            self._close_box(rid)
+            self.outputs.close_box(rid)
 
     # ----------------------------------------------------------------- LoRA
     def add_lora(self, name: str, path: str) -> None:
@@ -1263,7 +1096,7 @@ class Engine:
             LoraError: LoRA is off (``RuntimeConfig(enable_lora=True)``), or the adapter is
             refused (format, DoRA, module, shape, rank; the message says which).
         """
-        self._lora_executor().add_lora(name, path)
+        self.lora_admission.executor().add_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unregister ``name``.
@@ -1272,9 +1105,9 @@ class Engine:
             UnknownLoraError: unknown ``name``. LoraError: requests still use it, or LoRA is off.
         """
         with self._lock:
-            if any(s.lora == name for s in self._lora_waiting):
+            if self.lora_admission.has_waiting_for(name):
                 raise LoraError(f"adapter {name!r} has waiting requests: remove it once they finish")
-            self._lora_executor().remove_lora(name)
+            self.lora_admission.executor().remove_lora(name)
 
     def list_loras(self) -> list[str]:
         """Registered adapter names (empty when LoRA is off)."""
@@ -1286,70 +1119,13 @@ class Engine:
         slot); ``{}`` when LoRA is off."""
         snapshot = self.runner.lora_metrics_snapshot()
         if snapshot:
-            snapshot["waiting_for_slot"] = len(self._lora_waiting)
+            snapshot["waiting_for_slot"] = len(self.lora_admission.waiting)
         return snapshot
 
-    def _lora_executor(self) -> ModelRunner:
-        """The runner, once it is known to serve adapters. Raises LoraError when LoRA is off."""
-        if not self.runner.config.enable_lora:
-            raise LoraError("LoRA is off for this engine: pass RuntimeConfig(enable_lora=True) "
-                            "(FERRUM_ENABLE_LORA=1, --enable-lora)")
-        return self.runner
-
-    def _check_lora_name(self, name: Optional[str]) -> None:
-        if name is None:
-            return
-        if not isinstance(name, str):
-            raise RequestError(f"lora must be an adapter name (str) or None, got {type(name).__name__}")
-        self._lora_executor().lora_path(name)  # UnknownLoraError names the known adapters
-
-    def _admit_with_lora(self, seq: Sequence) -> None:
-        """Hand ``seq`` to the scheduler, pinning its adapter's slot first; when every slot
-        is pinned by other adapters' requests it waits (FIFO) for one. Lock held."""
-        if seq.lora is None:
-            self.scheduler.add(seq)
-            return
-        slot = None if self._lora_waiting else self.runner.acquire_lora(seq.lora, seq.request_id)
-        if slot is None:
-            self._lora_waiting.append(seq)
-            return
-        self._lora_slot_of[seq.request_id] = slot
-        self.scheduler.add(seq)
-
-    def _admit_lora_waiting(self) -> None:
-        """Move waiting adapter requests to the scheduler while slots can be had, in order. Lock held."""
-        while self._lora_waiting:
-            seq = self._lora_waiting[0]
-            if seq.finished:
-                self._lora_waiting.popleft()
-                continue
-            try:
-                slot = self.runner.acquire_lora(seq.lora, seq.request_id)
-            except LoraError as e:  # removed, or its folder cannot be read any more: this request only
-                self._lora_waiting.popleft()
-                self._finish(seq, "error", exception=e)
-                self._pending.append(self._output(seq, "", []))
-                continue
-            if slot is None:
-                return
-            self._lora_waiting.popleft()
-            self._lora_slot_of[seq.request_id] = slot
-            self.scheduler.add(seq)
-
-    def _release_lora_of(self, seq: Sequence) -> None:
-        if seq.lora is None:
-            return
-        if self._lora_slot_of.pop(seq.request_id, None) is not None:
-            self.runner.release_lora(seq.request_id)
-        elif seq in self._lora_waiting:
-            self._lora_waiting.remove(seq)
-
-    def _with_lora_slots(self, work: list[SeqWork]) -> list[SeqWork]:
-        """``work`` with each item's ``lora_slot`` set from its request's pinned slot."""
-        if self._lora_slot_of:
-            for w in work:
-                w.lora_slot = self._lora_slot_of.get(w.cache_id, -1)
-        return work
+    def _fail_waiting_lora(self, seq: Sequence, exc: LoraError) -> None:
+        """A request waiting for an adapter slot whose adapter cannot be loaded ends alone."""
+        self._finish(seq, "error", exception=exc)
+        self._pending.append(self._output(seq, "", []))
 
     # -------------------------------------------------------------- metrics
     def stats(self) -> dict:
@@ -1357,14 +1133,14 @@ class Engine:
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
         with self._lock:
             kv = self.runner.cache_metrics_snapshot(self.block_manager)
-            ttft, itl = self._ttft, self._itl
+            ttft, itl = self.outputs.ttft, self.outputs.itl
             return {
                 "num_waiting": len(self.scheduler.waiting),
                 "num_running": len(self.scheduler.running),
                 "num_steps": self.num_steps,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
-                "generated_tokens": self.num_generated_tokens,
+                "generated_tokens": self.outputs.num_generated_tokens,
                 "structured_length_finishes": self.num_structured_length,
                 "ttft_mean": ttft.mean,
                 "ttft_p50": ttft.percentile(0.5),
