@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-import mlx_ferrum.engine.engine as engine_module
+import mlx_ferrum.engine.launch as engine_module
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import RequestError

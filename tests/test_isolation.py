@@ -149,7 +149,7 @@ def test_keyboard_interrupt_in_a_forward_pass_rolls_back_before_it_propagates(mo
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_keyboard_interrupt_in_sampling_ends_that_steps_requests_and_generate_aborts_its_own(model, layout, monkeypatch):
-    import mlx_ferrum.engine.engine as engine_module
+    import mlx_ferrum.engine.launch as engine_module
 
     eng = Engine(model, None, config(layout))
     calls = {"n": 0}
@@ -183,7 +183,7 @@ def test_top_k_above_the_vocabulary_is_clamped_next_to_a_small_top_k(model, layo
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_sampler_failure_ends_only_the_request_it_belongs_to(model, layout, monkeypatch):
-    import mlx_ferrum.engine.engine as engine_module
+    import mlx_ferrum.engine.launch as engine_module
 
     eng = Engine(model, None, config(layout))
     real = engine_module.sample

@@ -43,7 +43,7 @@ import traceback
 import mlx.core as mx
 import pytest
 
-import mlx_ferrum.engine.engine as engine_module
+import mlx_ferrum.engine.launch as engine_module
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine

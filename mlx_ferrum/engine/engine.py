@@ -1,5 +1,16 @@
 """Engine: requests -> Scheduler -> runner -> sampler -> detokenizer.
 
+Why this file is over 500 lines: the engine's step is one state machine over the
+requests' sequences, the step in flight (``Engine._inflight``), the outputs pending
+between steps, and the deferred releases of requests aborted while the runner runs;
+the launch and read-back methods (``_launch``, ``_resolve_before_masks``,
+``_evaluation_failed``, ``_resolve``, ``_verify``) each edit that state under the
+engine's lock and carry its failure isolation (which requests a failure ends, and when
+slots go back to the scheduler). Their stateless pieces live in ``launch.py`` (work,
+prompt scores, batched sampling), the output stage in ``output_processor.py`` and LoRA
+admission in ``lora_admission.py``; splitting the stateful remainder further would
+hand the engine's private state to another object, which is what those moves avoid.
+
 Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
 ``step()`` asks the scheduler which sequences run (the scheduler owns the KV block
 manager and appends the step's slots: ``SchedulerOutput.kv``), packs their new tokens
@@ -20,83 +31,28 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence as Seq, Union
 
 import mlx.core as mx
 
 from ..config import RuntimeConfig
-from ..errors import LoraError, NonFiniteLogitsError, PromptTooLongError, RequestError
+from ..errors import LoraError, PromptTooLongError, RequestError
 from ..runner import LlmRunner, ModelRunner, SeqWork
 from ..models.loader import tokenizer_id_limit
 from ..lora import prefix_salt
 from .lora_admission import LoraAdmission
 from .output_processor import IN_FLIGHT as _IN_FLIGHT, OutputProcessor, RequestOutput, host_logprobs, make_output
 from .prompt import Prompt, encode_prompt
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .rejection_sampler import Proposal, token_logprobs, verify
 from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
-from . import prompt_logprobs as _prompt_lp
 from .structured import GrammarBackend
+from .launch import (InFlight, build_work, first_logit_rows, grammar_allowed, live_items, mask_undecodable,
+                     non_finite_error, sample_rows, score_prompts)
 
 _req_ids = itertools.count()
-
-
-
-@dataclass
-class _InFlight:
-    """A launched step, not read back yet.
-
-    Attributes:
-        tokens: ``[B]`` int32 sampled ids, on the device (the next step's ``prev_tokens``).
-        finite: ``[B]`` bool, whether row ``b``'s logits were all finite.
-        results: per row ``b``, ``(SampleResult, row in it)`` (one shared result when the
-            batched sample succeeded; one per row after the row-by-row fallback; ``None``
-            for a row whose sampling failed).
-        rows: ``(sequence, row, output index)`` per sampled request still running.
-        row_of: request id -> row.
-        unsampled: the step's other sequences (a prompt chunk short of the last token):
-            their KV came from the same evaluation, so they end too when it failed.
-    """
-
-    tokens: mx.array
-    finite: mx.array
-    results: list
-    rows: list = field(default_factory=list)
-    row_of: dict = field(default_factory=dict)
-    unsampled: list = field(default_factory=list)
-
-
-def _grammar_allowed(seq: Sequence, proposal: Proposal) -> tuple[Proposal, int]:
-    """``proposal`` cut to the prefix ``seq``'s grammar allows (unchanged without one), and
-    the number of draft tokens it proposed: a draft token the grammar forbids would be
-    rejected by the masked verification anyway, so it is not sent to the model."""
-    proposed = len(proposal.token_ids)
-    if seq.grammar is None or not proposed:
-        return proposal, proposed
-    allowed = seq.grammar.allowed_prefix(proposal.token_ids, seq.stop_ids)
-    if allowed == proposed:
-        return proposal, proposed
-    probs = proposal.draft_probs[:allowed] if proposal.draft_probs is not None else None
-    return Proposal(proposal.token_ids[:allowed], probs), proposed
-
-
-def _live_items(items: list, proposals: dict) -> tuple[list, dict]:
-    """``items`` without the rows whose request finished since it was scheduled, and
-    ``proposals`` (keyed by item index) re-keyed to the kept rows."""
-    live = [i for i, it in enumerate(items) if not it.seq.finished]
-    if len(live) == len(items):
-        return items, proposals
-    return [items[i] for i in live], {j: proposals[i] for j, i in enumerate(live) if i in proposals}
-
-
-def _non_finite_error() -> NonFiniteLogitsError:
-    """The exception of a request whose logits held NaN or Inf."""
-    return NonFiniteLogitsError(
-        "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
-        "and rope_theta, or load it in float32")
 
 
 def _pool_token_limit(manager) -> Optional[int]:
@@ -198,7 +154,7 @@ class Engine:
         # flight on the device, and only a row about to speculate waits for its token
         self._pipelined = bool(self.config.async_scheduling)
         self._prefix_cache = bool(getattr(self.block_manager, "prefix_cache", False))
-        self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
+        self._inflight: Optional[InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
         self._start = time.time()
@@ -427,12 +383,6 @@ class Engine:
     def _output(seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         return make_output(seq, delta, new_ids)
 
-    def _mask_undecodable(self, logits: mx.array) -> mx.array:
-        """``logits`` (``[..., vocab]``) with the ids the tokenizer cannot decode at ``-inf``."""
-        if self._decodable is None:
-            return logits
-        return mx.where(self._decodable, logits, mx.array(-mx.inf, dtype=logits.dtype))
-
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for each request that changed.
@@ -445,11 +395,15 @@ class Engine:
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
 
-        Every mode runs through this one step: the scheduler (:meth:`_schedule`) plans the
-        rows and their speculative lookahead, the proposer fills it, the runner runs one
-        forward pass, the sampling stage gives each row 1 to k+1 tokens (:meth:`_sample_flight`
-        for plain rows, lazily; :meth:`_verify` for rows carrying a draft), and the output
-        stage (:meth:`_emit`) records them.
+        Every mode runs through this one step, in four stages: schedule
+        (:meth:`_begin_step`: the scheduler plans the rows and their speculative
+        lookahead), run (:meth:`_run_step`: the proposer fills the lookahead, the runner
+        runs one forward pass, and the plain rows' sampling is queued lazily,
+        :meth:`_sample_flight`), sample (:meth:`_process_step`: the tokens of the step in
+        flight are read back, :meth:`_resolve`; rows carrying a draft get 1 to k+1 tokens,
+        :meth:`_verify`) and process output (the
+        :class:`~mlx_ferrum.engine.output_processor.OutputProcessor` records the tokens,
+        checks stops and builds the outputs, which are routed to waiting callers).
         """
         # MLX gives every thread its own streams, and an array still unscheduled on one
         # thread's stream cannot be evaluated from another ("There is no Stream(cpu, n) in
@@ -460,9 +414,12 @@ class Engine:
         with self._step_lock:
             outputs: list[RequestOutput] = []
             try:
-                self._step_body(outputs)
+                items, plan, drafts, num_requests = self._begin_step(outputs)  # schedule
+                launched, verified = self._run_step(items, plan, drafts, num_requests, outputs)  # run, queue sampling
+                with self._lock:
+                    self._process_step(launched, verified, outputs)  # sample (read back, verify) + output
             except BaseException:
-                # Ctrl-C (or a failure past the isolation below): what this step already
+                # Ctrl-C (or a failure past the stages' own isolation): what this step already
                 # produced is returned by the next call instead of being lost
                 with self._lock:
                     self._pending[:0] = outputs
@@ -489,7 +446,12 @@ class Engine:
             outputs.append(self._output(seq, "", []))
         return [it for it in plan.items if not it.seq.finished], plan
 
-    def _step_body(self, outputs: list[RequestOutput]) -> None:
+    def _begin_step(self, outputs: list[RequestOutput]) -> tuple[list, Optional[SchedulerOutput], list, int]:
+        """The schedule stage: the outputs produced between steps, the read-back of the
+        step in flight when this one cannot be queued behind it (:meth:`_can_overlap`),
+        then the scheduler's rows (:meth:`_schedule`). Returns ``(items, plan, drafts,
+        num_requests)``: ``drafts`` are ``(item index, SpeculativeRequest)`` of the rows
+        given a lookahead; ``num_requests`` the batch size the speculation policy saw."""
         with self._lock:
             outputs.extend(self._pending)
             self._pending = []
@@ -505,60 +467,81 @@ class Engine:
             self._in_flight = {it.seq.request_id for it in items}
         if not items:
             self._end_flight()
+        return items, plan, drafts, num_requests
+
+    def _propose(self, items: list, drafts: list, num_requests: int) -> dict[int, Proposal]:
+        """The proposer's drafts for the rows in ``drafts``, keyed by item index, each cut to
+        what its grammar allows; a row left without a draft is recorded as rejected."""
         proposals: dict[int, Proposal] = {}
-        launched, verified = None, []
-        launching = False
-        if items:
+        found = self._proposer.propose([r for _, r in drafts])
+        for (i, request), proposal in zip(drafts, found):
             try:
-                if drafts:
-                    found = self._proposer.propose([r for _, r in drafts])
-                    for (i, request), proposal in zip(drafts, found):
-                        try:
-                            proposal, rejected = _grammar_allowed(items[i].seq, proposal)
-                        except Exception:  # noqa: BLE001 - this row only: it decodes without a draft
-                            proposal, rejected = Proposal([]), len(proposal.token_ids)
-                        if proposal.token_ids:
-                            proposals[i] = proposal
-                        else:
-                            self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
+                proposal, rejected = grammar_allowed(items[i].seq, proposal)
+            except Exception:  # noqa: BLE001 - this row only: it decodes without a draft
+                proposal, rejected = Proposal([]), len(proposal.token_ids)
+            if proposal.token_ids:
+                proposals[i] = proposal
+            else:
+                self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
+        return proposals
+
+    def _run_step(self, items: list, plan: Optional[SchedulerOutput], drafts: list, num_requests: int,
+                  outputs: list[RequestOutput]) -> tuple[Optional[InFlight], list]:
+        """The run stage: drafts, the runner's work, then the forward pass and the (lazy)
+        sampling of the plain rows queued by :meth:`_launch`. Returns ``(flight, verified)``
+        as :meth:`_launch` does (``(None, [])`` when nothing ran).
+
+        Isolation: an ``Exception`` fails this step's requests only (appended to
+        ``outputs``); a ``BaseException`` before the launch gives the step's slots back
+        (the next step schedules the same tokens again), then propagates.
+        """
+        if not items:
+            return None, []
+        launching = False
+        try:
+            proposals = self._propose(items, drafts, num_requests) if drafts else {}
+            with self._lock:
+                # the lookahead slots a draft does not fill go back to the pool
+                for i, _ in drafts:
+                    used = len(proposals[i].token_ids) if i in proposals else 0
+                    if not items[i].seq.finished:
+                        self.scheduler.release_lookahead(plan, items[i], used)
+                # an abort since scheduling took the request's in-flight token back
+                # (see _finish): its row no longer has the tokens it was planned with
+                items, proposals = live_items(items, proposals)
+                work = self._build_work(items, proposals)
+            if work:
+                launching = True
+                return self._launch(items, work, proposals, outputs, plan)
+            self._end_flight()
+        except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+            # the pass's KV writes may be left lazy, bound to this thread: see step()
+            self.runner.schedule_kv_state()
+            self._end_flight()
+            outputs.extend(self._fail_step(items, e))
+        except BaseException:
+            if not launching:
+                # Ctrl-C while the draft or the batch was built: the step never ran, so
+                # its slots go back and the next step schedules the same tokens again
+                # (_launch does the same when the runner is interrupted)
                 with self._lock:
-                    # the lookahead slots a draft does not fill go back to the pool
-                    for i, _ in drafts:
-                        used = len(proposals[i].token_ids) if i in proposals else 0
-                        if not items[i].seq.finished:
-                            self.scheduler.release_lookahead(plan, items[i], used)
-                    # an abort since scheduling took the request's in-flight token back
-                    # (see _finish): its row no longer has the tokens it was planned with
-                    items, proposals = _live_items(items, proposals)
-                    work = self._build_work(items, proposals)
-                if work:
-                    launching = True
-                    launched, verified = self._launch(items, work, proposals, outputs, plan)
-                else:
-                    self._end_flight()
-            except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
-                # the pass's KV writes may be left lazy, bound to this thread: see step()
-                self.runner.schedule_kv_state()
+                    self.scheduler.rollback(plan)
                 self._end_flight()
-                outputs.extend(self._fail_step(items, e))
-            except BaseException:
-                if not launching:
-                    # Ctrl-C while the draft or the batch was built: the step never ran, so
-                    # its slots go back and the next step schedules the same tokens again
-                    # (_launch does the same when the runner is interrupted)
-                    with self._lock:
-                        self.scheduler.rollback(plan)
-                    self._end_flight()
-                raise
-        with self._lock:
-            previous, self._inflight = self._inflight, launched
-            if previous is not None:
-                outputs.extend(self._resolve(previous))
-            if verified:
-                outputs.extend(self._verify(verified))
-            if launched is not None and not self._pipelined:
-                self._inflight = None
-                outputs.extend(self._resolve(launched))
+            raise
+        return None, []
+
+    def _process_step(self, launched: Optional[InFlight], verified: list, outputs: list[RequestOutput]) -> None:
+        """The sample and output stages: read back the step launched before (pipelined) or
+        this one (synchronous) and emit its tokens (:meth:`_resolve`), and verify this
+        step's drafts (:meth:`_verify`); outputs are appended to ``outputs``. Lock held."""
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            outputs.extend(self._resolve(previous))
+        if verified:
+            outputs.extend(self._verify(verified))
+        if launched is not None and not self._pipelined:
+            self._inflight = None
+            outputs.extend(self._resolve(launched))
 
     def _num_requests(self) -> int:
         """Requests in the engine, running or waiting: the batch size the speculation
@@ -601,54 +584,16 @@ class Engine:
         )
 
     def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
-        """The runner's work for ``items``; a token still in flight is taken on the device
-        from the previous step's sampled tokens (``prev_row``); a row with a proposal
-        carries it after its token and returns the logits of every position."""
-        now = time.time()
+        """The runner's work for ``items`` (:func:`~mlx_ferrum.engine.launch.build_work`), with
+        each request's pinned LoRA slot."""
         rows = self._inflight.row_of if self._inflight is not None else {}
-        proposals = proposals or {}
-        work = []
-        for i, it in enumerate(items):
-            s = it.seq
-            if s.metrics.first_scheduled_time is None:
-                s.metrics.first_scheduled_time = now
-            end = s.num_computed + it.num_tokens
-            tokens = s.token_at(s.num_computed, end)
-            if i in proposals:
-                work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True, as_decode=True))
-                continue
-            prev_row = -1
-            if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
-                prev_row = rows[s.request_id]
-                tokens[-1] = 0
-            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
-                                all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
-        return self.lora_admission.with_slots(work)
-
-    @staticmethod
-    def _score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -> list[mx.array]:
-        """Queue the prompt scores of every chunk that returned all its rows (prompt
-        logprobs); returns the arrays to evaluate with the step. Call before
-        ``num_computed`` moves. ``logits`` holds every item's rows in ``work`` order;
-        items whose index is in ``skip`` (drafted decode rows) hold no prompt."""
-        arrays = []
-        r = 0
-        for i, (it, w) in enumerate(zip(items, work)):
-            n = w.num_logit_rows
-            if w.all_logits and i not in skip and it.seq.params.prompt_logprobs is not None:
-                chunk = _prompt_lp.chunk_scores(logits[r : r + n], it.seq.prompt_ids, it.seq.num_computed,
-                                                it.seq.params.prompt_logprobs)
-                if chunk is not None:
-                    it.seq.prompt_score_chunks.append(chunk)
-                    arrays.extend(chunk.arrays())
-            r += n
-        return arrays
+        return self.lora_admission.with_slots(build_work(items, proposals or {}, rows))
 
     def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None,
                 outputs: Optional[list] = None, plan: Optional[SchedulerOutput] = None):
         """Queue the forward pass and the sampling of ``items``; nothing of this step is read back.
 
-        Returns ``(flight, verified)``: the :class:`_InFlight` of the plain sampled rows
+        Returns ``(flight, verified)``: the :class:`InFlight` of the plain sampled rows
         (or None), and ``(sequence, logits [1 + m, V], proposal)`` for each row that carried
         a draft of ``m`` tokens, which :meth:`_verify` settles after this step's launch.
 
@@ -684,12 +629,8 @@ class Engine:
             self.num_steps += 1
             sampled, verified = [], []
             samples = [it.samples for it in items]  # read before num_computed moves
-            scores = self._score_prompts(items, work, logits, skip=proposals)
-            row_of_item = []
-            r = 0
-            for w in work:
-                row_of_item.append(r)
-                r += w.num_logit_rows
+            scores = score_prompts(items, work, logits, skip=proposals)
+            row_of_item = first_logit_rows(work)
             pending_rows = []
             for i, it in enumerate(items):
                 s = it.seq
@@ -814,51 +755,18 @@ class Engine:
             self._pending.extend(self._fail_seqs(sampled, exc))
 
     def _sample_flight(self, take: mx.array, seqs: list[Sequence], pending: Optional[mx.array] = None,
-                       allowed: Optional[mx.array] = None) -> "_InFlight":
-        """Sample every row of ``take`` at once (lazily); when that raises, row by row with
-        the random keys restored, so a failure (a bad parameter, a fault) ends only the
-        request it belongs to (finished here with ``"error"``; its output is pending).
-
-        ``pending``: ``[B]`` int32 on the device, each row's generated token still in
-        flight (``-1``: none), which the penalties count (see :func:`sample`).
-        ``allowed``: the grammar bitmask of the rows (structured output), or None."""
-        states = [s.sampler for s in seqs]
-        saved = [st.key for st in states]
-        finite = mx.all(mx.isfinite(take), axis=-1)
-        take = self._mask_undecodable(take)
-        errors: dict[int, Exception] = {}
-        try:
-            res = sample(take, states, record=False, pending=pending, allowed=allowed)
-            results = [(res, b) for b in range(len(seqs))]
-            tokens = res.tokens
-        except Exception:  # noqa: BLE001 - find the row(s) at fault
-            results, pieces = [], []
-            for b, st in enumerate(states):
-                st.key = saved[b]  # the failed batched call may have split it
-                try:
-                    r = sample(take[b : b + 1], [st], record=False,
-                               pending=pending[b : b + 1] if pending is not None else None,
-                               allowed=allowed[b : b + 1] if allowed is not None else None)
-                    results.append((r, 0))
-                    pieces.append(r.tokens.astype(mx.int32))
-                except Exception as e:  # noqa: BLE001
-                    errors[b] = e
-                    results.append((None, 0))
-                    pieces.append(mx.zeros((1,), dtype=mx.int32))
-            tokens = mx.concatenate(pieces)
-        flight = _InFlight(tokens, finite, results)
-        for b, s in enumerate(seqs):
-            if b in errors:
-                e = errors[b]
-                self._finish(s, "error", f"{type(e).__name__}: sampling failed: {e}", exception=e)
-                self._pending.append(self._output(s, "", []))
-                continue
-            s.output_ids.append(_IN_FLIGHT)
-            flight.rows.append((s, b, len(s.output_ids) - 1))
-            flight.row_of[s.request_id] = b
+                       allowed: Optional[mx.array] = None) -> InFlight:
+        """Sample every row of ``take`` at once, lazily (:func:`~mlx_ferrum.engine.launch.sample_rows`);
+        a row whose sampling fails ends only its own request (finished here with
+        ``"error"``; its output is pending). Lock held."""
+        flight, errors = sample_rows(take, seqs, pending, allowed, self._decodable)
+        for b, e in errors.items():
+            s = seqs[b]
+            self._finish(s, "error", f"{type(e).__name__}: sampling failed: {e}", exception=e)
+            self._pending.append(self._output(s, "", []))
         return flight
 
-    def _resolve(self, flight: "_InFlight", read=None) -> list[RequestOutput]:
+    def _resolve(self, flight: InFlight, read=None) -> list[RequestOutput]:
         """Read a launched step's tokens, then detokenize, check stops and emit.
 
         ``read``: ``(tokens, finite)`` as lists, or the ``Exception`` reading them raised,
@@ -891,7 +799,7 @@ class Engine:
             for s, b, index in flight.rows:
                 if s.finished:
                     continue
-                error = None if finite[b] else _non_finite_error()
+                error = None if finite[b] else non_finite_error()
                 if error is None:
                     try:
                         tok = tokens[b]
@@ -957,7 +865,7 @@ class Engine:
         seqs = [s for s, _, _ in live]
         try:
             finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
-            results = verify([self._mask_undecodable(row) for _, row, _ in live], [p for _, _, p in live],
+            results = verify([mask_undecodable(row, self._decodable) for _, row, _ in live], [p for _, _, p in live],
                              [s.sampler for s in seqs], also=[finite_rows], allowed=masks)
             finite = finite_rows.tolist()
         except Exception as e:  # noqa: BLE001 - this step's drafts only
@@ -971,7 +879,7 @@ class Engine:
             offset += rows
             try:
                 if not ok:
-                    raise _non_finite_error()
+                    raise non_finite_error()
                 self.spec_num_drafts += 1
                 self.spec_proposed_tokens += len(prop.token_ids)
                 self.spec_accepted_tokens += res.num_accepted
