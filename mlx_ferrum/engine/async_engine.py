@@ -19,7 +19,8 @@ import weakref
 from typing import AsyncIterator, Optional
 
 from ..errors import EngineShutdownError, RequestError
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .output_processor import RequestOutput
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
 
