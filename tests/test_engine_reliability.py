@@ -189,7 +189,7 @@ def test_eight_threads_sharing_one_engine_each_get_their_own_outputs(stories, mo
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4), i
     assert not eng.has_unfinished_requests()
     assert not eng.stats()["kv_blocks_used"]
-    assert not eng._boxes
+    assert not eng.outputs.boxes
 
 
 def test_threads_each_generating_several_prompts(stories):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-import mlx_ferrum.engine.engine as engine_module
+import mlx_ferrum.engine.launch as engine_module
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import RequestError
@@ -346,5 +346,5 @@ def test_faults_while_eight_threads_share_an_engine_on_a_tiny_pool(pipelined, mo
     mgr = eng.block_manager
     mgr.check_invariants()
     assert not mgr.seqs and mgr.num_free == mgr.num_blocks
-    assert not eng._seqs and not eng._boxes
+    assert not eng._seqs and not eng.outputs.boxes
     assert not eng.scheduler.running and not eng.scheduler.waiting

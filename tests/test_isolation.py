@@ -149,7 +149,7 @@ def test_keyboard_interrupt_in_a_forward_pass_rolls_back_before_it_propagates(mo
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_keyboard_interrupt_in_sampling_ends_that_steps_requests_and_generate_aborts_its_own(model, layout, monkeypatch):
-    import mlx_ferrum.engine.engine as engine_module
+    import mlx_ferrum.engine.launch as engine_module
 
     eng = Engine(model, None, config(layout))
     calls = {"n": 0}
@@ -183,7 +183,7 @@ def test_top_k_above_the_vocabulary_is_clamped_next_to_a_small_top_k(model, layo
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_sampler_failure_ends_only_the_request_it_belongs_to(model, layout, monkeypatch):
-    import mlx_ferrum.engine.engine as engine_module
+    import mlx_ferrum.engine.launch as engine_module
 
     eng = Engine(model, None, config(layout))
     real = engine_module.sample
@@ -308,8 +308,69 @@ def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model, fail
     assert first.finish_reason == "error" and "step blew up" in first.error
     assert second.token_ids == solo(model, PROMPTS[1], GREEDY).token_ids
     assert [o.token_ids for o in both] == [solo(model, p, GREEDY).token_ids for p in PROMPTS[2:]]
-    assert aeng._thread.is_alive() is False
+    assert aeng.is_alive() is False
     assert_clean(eng)
+
+
+class _PublicOnly:
+    """An engine seen through its public attributes only: a name with a leading underscore
+    raises, so a caller reaching into the engine's private state fails loudly."""
+
+    def __init__(self, engine):
+        object.__setattr__(self, "wrapped", engine)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AssertionError(f"private engine attribute {name!r} used")
+        return getattr(object.__getattribute__(self, "wrapped"), name)
+
+
+def test_async_engine_uses_only_public_engine_methods_even_when_a_step_fails(model):
+    eng = Engine(model, None, config("paged"))
+    real_step = eng.step
+    boom = {"left": 1}
+
+    def step():
+        if boom["left"]:
+            boom["left"] -= 1
+            raise RuntimeError("step blew up")
+        return real_step()
+
+    eng.step = step
+    aeng = AsyncEngine(_PublicOnly(eng))
+
+    async def main():
+        failed = await asyncio.wait_for(aeng.generate(PROMPTS[0], GREEDY), 30)
+        served = await asyncio.wait_for(aeng.generate(PROMPTS[1], GREEDY), 30)
+        return failed, served
+
+    try:
+        failed, served = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert failed.finish_reason == "error" and "step blew up" in failed.error
+    assert served.token_ids == solo(model, PROMPTS[1], GREEDY).token_ids
+    assert_clean(eng)
+
+
+def test_fail_all_ends_every_request_and_returns_pending_outputs(model):
+    eng = Engine(model, None, config("paged"))
+    running = [eng.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    eng.step()
+    eng.step()
+    waiting = eng.add_request(PROMPTS[3], GREEDY)
+    eng.abort(running[0])  # its "abort" output is pending until the next step
+    outs = eng.fail_all(RuntimeError("the driver broke"))
+    by_id = {o.request_id: o for o in outs}
+    assert sorted(by_id) == sorted(running + [waiting]) and len(outs) == 4
+    assert by_id[running[0]].finish_reason == "abort"
+    for rid in running[1:] + [waiting]:
+        out = by_id[rid]
+        assert out.finished and out.finish_reason == "error" and "the driver broke" in out.error
+        assert isinstance(out.exception, RuntimeError)
+    eng.step()  # the step that was in flight is read back and dropped: its requests ended
+    assert_clean(eng)
+    assert eng.generate([PROMPTS[1]], GREEDY)[0].token_ids == solo(model, PROMPTS[1], GREEDY).token_ids
 
 
 def test_async_engine_serves_top_k_above_vocabulary(model):
@@ -332,10 +393,10 @@ def test_async_engine_serves_top_k_above_vocabulary(model):
 # ------------------------------------------------------------- bounded metrics
 def test_engine_latency_metrics_are_bounded(model):
     eng = Engine(model, None, config("paged"))
-    eng._itl = LatencyReservoir(capacity=16)
+    eng.outputs.itl = LatencyReservoir(capacity=16)
     eng.generate(PROMPTS * 3, GREEDY)
     st = eng.stats()
-    assert eng._itl.count == 12 * 11 and len(eng._itl.samples) == 16
+    assert eng.outputs.itl.count == 12 * 11 and len(eng.outputs.itl.samples) == 16
     assert st["itl_p50"] > 0 and st["itl_mean"] > 0
 
 

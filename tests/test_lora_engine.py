@@ -46,7 +46,7 @@ def solo(model, adapters, prompt, lora, params=GREEDY):
 
 
 def assert_no_leaks(eng: Engine):
-    assert eng.lora_metrics_snapshot()["pinned_slots"] == 0 and not eng._lora_slot_of
+    assert eng.lora_metrics_snapshot()["pinned_slots"] == 0 and not eng.lora_admission.slot_of
     mgr = eng.block_manager
     if mgr is not None:
         mgr.check_invariants()

@@ -43,7 +43,7 @@ import traceback
 import mlx.core as mx
 import pytest
 
-import mlx_ferrum.engine.engine as engine_module
+import mlx_ferrum.engine.launch as engine_module
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
@@ -598,7 +598,7 @@ def test_failed_read_back_while_six_threads_share_the_engine(model, pipelined):
         else:
             assert (out.finish_reason, out.token_ids) == ("length", ref)
     assert_clean(eng)
-    assert not eng._boxes
+    assert not eng.outputs.boxes
 
 
 # ---------------------------------------------------------------- Ctrl-C while async_eval waits

@@ -6,7 +6,8 @@
 """
 
 from .async_engine import AsyncEngine
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .output_processor import RequestOutput
 from .sampling import SamplerState, SamplingParams, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus

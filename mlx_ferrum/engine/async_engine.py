@@ -19,7 +19,8 @@ import weakref
 from typing import AsyncIterator, Optional
 
 from ..errors import EngineShutdownError, RequestError
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .output_processor import RequestOutput
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
 
@@ -186,16 +187,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> list[RequestOutput]:
         """Fail every request the engine holds (after a step raised past the engine)."""
-        eng = self.engine
-        outs = []
-        with eng._lock:
-            for seq in list(eng._seqs.values()):
-                if not seq.finished:
-                    eng._finish(seq, "error", exception=exc)
-                    outs.append(eng._output(seq, "", []))
-            outs.extend(eng._pending)
-            eng._pending = []
-        return outs
+        return self.engine.fail_all(exc)
 
     async def astream(
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
@@ -281,6 +273,10 @@ class AsyncEngine:
         async for out in self.astream(prompt, params):
             last = out
         return last
+
+    def is_alive(self) -> bool:
+        """True while the stepping thread runs (False after :meth:`shutdown`, or should it die)."""
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         """Stop the background thread (after the step it is running); idempotent.

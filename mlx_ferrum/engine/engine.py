@@ -1,5 +1,16 @@
 """Engine: requests -> Scheduler -> runner -> sampler -> detokenizer.
 
+Why this file is over 500 lines: the engine's step is one state machine over the
+requests' sequences, the step in flight (``Engine._inflight``), the outputs pending
+between steps, and the deferred releases of requests aborted while the runner runs;
+the launch and read-back methods (``_launch``, ``_resolve_before_masks``,
+``_evaluation_failed``, ``_resolve``, ``_verify``) each edit that state under the
+engine's lock and carry its failure isolation (which requests a failure ends, and when
+slots go back to the scheduler). Their stateless pieces live in ``launch.py`` (work,
+prompt scores, batched sampling), the output stage in ``output_processor.py`` and LoRA
+admission in ``lora_admission.py``; splitting the stateful remainder further would
+hand the engine's private state to another object, which is what those moves avoid.
+
 Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
 ``step()`` asks the scheduler which sequences run (the scheduler owns the KV block
 manager and appends the step's slots: ``SchedulerOutput.kv``), packs their new tokens
@@ -17,89 +28,31 @@ gets its own requests' outputs). :meth:`Engine.stream` drives the loop itself; :
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence as Seq, Union
 
 import mlx.core as mx
 
 from ..config import RuntimeConfig
-from ..errors import LoraError, NonFiniteLogitsError, PromptTooLongError, RequestError
+from ..errors import LoraError, PromptTooLongError, RequestError
 from ..runner import LlmRunner, ModelRunner, SeqWork
 from ..models.loader import tokenizer_id_limit
 from ..lora import prefix_salt
-from .metrics import LatencyReservoir
+from .lora_admission import LoraAdmission
+from .output_processor import IN_FLIGHT as _IN_FLIGHT, OutputProcessor, RequestOutput, host_logprobs, make_output
 from .prompt import Prompt, encode_prompt
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import RequestMetrics, Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus
 from .rejection_sampler import Proposal, token_logprobs, verify
 from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
-from .stop import emit_token
-from . import prompt_logprobs as _prompt_lp
 from .structured import GrammarBackend
+from .launch import (InFlight, build_work, first_logit_rows, grammar_allowed, live_items, mask_undecodable,
+                     non_finite_error, sample_rows, score_prompts)
 
 _req_ids = itertools.count()
-
-#: Placeholder in ``Sequence.output_ids`` for a token sampled but not yet read back.
-_IN_FLIGHT = -1
-
-
-@dataclass
-class _InFlight:
-    """A launched step, not read back yet.
-
-    Attributes:
-        tokens: ``[B]`` int32 sampled ids, on the device (the next step's ``prev_tokens``).
-        finite: ``[B]`` bool, whether row ``b``'s logits were all finite.
-        results: per row ``b``, ``(SampleResult, row in it)`` (one shared result when the
-            batched sample succeeded; one per row after the row-by-row fallback; ``None``
-            for a row whose sampling failed).
-        rows: ``(sequence, row, output index)`` per sampled request still running.
-        row_of: request id -> row.
-        unsampled: the step's other sequences (a prompt chunk short of the last token):
-            their KV came from the same evaluation, so they end too when it failed.
-    """
-
-    tokens: mx.array
-    finite: mx.array
-    results: list
-    rows: list = field(default_factory=list)
-    row_of: dict = field(default_factory=dict)
-    unsampled: list = field(default_factory=list)
-
-
-def _grammar_allowed(seq: Sequence, proposal: Proposal) -> tuple[Proposal, int]:
-    """``proposal`` cut to the prefix ``seq``'s grammar allows (unchanged without one), and
-    the number of draft tokens it proposed: a draft token the grammar forbids would be
-    rejected by the masked verification anyway, so it is not sent to the model."""
-    proposed = len(proposal.token_ids)
-    if seq.grammar is None or not proposed:
-        return proposal, proposed
-    allowed = seq.grammar.allowed_prefix(proposal.token_ids, seq.stop_ids)
-    if allowed == proposed:
-        return proposal, proposed
-    probs = proposal.draft_probs[:allowed] if proposal.draft_probs is not None else None
-    return Proposal(proposal.token_ids[:allowed], probs), proposed
-
-
-def _live_items(items: list, proposals: dict) -> tuple[list, dict]:
-    """``items`` without the rows whose request finished since it was scheduled, and
-    ``proposals`` (keyed by item index) re-keyed to the kept rows."""
-    live = [i for i, it in enumerate(items) if not it.seq.finished]
-    if len(live) == len(items):
-        return items, proposals
-    return [items[i] for i in live], {j: proposals[i] for j, i in enumerate(live) if i in proposals}
-
-
-def _non_finite_error() -> NonFiniteLogitsError:
-    """The exception of a request whose logits held NaN or Inf."""
-    return NonFiniteLogitsError(
-        "the model produced NaN or Inf logits for this request: check the checkpoint's weights "
-        "and rope_theta, or load it in float32")
 
 
 def _pool_token_limit(manager) -> Optional[int]:
@@ -120,48 +73,6 @@ def context_full_message(num_tokens: int, capacity: int, max_position_embeddings
     if capacity < max_position_embeddings:
         return msg + f", or raise FERRUM_KV_CAPACITY (up to the model's max_position_embeddings={max_position_embeddings})"
     return msg + f" ({capacity} is the model's own limit, max_position_embeddings)"
-
-
-@dataclass
-class RequestOutput:
-    """The state of one request after a step.
-
-    Attributes:
-        request_id: the request.
-        text: all text generated so far (stop strings trimmed).
-        delta: text added by this step.
-        token_ids: all generated token ids that were read back and emitted (never a
-            placeholder of a token still being computed): ``text`` is their text and
-            ``logprobs`` has one entry per id.
-        new_token_ids: ids added by this step.
-        finished: True once it ended; then ``finish_reason`` is ``"stop"``,
-            ``"length"``, ``"abort"`` or ``"error"`` (with ``error`` set).
-        error: with ``"error"``: ``"ExceptionType: message"``.
-        exception: with ``"error"``: the exception that failed the request, when there
-            was one (callers re-raise it; None for a refusal that has only ``error``).
-        logprobs: log-probability of each generated token, when asked.
-        top_logprobs: per token, ``{token_id: logprob}`` of the top alternatives, when asked.
-        metrics: timings (:class:`~mlx_ferrum.engine.sequence.RequestMetrics`).
-        prompt_token_ids: the prompt.
-        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token
-            ``None`` (the first) or ``{token id: logprob}`` (its own id and the top
-            alternatives); None until every prompt token is scored.
-    """
-
-    request_id: str
-    text: str
-    delta: str
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: Optional[str]
-    metrics: RequestMetrics
-    prompt_token_ids: list[int] = field(default_factory=list)
-    logprobs: Optional[list[float]] = None
-    top_logprobs: Optional[list[dict]] = None
-    error: Optional[str] = None
-    prompt_logprobs: Optional[list] = None
-    exception: Optional[BaseException] = None
 
 
 class Engine:
@@ -230,16 +141,10 @@ class Engine:
         # one step at a time; reentrant so that a caller of generate/stream may hold it
         # around step() (which takes it too) while it routes the step's outputs
         self._step_lock = threading.RLock()
-        # outputs of requests whose caller (generate / stream, on any thread) waits for
-        # them: whichever thread steps puts each output in its request's box
-        self._boxes: dict[str, collections.deque] = {}
-        self._boxes_changed = threading.Condition(threading.Lock())
-        self._steps_routed = 0
+        #: the output stage: tokens -> RequestOutputs, counters, and the boxes of waiting callers
+        self.outputs = OutputProcessor()
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, rejections)
-        # bounded: count, sum and a fixed-size sample each (a server finishes millions of requests)
-        self._ttft = LatencyReservoir()
-        self._itl = LatencyReservoir(seed=1)
         # request ids of the step now in the runner; an abort of one of them frees its
         # cache only after the runner call, so forward() never re-creates a released cache
         self._in_flight: set[str] = set()
@@ -249,10 +154,9 @@ class Engine:
         # flight on the device, and only a row about to speculate waits for its token
         self._pipelined = bool(self.config.async_scheduling)
         self._prefix_cache = bool(getattr(self.block_manager, "prefix_cache", False))
-        self._inflight: Optional[_InFlight] = None  # the launched step not read back yet
+        self._inflight: Optional[InFlight] = None  # the launched step not read back yet
         self.num_steps = 0
         self.num_prefilled_tokens = 0
-        self.num_generated_tokens = 0
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
         self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
@@ -270,10 +174,13 @@ class Engine:
         self.overlap_constrained_rows = mx.default_device().type != mx.DeviceType.cpu
         self._grammar_backend: Optional[GrammarBackend] = None  # built with the first constrained request
         self._grammar_init_lock = threading.Lock()
-        # LoRA: requests with an adapter hold a pinned slot from admission to their end;
-        # those that find every slot pinned by other adapters wait here, outside the scheduler
-        self._lora_slot_of: dict[str, int] = {}
-        self._lora_waiting: collections.deque = collections.deque()
+        #: LoRA: the adapter slots requests pin, and the requests waiting for one
+        self.lora_admission = LoraAdmission(self.runner, self.scheduler)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens emitted over the engine's life."""
+        return self.outputs.num_generated_tokens
 
     # ------------------------------------------------------ structured output
     def grammar_backend(self) -> GrammarBackend:
@@ -343,7 +250,7 @@ class Engine:
         if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
             raise PromptTooLongError(self._pool_full_message(len(ids)))
         params.check_vocab(self.model.args.vocab_size)
-        self._check_lora_name(lora)
+        self.lora_admission.check_name(lora)
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
         grammar = self.compile_constraint(params)
         seq = Sequence.create(rid, ids, params, self.tokenizer, self._eos)
@@ -354,7 +261,7 @@ class Engine:
             if rid in self._seqs:
                 raise RequestError(f"request id {rid!r} is in use: pick another")
             self._seqs[rid] = seq
-            self._admit_with_lora(seq)
+            self.lora_admission.admit(seq)
         return rid
 
     def max_sequence_tokens(self) -> int:
@@ -398,7 +305,25 @@ class Engine:
         """True while a request waits or runs (or has an output not yet returned)."""
         with self._lock:
             return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
-                    or bool(self._lora_waiting))
+                    or bool(self.lora_admission.waiting))
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """End every request the engine holds with ``"error"`` (``exc``), and return their
+        final outputs together with any output not yet returned by :meth:`step`.
+
+        For a driver whose :meth:`step` raised past the engine's own isolation (the
+        :class:`~mlx_ferrum.engine.async_engine.AsyncEngine` loop): every client then gets a
+        final output and the engine stays usable. Thread-safe.
+        """
+        outs = []
+        with self._lock:
+            for seq in list(self._seqs.values()):
+                if not seq.finished:
+                    self._finish(seq, "error", exception=exc)
+                    outs.append(self._output(seq, "", []))
+            outs.extend(self._pending)
+            self._pending = []
+        return outs
 
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
                 exception: Optional[BaseException] = None) -> None:
@@ -413,17 +338,14 @@ class Engine:
             self.num_structured_length += 1
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
-        self._release_lora_of(seq)
+        self.lora_admission.release(seq)
         if seq.request_id in self._in_flight:
             # the step being built still reads its cache and its draft state
             self._deferred_release.append(seq.request_id)
         else:
             self._release_request(seq.request_id)
         self._seqs.pop(seq.request_id, None)
-        m = seq.metrics
-        if m.ttft is not None:
-            self._ttft.add(m.ttft)
-        self._itl.extend(m.inter_token_latencies)
+        self.outputs.record_finished(seq.metrics)
 
     def _release_request(self, request_id: str) -> None:
         """Free a finished request's KV blocks (the scheduler's), contiguous buffers (the
@@ -457,38 +379,9 @@ class Engine:
                     outs.append(self._output(s, "", []))
         return outs
 
-    def _output(self, seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
-        want_lp = seq.params.logprobs is not None
-        ids = seq.output_ids
-        end = len(ids)
-        # the pipelined step queues the next token before this one is emitted: its
-        # placeholder sits at the end (two of them between a launch and the read-back
-        # of the step before) and is no part of the output (token_ids, logprobs and
-        # text then all cover the same tokens)
-        while end and ids[end - 1] == _IN_FLIGHT:
-            end -= 1
-        return RequestOutput(
-            request_id=seq.request_id,
-            text=seq.text,
-            delta=delta,
-            token_ids=ids[:end],
-            new_token_ids=new_ids,
-            finished=seq.finished,
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            prompt_token_ids=seq.prompt_ids,
-            logprobs=list(seq.logprobs) if want_lp else None,
-            top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
-            error=seq.error,
-            exception=seq.exception,
-            prompt_logprobs=_prompt_lp.materialize(seq) if seq.params.prompt_logprobs is not None else None,
-        )
-
-    def _mask_undecodable(self, logits: mx.array) -> mx.array:
-        """``logits`` (``[..., vocab]``) with the ids the tokenizer cannot decode at ``-inf``."""
-        if self._decodable is None:
-            return logits
-        return mx.where(self._decodable, logits, mx.array(-mx.inf, dtype=logits.dtype))
+    @staticmethod
+    def _output(seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
+        return make_output(seq, delta, new_ids)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -502,11 +395,15 @@ class Engine:
         token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
         one-step lag).
 
-        Every mode runs through this one step: the scheduler (:meth:`_schedule`) plans the
-        rows and their speculative lookahead, the proposer fills it, the runner runs one
-        forward pass, the sampling stage gives each row 1 to k+1 tokens (:meth:`_sample_flight`
-        for plain rows, lazily; :meth:`_verify` for rows carrying a draft), and the output
-        stage (:meth:`_emit`) records them.
+        Every mode runs through this one step, in four stages: schedule
+        (:meth:`_begin_step`: the scheduler plans the rows and their speculative
+        lookahead), run (:meth:`_run_step`: the proposer fills the lookahead, the runner
+        runs one forward pass, and the plain rows' sampling is queued lazily,
+        :meth:`_sample_flight`), sample (:meth:`_process_step`: the tokens of the step in
+        flight are read back, :meth:`_resolve`; rows carrying a draft get 1 to k+1 tokens,
+        :meth:`_verify`) and process output (the
+        :class:`~mlx_ferrum.engine.output_processor.OutputProcessor` records the tokens,
+        checks stops and builds the outputs, which are routed to waiting callers).
         """
         # MLX gives every thread its own streams, and an array still unscheduled on one
         # thread's stream cannot be evaluated from another ("There is no Stream(cpu, n) in
@@ -517,72 +414,25 @@ class Engine:
         with self._step_lock:
             outputs: list[RequestOutput] = []
             try:
-                self._step_body(outputs)
+                items, plan, drafts, num_requests = self._begin_step(outputs)  # schedule
+                launched, verified = self._run_step(items, plan, drafts, num_requests, outputs)  # run, queue sampling
+                with self._lock:
+                    self._process_step(launched, verified, outputs)  # sample (read back, verify) + output
             except BaseException:
-                # Ctrl-C (or a failure past the isolation below): what this step already
+                # Ctrl-C (or a failure past the stages' own isolation): what this step already
                 # produced is returned by the next call instead of being lost
                 with self._lock:
                     self._pending[:0] = outputs
                 raise
-            self._route(outputs)
+            self.outputs.route(outputs)
             return outputs
-
-    # ------------------------------------------------- outputs for waiting callers
-    def _route(self, outputs: list[RequestOutput]) -> None:
-        """Put each output whose request a caller of :meth:`generate` / :meth:`stream`
-        waits for in that request's box, and wake the waiting callers. Called under the
-        step lock, so a box receives its outputs in step order."""
-        with self._boxes_changed:
-            for out in outputs:
-                box = self._boxes.get(out.request_id)
-                if box is not None:
-                    box.append(out)
-            self._steps_routed += 1
-            self._boxes_changed.notify_all()
-
-    def _close_box(self, request_id: str) -> None:
-        with self._boxes_changed:
-            self._boxes.pop(request_id, None)
-
-    def _wait_outputs(self, request_ids) -> list[RequestOutput]:
-        """The next outputs of ``request_ids`` (at least one), in step order.
-
-        Steps the engine while no other thread does; while one does, waits for it to
-        route this caller's outputs, so any number of threads may drive one engine and
-        each gets exactly its own requests' outputs.
-        """
-        while True:
-            with self._boxes_changed:
-                got = [out for rid in request_ids for out in self._drain(rid)]
-                if got:
-                    return got
-                seen = self._steps_routed
-            if self._step_lock.acquire(blocking=False):
-                try:
-                    self.step()
-                finally:
-                    self._step_lock.release()
-                continue
-            with self._boxes_changed:
-                # another thread is stepping: sleep until it routed a step (the timeout
-                # only bounds the wait should that thread stop stepping, e.g. on Ctrl-C)
-                if self._steps_routed == seen:
-                    self._boxes_changed.wait(timeout=0.05)
-
-    def _drain(self, request_id: str) -> list[RequestOutput]:
-        box = self._boxes.get(request_id)
-        if not box:
-            return []
-        got = list(box)
-        box.clear()
-        return got
 
     def _schedule(self, outputs: list[RequestOutput]) -> tuple[list, SchedulerOutput]:
         """The scheduler's items for this step and its :class:`SchedulerOutput` (the rows'
         slots are appended already); requests the pool can never hold, and rows whose
         slots could not be appended, end here with ``"error"`` (their outputs are
         appended to ``outputs``). Call with the lock held."""
-        self._admit_lora_waiting()
+        self.lora_admission.admit_waiting(self._fail_waiting_lora)
         lookahead = None
         if self._policy is not None and self._policy.enabled_for_batch(self._num_requests()):
             lookahead = self._lookahead
@@ -596,7 +446,12 @@ class Engine:
             outputs.append(self._output(seq, "", []))
         return [it for it in plan.items if not it.seq.finished], plan
 
-    def _step_body(self, outputs: list[RequestOutput]) -> None:
+    def _begin_step(self, outputs: list[RequestOutput]) -> tuple[list, Optional[SchedulerOutput], list, int]:
+        """The schedule stage: the outputs produced between steps, the read-back of the
+        step in flight when this one cannot be queued behind it (:meth:`_can_overlap`),
+        then the scheduler's rows (:meth:`_schedule`). Returns ``(items, plan, drafts,
+        num_requests)``: ``drafts`` are ``(item index, SpeculativeRequest)`` of the rows
+        given a lookahead; ``num_requests`` the batch size the speculation policy saw."""
         with self._lock:
             outputs.extend(self._pending)
             self._pending = []
@@ -612,60 +467,81 @@ class Engine:
             self._in_flight = {it.seq.request_id for it in items}
         if not items:
             self._end_flight()
+        return items, plan, drafts, num_requests
+
+    def _propose(self, items: list, drafts: list, num_requests: int) -> dict[int, Proposal]:
+        """The proposer's drafts for the rows in ``drafts``, keyed by item index, each cut to
+        what its grammar allows; a row left without a draft is recorded as rejected."""
         proposals: dict[int, Proposal] = {}
-        launched, verified = None, []
-        launching = False
-        if items:
+        found = self._proposer.propose([r for _, r in drafts])
+        for (i, request), proposal in zip(drafts, found):
             try:
-                if drafts:
-                    found = self._proposer.propose([r for _, r in drafts])
-                    for (i, request), proposal in zip(drafts, found):
-                        try:
-                            proposal, rejected = _grammar_allowed(items[i].seq, proposal)
-                        except Exception:  # noqa: BLE001 - this row only: it decodes without a draft
-                            proposal, rejected = Proposal([]), len(proposal.token_ids)
-                        if proposal.token_ids:
-                            proposals[i] = proposal
-                        else:
-                            self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
+                proposal, rejected = grammar_allowed(items[i].seq, proposal)
+            except Exception:  # noqa: BLE001 - this row only: it decodes without a draft
+                proposal, rejected = Proposal([]), len(proposal.token_ids)
+            if proposal.token_ids:
+                proposals[i] = proposal
+            else:
+                self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
+        return proposals
+
+    def _run_step(self, items: list, plan: Optional[SchedulerOutput], drafts: list, num_requests: int,
+                  outputs: list[RequestOutput]) -> tuple[Optional[InFlight], list]:
+        """The run stage: drafts, the runner's work, then the forward pass and the (lazy)
+        sampling of the plain rows queued by :meth:`_launch`. Returns ``(flight, verified)``
+        as :meth:`_launch` does (``(None, [])`` when nothing ran).
+
+        Isolation: an ``Exception`` fails this step's requests only (appended to
+        ``outputs``); a ``BaseException`` before the launch gives the step's slots back
+        (the next step schedules the same tokens again), then propagates.
+        """
+        if not items:
+            return None, []
+        launching = False
+        try:
+            proposals = self._propose(items, drafts, num_requests) if drafts else {}
+            with self._lock:
+                # the lookahead slots a draft does not fill go back to the pool
+                for i, _ in drafts:
+                    used = len(proposals[i].token_ids) if i in proposals else 0
+                    if not items[i].seq.finished:
+                        self.scheduler.release_lookahead(plan, items[i], used)
+                # an abort since scheduling took the request's in-flight token back
+                # (see _finish): its row no longer has the tokens it was planned with
+                items, proposals = live_items(items, proposals)
+                work = self._build_work(items, proposals)
+            if work:
+                launching = True
+                return self._launch(items, work, proposals, outputs, plan)
+            self._end_flight()
+        except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
+            # the pass's KV writes may be left lazy, bound to this thread: see step()
+            self.runner.schedule_kv_state()
+            self._end_flight()
+            outputs.extend(self._fail_step(items, e))
+        except BaseException:
+            if not launching:
+                # Ctrl-C while the draft or the batch was built: the step never ran, so
+                # its slots go back and the next step schedules the same tokens again
+                # (_launch does the same when the runner is interrupted)
                 with self._lock:
-                    # the lookahead slots a draft does not fill go back to the pool
-                    for i, _ in drafts:
-                        used = len(proposals[i].token_ids) if i in proposals else 0
-                        if not items[i].seq.finished:
-                            self.scheduler.release_lookahead(plan, items[i], used)
-                    # an abort since scheduling took the request's in-flight token back
-                    # (see _finish): its row no longer has the tokens it was planned with
-                    items, proposals = _live_items(items, proposals)
-                    work = self._build_work(items, proposals)
-                if work:
-                    launching = True
-                    launched, verified = self._launch(items, work, proposals, outputs, plan)
-                else:
-                    self._end_flight()
-            except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
-                # the pass's KV writes may be left lazy, bound to this thread: see step()
-                self.runner.schedule_kv_state()
+                    self.scheduler.rollback(plan)
                 self._end_flight()
-                outputs.extend(self._fail_step(items, e))
-            except BaseException:
-                if not launching:
-                    # Ctrl-C while the draft or the batch was built: the step never ran, so
-                    # its slots go back and the next step schedules the same tokens again
-                    # (_launch does the same when the runner is interrupted)
-                    with self._lock:
-                        self.scheduler.rollback(plan)
-                    self._end_flight()
-                raise
-        with self._lock:
-            previous, self._inflight = self._inflight, launched
-            if previous is not None:
-                outputs.extend(self._resolve(previous))
-            if verified:
-                outputs.extend(self._verify(verified))
-            if launched is not None and not self._pipelined:
-                self._inflight = None
-                outputs.extend(self._resolve(launched))
+            raise
+        return None, []
+
+    def _process_step(self, launched: Optional[InFlight], verified: list, outputs: list[RequestOutput]) -> None:
+        """The sample and output stages: read back the step launched before (pipelined) or
+        this one (synchronous) and emit its tokens (:meth:`_resolve`), and verify this
+        step's drafts (:meth:`_verify`); outputs are appended to ``outputs``. Lock held."""
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            outputs.extend(self._resolve(previous))
+        if verified:
+            outputs.extend(self._verify(verified))
+        if launched is not None and not self._pipelined:
+            self._inflight = None
+            outputs.extend(self._resolve(launched))
 
     def _num_requests(self) -> int:
         """Requests in the engine, running or waiting: the batch size the speculation
@@ -708,54 +584,16 @@ class Engine:
         )
 
     def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
-        """The runner's work for ``items``; a token still in flight is taken on the device
-        from the previous step's sampled tokens (``prev_row``); a row with a proposal
-        carries it after its token and returns the logits of every position."""
-        now = time.time()
+        """The runner's work for ``items`` (:func:`~mlx_ferrum.engine.launch.build_work`), with
+        each request's pinned LoRA slot."""
         rows = self._inflight.row_of if self._inflight is not None else {}
-        proposals = proposals or {}
-        work = []
-        for i, it in enumerate(items):
-            s = it.seq
-            if s.metrics.first_scheduled_time is None:
-                s.metrics.first_scheduled_time = now
-            end = s.num_computed + it.num_tokens
-            tokens = s.token_at(s.num_computed, end)
-            if i in proposals:
-                work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True, as_decode=True))
-                continue
-            prev_row = -1
-            if end == s.num_tokens and s.output_ids and s.output_ids[-1] == _IN_FLIGHT:
-                prev_row = rows[s.request_id]
-                tokens[-1] = 0
-            work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
-                                all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
-        return self._with_lora_slots(work)
-
-    @staticmethod
-    def _score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -> list[mx.array]:
-        """Queue the prompt scores of every chunk that returned all its rows (prompt
-        logprobs); returns the arrays to evaluate with the step. Call before
-        ``num_computed`` moves. ``logits`` holds every item's rows in ``work`` order;
-        items whose index is in ``skip`` (drafted decode rows) hold no prompt."""
-        arrays = []
-        r = 0
-        for i, (it, w) in enumerate(zip(items, work)):
-            n = w.num_logit_rows
-            if w.all_logits and i not in skip and it.seq.params.prompt_logprobs is not None:
-                chunk = _prompt_lp.chunk_scores(logits[r : r + n], it.seq.prompt_ids, it.seq.num_computed,
-                                                it.seq.params.prompt_logprobs)
-                if chunk is not None:
-                    it.seq.prompt_score_chunks.append(chunk)
-                    arrays.extend(chunk.arrays())
-            r += n
-        return arrays
+        return self.lora_admission.with_slots(build_work(items, proposals or {}, rows))
 
     def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None,
                 outputs: Optional[list] = None, plan: Optional[SchedulerOutput] = None):
         """Queue the forward pass and the sampling of ``items``; nothing of this step is read back.
 
-        Returns ``(flight, verified)``: the :class:`_InFlight` of the plain sampled rows
+        Returns ``(flight, verified)``: the :class:`InFlight` of the plain sampled rows
         (or None), and ``(sequence, logits [1 + m, V], proposal)`` for each row that carried
         a draft of ``m`` tokens, which :meth:`_verify` settles after this step's launch.
 
@@ -791,12 +629,8 @@ class Engine:
             self.num_steps += 1
             sampled, verified = [], []
             samples = [it.samples for it in items]  # read before num_computed moves
-            scores = self._score_prompts(items, work, logits, skip=proposals)
-            row_of_item = []
-            r = 0
-            for w in work:
-                row_of_item.append(r)
-                r += w.num_logit_rows
+            scores = score_prompts(items, work, logits, skip=proposals)
+            row_of_item = first_logit_rows(work)
             pending_rows = []
             for i, it in enumerate(items):
                 s = it.seq
@@ -921,51 +755,18 @@ class Engine:
             self._pending.extend(self._fail_seqs(sampled, exc))
 
     def _sample_flight(self, take: mx.array, seqs: list[Sequence], pending: Optional[mx.array] = None,
-                       allowed: Optional[mx.array] = None) -> "_InFlight":
-        """Sample every row of ``take`` at once (lazily); when that raises, row by row with
-        the random keys restored, so a failure (a bad parameter, a fault) ends only the
-        request it belongs to (finished here with ``"error"``; its output is pending).
-
-        ``pending``: ``[B]`` int32 on the device, each row's generated token still in
-        flight (``-1``: none), which the penalties count (see :func:`sample`).
-        ``allowed``: the grammar bitmask of the rows (structured output), or None."""
-        states = [s.sampler for s in seqs]
-        saved = [st.key for st in states]
-        finite = mx.all(mx.isfinite(take), axis=-1)
-        take = self._mask_undecodable(take)
-        errors: dict[int, Exception] = {}
-        try:
-            res = sample(take, states, record=False, pending=pending, allowed=allowed)
-            results = [(res, b) for b in range(len(seqs))]
-            tokens = res.tokens
-        except Exception:  # noqa: BLE001 - find the row(s) at fault
-            results, pieces = [], []
-            for b, st in enumerate(states):
-                st.key = saved[b]  # the failed batched call may have split it
-                try:
-                    r = sample(take[b : b + 1], [st], record=False,
-                               pending=pending[b : b + 1] if pending is not None else None,
-                               allowed=allowed[b : b + 1] if allowed is not None else None)
-                    results.append((r, 0))
-                    pieces.append(r.tokens.astype(mx.int32))
-                except Exception as e:  # noqa: BLE001
-                    errors[b] = e
-                    results.append((None, 0))
-                    pieces.append(mx.zeros((1,), dtype=mx.int32))
-            tokens = mx.concatenate(pieces)
-        flight = _InFlight(tokens, finite, results)
-        for b, s in enumerate(seqs):
-            if b in errors:
-                e = errors[b]
-                self._finish(s, "error", f"{type(e).__name__}: sampling failed: {e}", exception=e)
-                self._pending.append(self._output(s, "", []))
-                continue
-            s.output_ids.append(_IN_FLIGHT)
-            flight.rows.append((s, b, len(s.output_ids) - 1))
-            flight.row_of[s.request_id] = b
+                       allowed: Optional[mx.array] = None) -> InFlight:
+        """Sample every row of ``take`` at once, lazily (:func:`~mlx_ferrum.engine.launch.sample_rows`);
+        a row whose sampling fails ends only its own request (finished here with
+        ``"error"``; its output is pending). Lock held."""
+        flight, errors = sample_rows(take, seqs, pending, allowed, self._decodable)
+        for b, e in errors.items():
+            s = seqs[b]
+            self._finish(s, "error", f"{type(e).__name__}: sampling failed: {e}", exception=e)
+            self._pending.append(self._output(s, "", []))
         return flight
 
-    def _resolve(self, flight: "_InFlight", read=None) -> list[RequestOutput]:
+    def _resolve(self, flight: InFlight, read=None) -> list[RequestOutput]:
         """Read a launched step's tokens, then detokenize, check stops and emit.
 
         ``read``: ``(tokens, finite)`` as lists, or the ``Exception`` reading them raised,
@@ -998,11 +799,11 @@ class Engine:
             for s, b, index in flight.rows:
                 if s.finished:
                     continue
-                error = None if finite[b] else _non_finite_error()
+                error = None if finite[b] else non_finite_error()
                 if error is None:
                     try:
                         tok = tokens[b]
-                        lp, top = self._host_logprobs(flight.results[b], host)
+                        lp, top = host_logprobs(flight.results[b], host)
                         s.sampler.append(tok)
                         if self._prefix_cache:
                             # stored as UNKNOWN_TOKEN when the next step was queued: its
@@ -1020,71 +821,14 @@ class Engine:
             raise
         return outs
 
-    @staticmethod
-    def _host_logprobs(result: tuple, host: dict) -> tuple:
-        """Row ``r`` of a :class:`~mlx_ferrum.engine.sampling.SampleResult`'s logprobs and top alternatives as Python
-        values (each result read back once per step)."""
-        res, r = result
-        if res is None or res.logprobs is None:
-            return None, None
-        got = host.get(id(res))
-        if got is None:
-            got = (res.logprobs.tolist(),
-                   (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None)
-            host[id(res)] = got
-        lps, tops = got
-        return lps[r], ((tops[0][r], tops[1][r]) if tops is not None else None)
-
     def _emit(self, s: Sequence, tokens: list[int], lps: list, tops: list, now: float, cap: int,
               index: Optional[int] = None) -> RequestOutput:
-        """The output stage: record 1 or more sampled tokens of ``s`` in order (metrics,
-        logprobs, text, stop checks), stopping at the first that ends the request, so EOS,
-        a stop string or ``max_tokens`` ends it where it would end one token at a time.
-
-        Args:
-            tokens: the ids; ``lps`` / ``tops``: per id its logprob and top alternatives
-                (``(ids, logprobs)``) or None.
-            index: the placeholder in ``output_ids`` the first token replaces (pipelined
-                step); None appends.
-        """
-        m = s.metrics
-        delta, new_ids = "", []
-        for j, tok in enumerate(tokens):
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.token_times.append(now)
-            self.num_generated_tokens += 1
-            lp, top = lps[j], tops[j]
-            if lp is not None and s.params.logprobs is not None:
-                s.logprobs.append(lp)
-                if top is not None and s.params.logprobs:
-                    k = s.params.logprobs
-                    s.top_logprobs.append(dict(zip(top[0][:k], top[1][:k])))
-            if index is not None and j == 0:
-                s.output_ids[index] = tok
-                at = index
-            else:
-                s.output_ids.append(tok)
-                at = len(s.output_ids) - 1
-            new_ids.append(tok)
-            out_of_room = at + 1 >= s.params.max_tokens or len(s.prompt_ids) + at + 1 >= cap
-            grammar_done = False
-            if s.grammar is not None and tok not in s.stop_ids:
-                s.grammar.accept(tok)  # a StructuredOutputError ends this request only (the caller's isolation)
-                grammar_done = s.grammar.done
-            if s.grammar is not None:
-                # in its error state the grammar's mask allows only EOS: that is a failure,
-                # never a finished reply
-                s.grammar.check()
-            text, reason = emit_token(s.detok, s.matcher, tok, s.stop_ids, out_of_room or grammar_done)
-            if grammar_done and reason == "length" and not out_of_room:
-                reason = "stop"  # the constraint is complete: nothing may follow
-            s.text += text
-            delta += text
-            if reason is not None:
-                del s.output_ids[at + 1 :]  # a token queued in the pipeline's lag is dropped
-                self._finish(s, reason)
-                break
+        """The output stage (:meth:`OutputProcessor.emit
+        <mlx_ferrum.engine.output_processor.OutputProcessor.emit>`) for 1 or more sampled
+        tokens of ``s``; ends the request when one of them does. Call with the lock held."""
+        delta, new_ids, reason = self.outputs.emit(s, tokens, lps, tops, now, cap, index=index)
+        if reason is not None:
+            self._finish(s, reason)
         return self._output(s, delta, new_ids)
 
     def _draft_mask(self, seq: Sequence, proposal: Proposal) -> Optional[mx.array]:
@@ -1121,7 +865,7 @@ class Engine:
         seqs = [s for s, _, _ in live]
         try:
             finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
-            results = verify([self._mask_undecodable(row) for _, row, _ in live], [p for _, _, p in live],
+            results = verify([mask_undecodable(row, self._decodable) for _, row, _ in live], [p for _, _, p in live],
                              [s.sampler for s in seqs], also=[finite_rows], allowed=masks)
             finite = finite_rows.tolist()
         except Exception as e:  # noqa: BLE001 - this step's drafts only
@@ -1135,7 +879,7 @@ class Engine:
             offset += rows
             try:
                 if not ok:
-                    raise _non_finite_error()
+                    raise non_finite_error()
                 self.spec_num_drafts += 1
                 self.spec_proposed_tokens += len(prop.token_ids)
                 self.spec_accepted_tokens += res.num_accepted
@@ -1199,7 +943,7 @@ class Engine:
             for p, sp, name in zip(prompts, plist, loras):
                 ids.append(self._add_boxed(p, sp, lora=name))
             while len(final) < len(ids):
-                for out in self._wait_outputs([rid for rid in ids if rid not in final]):
+                for out in self.outputs.wait_outputs([rid for rid in ids if rid not in final], self._step_lock, self.step):
                     if out.finished:
                         final[out.request_id] = out
         finally:
@@ -1210,7 +954,7 @@ class Engine:
                         self.abort(rid)
                     except RequestError:
                         pass
-                self._close_box(rid)
+                self.outputs.close_box(rid)
         return [final[i] for i in ids]
 
     def _add_boxed(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str] = None,
@@ -1218,14 +962,11 @@ class Engine:
         """:meth:`add_request`, with a box that collects the request's outputs from any
         thread's step (opened before the request can run, so none is missed)."""
         rid = request_id if request_id is not None else f"req-{next(_req_ids)}"
-        with self._boxes_changed:
-            if rid in self._boxes:
-                raise RequestError(f"request id {rid!r} is in use: pick another")
-            self._boxes[rid] = collections.deque()
+        self.outputs.open_box(rid)
         try:
             return self.add_request(prompt, params, rid, lora=lora)
         except BaseException:
-            self._close_box(rid)
+            self.outputs.close_box(rid)
             raise
 
     def stream(
@@ -1243,7 +984,7 @@ class Engine:
         done = False
         try:
             while not done:
-                for out in self._wait_outputs([rid]):
+                for out in self.outputs.wait_outputs([rid], self._step_lock, self.step):
                     yield out
                     done = out.finished
         finally:
@@ -1252,7 +993,7 @@ class Engine:
                     self.abort(rid)
                 except RequestError:
                     pass
-            self._close_box(rid)
+            self.outputs.close_box(rid)
 
     # ----------------------------------------------------------------- LoRA
     def add_lora(self, name: str, path: str) -> None:
@@ -1263,7 +1004,7 @@ class Engine:
             LoraError: LoRA is off (``RuntimeConfig(enable_lora=True)``), or the adapter is
             refused (format, DoRA, module, shape, rank; the message says which).
         """
-        self._lora_executor().add_lora(name, path)
+        self.lora_admission.executor().add_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unregister ``name``.
@@ -1272,9 +1013,9 @@ class Engine:
             UnknownLoraError: unknown ``name``. LoraError: requests still use it, or LoRA is off.
         """
         with self._lock:
-            if any(s.lora == name for s in self._lora_waiting):
+            if self.lora_admission.has_waiting_for(name):
                 raise LoraError(f"adapter {name!r} has waiting requests: remove it once they finish")
-            self._lora_executor().remove_lora(name)
+            self.lora_admission.executor().remove_lora(name)
 
     def list_loras(self) -> list[str]:
         """Registered adapter names (empty when LoRA is off)."""
@@ -1286,70 +1027,13 @@ class Engine:
         slot); ``{}`` when LoRA is off."""
         snapshot = self.runner.lora_metrics_snapshot()
         if snapshot:
-            snapshot["waiting_for_slot"] = len(self._lora_waiting)
+            snapshot["waiting_for_slot"] = len(self.lora_admission.waiting)
         return snapshot
 
-    def _lora_executor(self) -> ModelRunner:
-        """The runner, once it is known to serve adapters. Raises LoraError when LoRA is off."""
-        if not self.runner.config.enable_lora:
-            raise LoraError("LoRA is off for this engine: pass RuntimeConfig(enable_lora=True) "
-                            "(FERRUM_ENABLE_LORA=1, --enable-lora)")
-        return self.runner
-
-    def _check_lora_name(self, name: Optional[str]) -> None:
-        if name is None:
-            return
-        if not isinstance(name, str):
-            raise RequestError(f"lora must be an adapter name (str) or None, got {type(name).__name__}")
-        self._lora_executor().lora_path(name)  # UnknownLoraError names the known adapters
-
-    def _admit_with_lora(self, seq: Sequence) -> None:
-        """Hand ``seq`` to the scheduler, pinning its adapter's slot first; when every slot
-        is pinned by other adapters' requests it waits (FIFO) for one. Lock held."""
-        if seq.lora is None:
-            self.scheduler.add(seq)
-            return
-        slot = None if self._lora_waiting else self.runner.acquire_lora(seq.lora, seq.request_id)
-        if slot is None:
-            self._lora_waiting.append(seq)
-            return
-        self._lora_slot_of[seq.request_id] = slot
-        self.scheduler.add(seq)
-
-    def _admit_lora_waiting(self) -> None:
-        """Move waiting adapter requests to the scheduler while slots can be had, in order. Lock held."""
-        while self._lora_waiting:
-            seq = self._lora_waiting[0]
-            if seq.finished:
-                self._lora_waiting.popleft()
-                continue
-            try:
-                slot = self.runner.acquire_lora(seq.lora, seq.request_id)
-            except LoraError as e:  # removed, or its folder cannot be read any more: this request only
-                self._lora_waiting.popleft()
-                self._finish(seq, "error", exception=e)
-                self._pending.append(self._output(seq, "", []))
-                continue
-            if slot is None:
-                return
-            self._lora_waiting.popleft()
-            self._lora_slot_of[seq.request_id] = slot
-            self.scheduler.add(seq)
-
-    def _release_lora_of(self, seq: Sequence) -> None:
-        if seq.lora is None:
-            return
-        if self._lora_slot_of.pop(seq.request_id, None) is not None:
-            self.runner.release_lora(seq.request_id)
-        elif seq in self._lora_waiting:
-            self._lora_waiting.remove(seq)
-
-    def _with_lora_slots(self, work: list[SeqWork]) -> list[SeqWork]:
-        """``work`` with each item's ``lora_slot`` set from its request's pinned slot."""
-        if self._lora_slot_of:
-            for w in work:
-                w.lora_slot = self._lora_slot_of.get(w.cache_id, -1)
-        return work
+    def _fail_waiting_lora(self, seq: Sequence, exc: LoraError) -> None:
+        """A request waiting for an adapter slot whose adapter cannot be loaded ends alone."""
+        self._finish(seq, "error", exception=exc)
+        self._pending.append(self._output(seq, "", []))
 
     # -------------------------------------------------------------- metrics
     def stats(self) -> dict:
@@ -1357,14 +1041,14 @@ class Engine:
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
         with self._lock:
             kv = self.runner.cache_metrics_snapshot(self.block_manager)
-            ttft, itl = self._ttft, self._itl
+            ttft, itl = self.outputs.ttft, self.outputs.itl
             return {
                 "num_waiting": len(self.scheduler.waiting),
                 "num_running": len(self.scheduler.running),
                 "num_steps": self.num_steps,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefilled_tokens": self.num_prefilled_tokens,
-                "generated_tokens": self.num_generated_tokens,
+                "generated_tokens": self.outputs.num_generated_tokens,
                 "structured_length_finishes": self.num_structured_length,
                 "ttft_mean": ttft.mean,
                 "ttft_p50": ttft.percentile(0.5),

@@ -158,7 +158,7 @@ class OpenAIServing:
         """Raises ServingError(503) while shutting down or when the engine thread has died."""
         if self.shutting_down:
             raise ServingError(503, "the server is shutting down: retry on another instance", type="service_unavailable")
-        if not self.async_engine._thread.is_alive():
+        if not self.async_engine.is_alive():
             raise ServingError(503, "the engine loop has stopped: restart the server", type="service_unavailable")
         # a parallel run's engine says when a rank has stopped answering
         problem = getattr(self.async_engine.engine, "health_problem", None)
