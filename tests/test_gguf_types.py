@@ -179,13 +179,13 @@ def test_the_readers_own_type_table_agrees_with_gguf():
 def test_mlx_reader_reads_its_types_as_the_numpy_conversion(type_name, tmp_path):
     """Files of these types are read by ``mx.load``: it must take every tensor (so the
     dequantization test above covers that path) with the numpy converter's bytes and dtypes."""
-    from mlx_ferrum.models.gguf.checkpoint import _mlx_reader_tensors
+    from mlx_ferrum.models.gguf.checkpoint import _mlx_load, _mlx_reader_tensors
     from mlx_ferrum.models.gguf.tensors import convert_tensor
 
     write_llama_gguf(tmp_path / "model.gguf", type_name)
     model_file = read_gguf(tmp_path / "model.gguf")
     wanted = [(n, t) for n, t in model_file.tensors.items() if hf_name(n) is not None]
-    taken = _mlx_reader_tensors(model_file, wanted)
+    taken = _mlx_reader_tensors(_mlx_load(model_file.files), wanted)
     assert sorted(taken) == sorted(n for n, _ in wanted)
     for name, tensor in wanted:
         plain = convert_tensor(tensor.type_name, tensor.data, tensor.shape)

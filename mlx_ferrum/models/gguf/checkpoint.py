@@ -168,23 +168,29 @@ def _weight_buffers(wanted: list) -> tuple[dict[str, mx.array], dict[str, np.nda
 MLX_READER_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
 
 
-def _mlx_reader_tensors(model_file: GGUFModelFile, wanted: list) -> dict[str, Any]:
-    """``{name: ConvertedTensor}`` read by ``mx.load`` (C++, a quarter of the time the
-    numpy repacking takes) for the tensors it reads exactly, or ``{}`` when a part of
-    the file holds a type outside :data:`MLX_READER_TYPES` or MLX's reader fails.
+def _mlx_load(files: list[Path]) -> Optional[dict[str, mx.array]]:
+    """``mx.load`` of every part (MLX's C++ GGUF reader, which releases the GIL), or None
+    when it fails (a type or layout this MLX version refuses). Safe on a worker thread:
+    the arrays it returns are already read, no lazy operation is queued."""
+    try:
+        arrays: dict[str, mx.array] = {}
+        for part in files:
+            arrays.update(mx.load(str(part)))
+        return arrays
+    except (RuntimeError, ValueError, OSError):
+        return None
+
+
+def _mlx_reader_tensors(arrays: Optional[dict[str, mx.array]], wanted: list) -> dict[str, Any]:
+    """``{name: ConvertedTensor}`` of the tensors ``mx.load`` (:func:`_mlx_load`; C++,
+    a quarter of the time the numpy repacking takes) read exactly: ``{}`` for None.
 
     A tensor is taken only when MLX returned exactly the shapes and dtypes the numpy
     converter would (2-D codes, float16 scales and biases); a Q4_0 / Q8_0 bias ``-8 d``
     / ``-128 d`` that overflows float16 (the numpy converter then widens to float32) is
-    left to the numpy converter too.
+    left to the numpy converter too. Call it on the thread that uses the arrays.
     """
-    if any(t.type_name not in MLX_READER_TYPES for t in model_file.tensors.values()):
-        return {}
-    try:
-        arrays: dict[str, mx.array] = {}
-        for part in model_file.files:
-            arrays.update(mx.load(str(part)))
-    except (RuntimeError, ValueError, OSError):  # e.g. a type or layout this MLX version refuses
+    if arrays is None:
         return {}
     taken: dict[str, Any] = {}
     checks = []
@@ -259,19 +265,27 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     weights: dict[str, mx.array] = {}
     groups16: dict[str, int] = {}
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
-    # the tensors MLX's reader reads exactly come from it; the rest are converted here
-    read_by_mlx = _mlx_reader_tensors(model_file, wanted)
-    rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx]
-    buffers, views = _weight_buffers(rest)
-    # numpy releases the GIL in its array loops, so tensors convert in parallel, writing
-    # the packed codes straight into their MLX arrays (allocated above, on this thread);
-    # scales, biases and the other types become MLX arrays here as each result arrives,
-    # and their numpy arrays are dropped at once, so freed memory is reused by the next
-    # conversions. Results come in file order: the outcome does not depend on the threads
+    # a file of the types MLX's reader keeps exactly is read by it (the tensors it does not
+    # take are converted here); numpy releases the GIL in its array loops, so the others'
+    # tensors convert in parallel, writing the packed codes straight into their MLX arrays
+    # (allocated on this thread); scales, biases and the other types become MLX arrays
+    # here as each result arrives, and their numpy arrays are dropped at once, so freed
+    # memory is reused by the next conversions. Results come in file order: the outcome
+    # does not depend on the threads. The tokenizer is built while either runs (see prebuild)
+    by_mlx = all(t.type_name in MLX_READER_TYPES for t in tensors.values())
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
+        read_by_mlx = {}
+        if by_mlx:
+            arrays = pool.submit(_mlx_load, model_file.files)
+            prebuild_tokenizer(model_file.metadata)
+            read_by_mlx = _mlx_reader_tensors(arrays.result(), wanted)
+            del arrays
+        rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx]
+        buffers, views = _weight_buffers(rest)
         results = iter(pool.map(
             lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), rest))
-        prebuild_tokenizer(model_file.metadata)  # while the workers convert (see prebuild)
+        if not by_mlx:
+            prebuild_tokenizer(model_file.metadata)
         for name, tensor in wanted:
             converted = read_by_mlx.get(name)
             if converted is None:  # MLX arrays made on this thread
