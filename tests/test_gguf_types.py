@@ -212,7 +212,7 @@ def test_q4_0_bias_overflowing_float16_is_left_to_the_numpy_converter(tmp_path):
     assert at > 0 and content.find(original, at + 1) < 0
     content[at:at + 2] = np.float16(32768).tobytes()  # the first block's d
     path.write_bytes(bytes(content))
-    _, weights, model_file = load_gguf_checkpoint(path)
+    _, weights, _ = load_gguf_checkpoint(path)
     biases = weights["model.layers.0.mlp.down_proj.biases"]
     assert biases.dtype == mx.float32
     assert biases[0, 0].item() == -8 * 32768.0
