@@ -120,3 +120,18 @@ def test_cli_prints_one_error_line(good, tmp_path, capsys, edit):
     code = main(["generate", "--model", str(_variant(good, tmp_path, edit)), "--prompt", "hi"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("strings", [[], [b""], [b"", b"a", b""], [b"a\x00b", b"c"], [b"\xff", b"x"],
+                                     [b"x" * 70000, b"y"], [b"\xc3\xa9", b"\n", b"a b"]])
+def test_string_list_fast_path_equals_reading_each_string(strings):
+    """The header's string lists are read in one decode when they can be (short, valid
+    UTF-8, no NUL); NULs, invalid bytes and long strings must read as string by string."""
+    import struct
+
+    from mlx_ferrum.models.gguf.reader import _Cursor
+
+    encoded = b"".join(struct.pack("<Q", len(s)) + s for s in strings) + b"tail"
+    fast, slow = _Cursor(memoryview(encoded)), _Cursor(memoryview(encoded))
+    assert fast.strings(len(strings)) == slow._each_string(len(strings))
+    assert fast.pos == slow.pos == len(encoded) - 4

@@ -17,6 +17,7 @@ from mlx_ferrum.config import RuntimeConfig  # noqa: E402
 from mlx_ferrum.executor import LlmExecutor  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 from mlx_ferrum.models.gguf.config import hf_name  # noqa: E402
+from mlx_ferrum.models.gguf.reader import read_gguf  # noqa: E402
 
 EXACT = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
 #: code bits of each quantized type as loaded (the 16-weight-group types keep their own)
@@ -172,3 +173,47 @@ def test_the_readers_own_type_table_agrees_with_gguf():
     for type_id, (name, block, size) in _COMMON_TYPES.items():
         assert GGMLQuantizationType(type_id).name == name
         assert GGML_QUANT_SIZES[GGMLQuantizationType(type_id)] == (block, size)
+
+
+@pytest.mark.parametrize("type_name", ["F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_mlx_reader_reads_its_types_as_the_numpy_conversion(type_name, tmp_path):
+    """Files of these types are read by ``mx.load``: it must take every tensor (so the
+    dequantization test above covers that path) with the numpy converter's bytes and dtypes."""
+    from mlx_ferrum.models.gguf.checkpoint import _mlx_load, _mlx_reader_tensors
+    from mlx_ferrum.models.gguf.tensors import convert_tensor
+
+    write_llama_gguf(tmp_path / "model.gguf", type_name)
+    model_file = read_gguf(tmp_path / "model.gguf")
+    wanted = [(n, t) for n, t in model_file.tensors.items() if hf_name(n) is not None]
+    taken = _mlx_reader_tensors(_mlx_load(model_file.files), wanted)
+    assert sorted(taken) == sorted(n for n, _ in wanted)
+    for name, tensor in wanted:
+        plain = convert_tensor(tensor.type_name, tensor.data, tensor.shape)
+        for ours, theirs in ((taken[name].weight, plain.weight), (taken[name].scales, plain.scales),
+                             (taken[name].biases, plain.biases)):
+            assert (ours is None) == (theirs is None), name
+            if ours is not None:
+                assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+                assert np.array_equal(np.array(ours).view(np.uint8), np.array(theirs).view(np.uint8)), name
+
+
+def test_q4_0_bias_overflowing_float16_is_left_to_the_numpy_converter(tmp_path):
+    """``-8 d`` of a Q4_0 block with d = 32768 overflows float16: MLX's reader would give
+    -inf, the numpy converter widens to float32; the loader must give the latter."""
+    from mlx_ferrum.models.gguf.checkpoint import load_gguf_checkpoint
+
+    path = tmp_path / "model.gguf"
+    write_llama_gguf(path, "Q4_0")
+    tensor = read_gguf(path).tensors["blk.0.ffn_down.weight"]
+    original = bytes(np.asarray(tensor.data).reshape(-1)[:64])
+    del tensor
+    content = bytearray(path.read_bytes())
+    at = content.find(original)
+    assert at > 0 and content.find(original, at + 1) < 0
+    content[at:at + 2] = np.float16(32768).tobytes()  # the first block's d
+    path.write_bytes(bytes(content))
+    _, weights, _ = load_gguf_checkpoint(path)
+    biases = weights["model.layers.0.mlp.down_proj.biases"]
+    assert biases.dtype == mx.float32
+    assert biases[0, 0].item() == -8 * 32768.0
+    assert bool(mx.all(mx.isfinite(biases)).item())

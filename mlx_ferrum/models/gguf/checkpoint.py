@@ -22,7 +22,7 @@ from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
 from ...layers.quantized16 import pair_groups, quantized16_like
-from .tensors import GROUP_SIZE, check_types_supported, convert_numpy, packed_shape, to_mlx
+from .tensors import GROUP_SIZE, ConvertedTensor, check_types_supported, convert_numpy, packed_shape, to_mlx
 from .tokenizer import prebuild as prebuild_tokenizer
 
 SUFFIX = ".gguf"
@@ -160,6 +160,68 @@ def _weight_buffers(wanted: list) -> tuple[dict[str, mx.array], dict[str, np.nda
     return buffers, views
 
 
+#: GGUF types MLX's own reader (``mx.load`` of a ``.gguf``) keeps in MLX's layout with
+#: the values :func:`~mlx_ferrum.models.gguf.tensors.convert_numpy` gives, bit for bit
+#: (it repacks Q4_0 / Q4_1 / Q8_0 to 4 / 8-bit group-32 codes with scale ``d`` and bias
+#: ``m`` or ``-8 d`` / ``-128 d`` in float16; checked tensor by tensor in the tests); it
+#: dequantizes every other quantized type, so a file holding one is converted here
+MLX_READER_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
+
+
+def _mlx_load(files: list[Path]) -> Optional[dict[str, mx.array]]:
+    """``mx.load`` of every part (MLX's C++ GGUF reader, which releases the GIL), or None
+    when it fails (a type or layout this MLX version refuses). Safe on a worker thread:
+    the arrays it returns are already read, no lazy operation is queued."""
+    try:
+        arrays: dict[str, mx.array] = {}
+        for part in files:
+            arrays.update(mx.load(str(part)))
+        return arrays
+    except (RuntimeError, ValueError, OSError):
+        return None
+
+
+def _mlx_reader_tensors(arrays: Optional[dict[str, mx.array]], wanted: list) -> dict[str, Any]:
+    """``{name: ConvertedTensor}`` of the tensors ``mx.load`` (:func:`_mlx_load`; C++,
+    a quarter of the time the numpy repacking takes) read exactly: ``{}`` for None.
+
+    A tensor is taken only when MLX returned exactly the shapes and dtypes the numpy
+    converter would (2-D codes, float16 scales and biases); a Q4_0 / Q8_0 bias ``-8 d``
+    / ``-128 d`` that overflows float16 (the numpy converter then widens to float32) is
+    left to the numpy converter too. Call it on the thread that uses the arrays.
+    """
+    if arrays is None:
+        return {}
+    taken: dict[str, Any] = {}
+    checks = []
+    for name, tensor in wanted:
+        bits = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(tensor.type_name)
+        weight = arrays.get(name)
+        if weight is None:
+            continue
+        if bits is None:
+            if tuple(weight.shape) == tuple(tensor.shape) and weight.dtype == (
+                    mx.float32 if tensor.type_name == "F32" else mx.float16):
+                taken[name] = ConvertedTensor(weight)
+            continue
+        stem = name[:-len(".weight")] if name.endswith(".weight") else None
+        scales, biases = (None, None) if stem is None else (arrays.get(f"{stem}.scales"), arrays.get(f"{stem}.biases"))
+        rows = packed_shape(tensor.type_name, tensor.shape)[0]
+        if (len(tensor.shape) != 2 or scales is None or biases is None or weight.dtype != mx.uint32
+                or tuple(weight.shape) != packed_shape(tensor.type_name, tensor.shape)
+                or tuple(scales.shape) != (rows, tensor.shape[-1] // GROUP_SIZE) or scales.shape != biases.shape
+                or scales.dtype != mx.float16 or biases.dtype != mx.float16):
+            continue
+        taken[name] = ConvertedTensor(weight, scales, biases, bits)
+        if tensor.type_name != "Q4_1":
+            checks.append((name, mx.all(mx.isfinite(biases)) | mx.logical_not(mx.all(mx.isfinite(scales)))))
+    mx.eval([flag for _, flag in checks])
+    for name, flag in checks:
+        if not flag.item():
+            del taken[name]
+    return taken
+
+
 def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
     """Convert a GGUF model to the loader's ``(config, weights)``.
 
@@ -203,19 +265,31 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     weights: dict[str, mx.array] = {}
     groups16: dict[str, int] = {}
     wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
-    buffers, views = _weight_buffers(wanted)
-    # numpy releases the GIL in its array loops, so tensors convert in parallel, writing
-    # the packed codes straight into their MLX arrays (allocated above, on this thread);
-    # scales, biases and the other types become MLX arrays here as each result arrives,
-    # and their numpy arrays are dropped at once, so freed memory is reused by the next
-    # conversions. Results come in file order: the outcome does not depend on the threads
+    # a file of the types MLX's reader keeps exactly is read by it (the tensors it does not
+    # take are converted here); numpy releases the GIL in its array loops, so the others'
+    # tensors convert in parallel, writing the packed codes straight into their MLX arrays
+    # (allocated on this thread); scales, biases and the other types become MLX arrays
+    # here as each result arrives, and their numpy arrays are dropped at once, so freed
+    # memory is reused by the next conversions. Results come in file order: the outcome
+    # does not depend on the threads. The tokenizer is built while either runs (see prebuild)
+    by_mlx = all(t.type_name in MLX_READER_TYPES for t in tensors.values())
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
-        results = pool.map(
-            lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), wanted)
-        prebuild_tokenizer(model_file.metadata)  # while the workers convert (see prebuild)
-        for (name, tensor), numpy_result in zip(wanted, results):
-            converted = to_mlx(numpy_result, weight=buffers.get(name))  # MLX arrays made on this thread
-            del numpy_result
+        read_by_mlx = {}
+        if by_mlx:
+            arrays = pool.submit(_mlx_load, model_file.files)
+            prebuild_tokenizer(model_file.metadata)
+            read_by_mlx = _mlx_reader_tensors(arrays.result(), wanted)
+            del arrays
+        rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx]
+        buffers, views = _weight_buffers(rest)
+        results = iter(pool.map(
+            lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), rest))
+        if not by_mlx:
+            prebuild_tokenizer(model_file.metadata)
+        for name, tensor in wanted:
+            converted = read_by_mlx.get(name)
+            if converted is None:  # MLX arrays made on this thread
+                converted = to_mlx(next(results), weight=buffers.get(name))
             _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads)
     if quantization:
         first = next(iter(quantization.values()))

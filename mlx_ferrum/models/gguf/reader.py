@@ -17,7 +17,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -139,7 +139,54 @@ class _Cursor:
         return bytes(self.take(self.scalar("<Q"))).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        """``count`` consecutive strings (a vocabulary: one tight loop, it is most of the header).
+        """``count`` consecutive strings (a vocabulary: most of the header).
+
+        :meth:`_joined_strings` reads a vocabulary of short, valid UTF-8 strings with no
+        NUL in them (every real one) in one decode; any other list is read string by
+        string by :meth:`_each_string`, with undecodable bytes replaced."""
+        joined = self._joined_strings(count)
+        return joined if joined is not None else self._each_string(count)
+
+    def _joined_strings(self, count: int) -> Optional[list[str]]:
+        """The fast path of :meth:`strings`, or None (nothing consumed) where it does not apply.
+
+        A Python loop only finds where each string starts (its length prefix); then the
+        length prefixes' two low bytes are zeroed (lengths under 65,536 have zero upper
+        bytes), so every string ends in eight NUL bytes, the region is decoded once and
+        split on them. A string holding a NUL or invalid UTF-8 shows up as a wrong count
+        of NULs or pieces, or a decode error, and sends the list to the slow path."""
+        buffer, pos, end = self.buffer, self.pos, len(self.buffer)
+        window = bytes(buffer[pos:min(end, pos + 64 * count + 8)])
+        size, offset = len(window), 0
+        unpack = struct.Struct("<Q").unpack_from
+        starts = [0] * count
+        for i in range(count):
+            if offset + 8 > size:
+                return None
+            starts[i] = offset
+            offset += 8 + unpack(window, offset)[0]
+        if offset > size:
+            return None
+        at = np.asarray(starts, dtype=np.int64)
+        if count and int(np.diff(np.append(at, offset)).max()) - 8 >= 1 << 16:
+            return None
+        region = np.frombuffer(window, dtype=np.uint8, count=offset).copy()
+        region[at] = 0
+        region[at + 1] = 0
+        try:
+            text = region.tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        if text.count("\x00") != 8 * count:
+            return None
+        pieces = text.split("\x00" * 8)
+        if len(pieces) != count + 1:
+            return None
+        self.pos = pos + offset
+        return pieces[1:]
+
+    def _each_string(self, count: int) -> list[str]:
+        """``count`` consecutive strings, one at a time (the slow path of :meth:`strings`).
 
         The loop slices a ``bytes`` copy of the region (a quarter faster than slicing the
         memory map); the copy covers 64 bytes per string, and what does not fit in it

@@ -77,7 +77,7 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
     """Merges implied by a SentencePiece BPE vocabulary: for each piece, every split
     into two pieces of the vocabulary, ranked by the piece's score (higher first),
     then by the ids of the left and right parts."""
-    vocab = {token: i for i, token in enumerate(tokens)}
+    vocab = dict(zip(tokens, range(len(tokens))))
     ranked = []
     for token, score in zip(tokens, scores):
         for cut in range(1, len(token)):
@@ -142,7 +142,7 @@ def _build(metadata: dict[str, Any]) -> HFTokenizer:
     types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(types) != len(tokens):
         raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    vocab = {token: i for i, token in enumerate(tokens)}
+    vocab = dict(zip(tokens, range(len(tokens))))
     if kind == "gpt2":
         merges = metadata.get("tokenizer.ggml.merges")
         if not isinstance(merges, list):
