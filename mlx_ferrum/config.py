@@ -8,6 +8,10 @@ the memory budget and the model, by the model runner).
 
 Names follow ferrum (``FERRUM_METAL_PAGED_KV``) and vLLM (``block_size``,
 ``max_num_seqs``, ``max_num_batched_tokens``).
+
+Why this module is one file of over 500 lines: every runtime knob with its FERRUM_*
+variable, default, parsing and validation in one place: it is the reference users and
+the CLI read.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ Template rendering follows the conventions of transformers'
 Text decoding does not apply transformers' ``clean_up_tokenization_spaces`` (it
 rewrites ``" ."`` to ``"."`` and depends on the next token, which streaming cannot
 know); :meth:`Tokenizer.decode` is exactly ``tokenizers``' decode.
+
+Why this module is one file of over 500 lines: encoding, chat-template rendering (with
+its checks) and the streaming detokenizer share the loaded tokenizer's special-token
+state.
 """
 
 from __future__ import annotations

@@ -316,7 +316,10 @@ def test_ctrl_c_while_the_model_loads_exits_130_without_a_traceback():
     import signal
 
     # a load that announces itself and then takes long, so the signal lands mid-load
-    code = ("import sys, time, mlx_ferrum.api as api\n"
+    # SIGINT's handler is set as a terminal gives it: a test run started in the background
+    # of a non-interactive shell inherits SIGINT ignored, which the child would keep
+    code = ("import signal, sys, time, mlx_ferrum.api as api\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "def slow_load(*args, **kwargs):\n"
             "    print('loading', flush=True)\n"
             "    time.sleep(120)\n"

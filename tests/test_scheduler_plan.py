@@ -34,20 +34,20 @@ class WritingScheduler(Scheduler):
     """The pre-change scheduler (7f28a49), kept verbatim as the oracle: it writes the manager."""
 
     def _fits(self, seq, n):
-        if self.manager is None:
+        if self.block_manager is None:
             return True
-        cid = seq.request_id if self.manager.has(seq.request_id) else None
-        return self.manager.blocks_needed(cid, n) <= self.manager.num_free - self._reserved
+        cid = seq.request_id if self.block_manager.has(seq.request_id) else None
+        return self.block_manager.blocks_needed(cid, n) <= self.block_manager.num_free - self._reserved
 
     def _reserve(self, seq, n):
-        if self.manager is not None:
-            cid = seq.request_id if self.manager.has(seq.request_id) else None
-            self._reserved += self.manager.blocks_needed(cid, n)
+        if self.block_manager is not None:
+            cid = seq.request_id if self.block_manager.has(seq.request_id) else None
+            self._reserved += self.block_manager.blocks_needed(cid, n)
 
     def _preempt(self, victim, out):
         self.running.remove(victim)
-        if self.manager is not None and self.manager.has(victim.request_id):
-            self.manager.release(victim.request_id)
+        if self.block_manager is not None and self.block_manager.has(victim.request_id):
+            self.block_manager.release(victim.request_id)
         victim.num_computed = 0
         victim.status = SequenceStatus.WAITING
         victim.metrics.num_preemptions += 1
@@ -86,17 +86,17 @@ class WritingScheduler(Scheduler):
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            if self.manager is not None and not self.manager.has(seq.request_id):
-                self.manager.create(seq.request_id)
-                if seq.num_computed == 0 and self.manager.prefix_cache:
-                    cached = self.manager.match_prefix(seq.request_id, seq.token_at(0, seq.num_tokens))
+            if self.block_manager is not None and not self.block_manager.has(seq.request_id):
+                self.block_manager.create(seq.request_id)
+                if seq.num_computed == 0 and self.block_manager.prefix_cache:
+                    cached = self.block_manager.match_prefix(seq.request_id, seq.token_at(0, seq.num_tokens))
                     seq.num_computed = cached
                     if seq.metrics.num_preemptions == 0:
                         seq.metrics.num_cached_tokens = cached
             n = min(seq.remaining, chunk, budget)
             if not self._fits(seq, n):
-                if self.manager is not None and self.manager.num_tokens(seq.request_id) == seq.num_computed:
-                    self.manager.release(seq.request_id)
+                if self.block_manager is not None and self.block_manager.num_tokens(seq.request_id) == seq.num_computed:
+                    self.block_manager.release(seq.request_id)
                     seq.num_computed = 0
                 if not self.running and not out.items:
                     self.waiting.popleft()

@@ -120,7 +120,7 @@ class Engine:
         self.config = config if config is not None else RuntimeConfig()
         # an LlmExecutor (the ferrum-style adapter) is driven through its runner; the block
         # manager it owns becomes the scheduler's, so both see the same caches
-        shared_blocks = getattr(executor, "block_manager", None)
+        shared_blocks = getattr(executor, "manager", None)
         executor = getattr(executor, "runner", executor)
         # everything below calls only ModelRunner methods (tests/test_runner_protocol.py checks it)
         self.runner: ModelRunner = executor if executor is not None else LlmRunner(model, self.config)

@@ -133,7 +133,7 @@ class Scheduler:
             (:meth:`_prefix_in_flight`) instead of computing them too.
 
     Attributes:
-        block_manager: as given (``manager`` is the same object).
+        block_manager: as given.
         waiting, running: the queues. num_preemptions: preemptions so far.
     """
 
@@ -148,11 +148,6 @@ class Scheduler:
         self._order = 0
         self._reserved = 0  # blocks this step's decisions take, appended at the end of schedule()
         self.num_preemptions = 0
-
-    @property
-    def manager(self) -> Optional[LayerGroupKvManager]:
-        """The block manager (:attr:`block_manager`)."""
-        return self.block_manager
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""

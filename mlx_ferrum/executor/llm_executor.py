@@ -24,6 +24,10 @@ shares the same manager (its scheduler drives it), so both see one set of caches
 The ferrum-style calls evaluate their logits before returning, so timings in
 :meth:`LlmExecutor.status` are real. :meth:`LlmExecutor.forward` and the other
 runner methods are passed through unchanged, for code written against the executor.
+
+Why this module is one file of over 500 lines: it is ferrum's whole public executor API
+(prefill, decode, batch calls, fork, trim, release, handles) over one runner and the
+block manager it owns; callers read it as one surface.
 """
 
 from __future__ import annotations
@@ -110,8 +114,7 @@ class LlmExecutor:
         runner: the :class:`~mlx_ferrum.runner.LlmRunner` every call goes to (the engine
             drives the same object when given this executor).
         manager: the paged block manager this adapter owns (None: contiguous layout);
-            an engine built over this executor schedules with it. ``block_manager`` is
-            the same object.
+            an engine built over this executor schedules with it.
         model, config, args, info, dtype, layout, max_seq_len, pool, store:
             the runner's (``model`` may be replaced, e.g. by a wrapper in tests).
 
@@ -167,7 +170,6 @@ class LlmExecutor:
     dtype = property(lambda self: self.runner.dtype, doc="The model's activation dtype (also the KV dtype).")
     layout = property(lambda self: self.runner.layout, doc='``"paged"`` or ``"contiguous"``.')
     max_seq_len = property(lambda self: self.runner.max_seq_len, doc="Most tokens per sequence.")
-    block_manager = property(lambda self: self.manager, doc="The paged block manager this adapter owns (None: contiguous).")
     pool = property(lambda self: self.runner.pool, doc="The paged K/V pool arrays (None: contiguous).")
     store = property(lambda self: self.runner.store, doc="The runner's KV store.")
     _contiguous = property(lambda self: self.runner._contiguous, doc="Contiguous caches by id (empty: paged).")

@@ -34,6 +34,10 @@ float pools only.
 Algorithms: vLLM paged attention v1/v2 (Kwon et al., SOSP 2023) with online
 softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022;
 FlashAttention-2, Dao 2023); see ``docs/kernels.md``.
+
+Why this module is one file of over 500 lines: the one place that knows
+mx.fast.metal_kernel: source loading, template instantiation and grid sizes for every
+kernel, so that no other module depends on Metal.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ True: callers pass the same (post-RoPE) queries they would pass to the float pat
 
 This module sits at the kernels layer (it imports nothing above it);
 :mod:`mlx_ferrum.kv_cache.quantized` re-exports the format functions beside the storage.
+
+Why this module is one file of over 500 lines: it is the single oracle of the quantized
+KV format: the format's math and the reference attention over it change together, and
+every quantized kernel's test imports it.
 """
 
 from __future__ import annotations

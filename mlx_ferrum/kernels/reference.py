@@ -16,6 +16,10 @@ and takes the scores in float32; prefill does the same per sequence, with a caus
 mask. Both take a base-2 softmax (:func:`softmax_base2`; off the CPU backend prefill
 calls the fused ``mx.fast.scaled_dot_product_attention``) and are exact up to the
 dtype's rounding of the gathered values.
+
+Why this module is one file of over 500 lines: the pure-MLX reference of every paged-
+attention kernel (decode, partitioned reduce, prefill, KV writes): the oracle each Metal
+kernel's test compares with, kept in one module.
 """
 
 from __future__ import annotations

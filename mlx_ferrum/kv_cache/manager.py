@@ -28,6 +28,10 @@ before the window of the first new token are freed, so a sequence holds about
 ``window / block_size + 1`` blocks however long it grows. Their entries in
 ``block_ids`` become :data:`FREED_BLOCK` (the executor points them at any valid
 block; attention never reads them). This is vLLM's sliding-window block freeing.
+
+Why this module is one file of over 500 lines: allocation, copy-on-write, prefix hashing
+and trimming all edit the same per-sequence block tables and reference counts; split,
+each part would reach into the others' state.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ Per layer, the paged pool holds (``C`` = ``head_dim`` for int8, ``head_dim // 2`
 - ``k_biases[layer]``, ``v_biases[layer]`` (int4 only, else the lists are empty): like the scales.
 
 The contiguous cache holds the same per layer with ``[1, num_kv_heads, capacity, ...]``.
+
+Why this module is one file of over 500 lines: the quantized pool and the quantized
+contiguous cache share one write path (quantize on write, scales beside the codes);
+keeping both beside it keeps the storage format in one place.
 """
 
 from __future__ import annotations

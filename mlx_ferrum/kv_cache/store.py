@@ -23,6 +23,10 @@ The paged layout packs all items into ONE pass (one row, decode tokens first, no
 padding; vLLM's varlen layout). The contiguous layout runs one pass per distinct
 new-token count (rows of equal length; caches of different lengths are padded and
 masked inside attention), so no pad token is ever stored.
+
+Why this module is one file of over 500 lines: the one KV-store interface and both of
+its implementations sit side by side on purpose, so that the layouts visibly differ only
+in storage and metadata.
 """
 
 from __future__ import annotations

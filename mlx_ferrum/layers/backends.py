@@ -34,6 +34,10 @@ Every backend offers the same calls:
 - ``write(layer, k, v, meta)`` and ``attend(layer, q, k, v, meta, scale, window, sinks)``:
   the two halves, which a quantized backend replaces (quantize on write, dequantize
   the gathered blocks inside attention).
+
+Why this module is one file of over 500 lines: the typed metadata of a pass and the
+backends that read it change together; one file keeps each backend next to the metadata
+it consumes.
 """
 
 from __future__ import annotations

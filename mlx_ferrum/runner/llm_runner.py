@@ -22,6 +22,10 @@ their store and backend:
 :meth:`LlmRunner.forward` returns the pass unevaluated, for the engine's pipelined step;
 :meth:`LlmRunner.run` evaluates it. The ferrum-style calls (prefill/decode/handles) are
 the adapter :class:`~mlx_ferrum.executor.LlmExecutor`.
+
+Why this module is one file of over 500 lines: the forward pass and its storage calls,
+validation and LoRA binding share the runner's locks and store; input building, the
+compiled decode step and model facts are already separate modules.
 """
 
 from __future__ import annotations
