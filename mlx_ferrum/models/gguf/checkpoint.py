@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
-from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
+from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError, UnsupportedTensorTypeError
+from .config import PERMUTED_ARCHITECTURES, config_from_metadata, fused_parts, hf_name, unpermute_rows
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
 from ...layers.quantized16 import pair_groups, quantized16_like
 from .tensors import GROUP_SIZE, ConvertedTensor, check_types_supported, convert_numpy, packed_shape, to_mlx
@@ -109,16 +109,45 @@ def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str]
 
 
 def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], groups16: dict[str, int], path: Path,
-                   name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int]) -> None:
+                   name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int],
+                   config: dict[str, Any]) -> None:
     """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
-    with its module's quantization entry; a 16-weight-group tensor's module goes into
+    fused tensors split (:func:`~mlx_ferrum.models.gguf.config.fused_parts`), stacked
+    expert codes shaped ``[experts, rows, ...]`` as MLX's quantized ``SwitchLinear``
+    keeps them, with its module's quantization entry; a 16-weight-group tensor's module goes into
     ``groups16`` (module path -> bits), its scales and biases paired into two MLX
     group-32 sets (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
-    target = hf_name(name)
     parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
     role = name.split(".")[-2]
     if permute and role in heads and name.endswith((".weight", ".bias")):
         parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
+    if converted.bits is not None and len(tensor.shape) == 3:  # stacked experts [E, out, in]
+        if converted.group_size == 16:
+            raise UnsupportedTensorTypeError(
+                f"{path.name}: expert tensor {name!r} is {tensor.type_name}, whose 16-weight groups this loader "
+                "maps only for 2-D matrices; use a file whose expert tensors use another type (Q4_K, Q5_K, Q8_0, "
+                "Q4_0 ...) or the Hugging Face checkpoint")
+        experts, rows = int(tensor.shape[0]), int(tensor.shape[1])
+        parts = {k: v.reshape(experts, rows, -1) for k, v in parts.items()}
+    pieces = fused_parts(name, config)
+    if pieces is None:
+        _store(weights, quantization, groups16, path, name, tensor, converted, hf_name(name), parts)
+        return
+    total = sum(rows for _, rows in pieces)
+    if parts["weight"].shape[0] != total:
+        raise GGUFFormatError(
+            f"{path.name}: fused tensor {name!r} has {parts['weight'].shape[0]} rows; the metadata's head counts / "
+            f"feed-forward length give {total}")
+    start = 0
+    for target, rows in pieces:
+        piece = {k: None if v is None else v[start:start + rows] for k, v in parts.items()}
+        _store(weights, quantization, groups16, path, name, tensor, converted, target, piece)
+        start += rows
+
+
+def _store(weights: dict[str, mx.array], quantization: dict[str, Any], groups16: dict[str, int], path: Path,
+           name: str, tensor: Any, converted: Any, target: str, parts: dict[str, Any]) -> None:
+    """Store one tensor's (or one fused piece's) arrays under ``target``."""
     module = target.rpartition(".")[0]
     if converted.bits is None:
         weights[target] = parts["weight"]
@@ -290,7 +319,7 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             converted = read_by_mlx.get(name)
             if converted is None:  # MLX arrays made on this thread
                 converted = to_mlx(next(results), weight=buffers.get(name))
-            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads)
+            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads, config)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
