@@ -19,7 +19,8 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError, UnsupportedTensorTypeError
-from .config import PERMUTED_ARCHITECTURES, config_from_metadata, fused_parts, hf_name, unpermute_rows
+from .config import (NORM_SHIFTED_ARCHITECTURES, PERMUTED_ARCHITECTURES, config_from_metadata, fused_parts, hf_name,
+                     unpermute_rows)
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
 from ...layers.quantized16 import pair_groups, quantized16_like
 from .tensors import GROUP_SIZE, ConvertedTensor, check_types_supported, convert_numpy, packed_shape, to_mlx
@@ -110,11 +111,11 @@ def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str]
 
 def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], groups16: dict[str, int], path: Path,
                    name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int],
-                   config: dict[str, Any]) -> None:
+                   config: dict[str, Any], arch: str) -> None:
     """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
     fused tensors split (:func:`~mlx_ferrum.models.gguf.config.fused_parts`), stacked
     expert codes shaped ``[experts, rows, ...]`` as MLX's quantized ``SwitchLinear``
-    keeps them, with its module's quantization entry; a 16-weight-group tensor's module goes into
+    keeps them, names by ``arch`` (``general.architecture``), with its module's quantization entry; a 16-weight-group tensor's module goes into
     ``groups16`` (module path -> bits), its scales and biases paired into two MLX
     group-32 sets (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
     parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
@@ -129,9 +130,10 @@ def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], g
                 "Q4_0 ...) or the Hugging Face checkpoint")
         experts, rows = int(tensor.shape[0]), int(tensor.shape[1])
         parts = {k: v.reshape(experts, rows, -1) for k, v in parts.items()}
-    pieces = fused_parts(name, config)
+    pieces = fused_parts(name, config, arch)
     if pieces is None:
-        _store(weights, quantization, groups16, path, name, tensor, converted, hf_name(name), parts)
+        _store(weights, quantization, groups16, path, name, tensor, converted,
+               hf_name(name, arch), parts)
         return
     total = sum(rows for _, rows in pieces)
     if parts["weight"].shape[0] != total:
@@ -281,19 +283,19 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     config = config_from_metadata(model_file.metadata, set(tensors), rope_freqs=None if rope_freqs is None else
                                   np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1).tolist())
     check_types_supported({t.name: t.type_name for t in tensors.values()})
-    unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")
+    arch = model_file.metadata["general.architecture"]
+    unknown = sorted(n for n in tensors if hf_name(n, arch) is None and n != "rope_freqs.weight")
     if unknown:
         raise GGUFFormatError(
             f"{path.name}: tensors this loader does not know for architecture "
             f"{model_file.metadata.get('general.architecture')!r}: {', '.join(unknown[:8])}"
         )
-    arch = model_file.metadata["general.architecture"]
     permute = arch in PERMUTED_ARCHITECTURES
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     quantization: dict[str, Any] = {}
     weights: dict[str, mx.array] = {}
     groups16: dict[str, int] = {}
-    wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
+    wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name, arch) is not None]
     # a file of the types MLX's reader keeps exactly is read by it (the tensors it does not
     # take are converted here); numpy releases the GIL in its array loops, so the others'
     # tensors convert in parallel, writing the packed codes straight into their MLX arrays
@@ -319,10 +321,14 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             converted = read_by_mlx.get(name)
             if converted is None:  # MLX arrays made on this thread
                 converted = to_mlx(next(results), weight=buffers.get(name))
-            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads, config)
+            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads, config, arch)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
+    if arch in NORM_SHIFTED_ARCHITECTURES:
+        for name in list(weights):
+            if name.endswith("norm.weight"):  # llama.cpp stored 1 + w; the model's norm adds the 1
+                weights[name] = (weights[name].astype(mx.float32) - 1.0).astype(weights[name].dtype)
     config["gguf"] = {"file": str(path), "architecture": arch, "groups16": groups16}
     return config, weights, model_file
 

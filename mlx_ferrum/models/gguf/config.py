@@ -7,7 +7,9 @@ The keys are llama.cpp's (``{arch}.block_count``, ``{arch}.attention.head_count`
 Qwen3-MoE files store each layer's experts stacked (``ffn_{gate,up,down}_exps``,
 ``[experts, out, in]``, the layout of the model's ``switch_mlp``); Phi-3 files keep the
 fused ``attn_qkv`` (q, k, v rows) and ``ffn_up`` (gate rows, then up rows), split here
-by :func:`fused_parts`. llama.cpp's converter permutes the rows of
+by :func:`fused_parts`. Gemma 3 files store every norm weight as ``1 + w``; the
+checkpoint loader subtracts the 1 (:data:`NORM_SHIFTED_ARCHITECTURES`).
+llama.cpp's converter permutes the rows of
 Llama-style q/k projections into its interleaved RoPE order (``LlamaModel.permute`` in
 ``convert_hf_to_gguf.py``); :func:`unpermute_rows` undoes it so the rotate-half RoPE
 of :mod:`mlx_ferrum.models.llama` applies.
@@ -20,7 +22,8 @@ from typing import Any, Optional
 from ...errors import GGUFFormatError, UnsupportedArchitectureError
 
 #: general.architecture -> model_type of the family that runs it
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
+                 "gemma3": "gemma3_text"}
 
 #: architectures whose q/k rows llama.cpp's converter permutes (its ``LlamaModel``
 #: subclasses; the Qwen and Phi-3 converters store Hugging Face's row order)
@@ -44,24 +47,40 @@ _LAYER_NAMES = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+#: per-architecture roles that differ from the Llama ones: Gemma 3's sandwich norms
+#: (llama.cpp's ``ffn_norm`` is its pre-feed-forward norm there)
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+#: architectures whose norm weights llama.cpp's converter stores as ``1 + w`` (Gemma's
+#: ``(1 + w)`` RMSNorm folded in; ``norm_shift`` in ``convert_hf_to_gguf.py``): the
+#: loader subtracts 1 from every ``*norm.weight`` tensor
+NORM_SHIFTED_ARCHITECTURES = ("gemma3",)
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 #: tensors llama.cpp stores that the model computes itself
 _IGNORED = ("rope_freqs.weight",)
 
 
-def hf_name(name: str) -> Optional[str]:
+def hf_name(name: str, architecture: Optional[str] = None) -> Optional[str]:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for an
-    unknown name."""
+    unknown name. ``architecture`` (``general.architecture``) picks the roles that
+    differ per family (Gemma 3's norms); None means the Llama roles."""
     module, _, kind = name.rpartition(".")
     if module in _TOP_NAMES:
         return f"{_TOP_NAMES[module]}.{kind}"
     parts = module.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    roles = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture or "", {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in roles:
+        return f"model.layers.{parts[1]}.{roles[parts[2]]}.{kind}"
     return None
 
 
-def fused_parts(name: str, config: dict[str, Any]) -> Optional[list[tuple[str, int]]]:
+def fused_parts(name: str, config: dict[str, Any], architecture: Optional[str] = None
+                ) -> Optional[list[tuple[str, int]]]:
     """The pieces of a fused llama.cpp tensor: ``[(Hugging Face name, rows), ...]`` in
     row order, or None when ``name`` is not fused.
 
@@ -70,7 +89,7 @@ def fused_parts(name: str, config: dict[str, Any]) -> Optional[list[tuple[str, i
     model's SwiGLU splits it in halves, gate first). Splitting rows keeps quantized
     blocks intact: they run along the input axis.
     """
-    target = hf_name(name)
+    target = hf_name(name, architecture)
     if target is None:
         return None
     module, _, kind = target.rpartition(".")
@@ -226,6 +245,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
         rotary = _get(metadata, prefix + "rope.dimension_count", int, head_dim)
         if rotary != head_dim:
             config["partial_rotary_factor"] = rotary / head_dim
+    if arch == "gemma3":
+        config.update(_gemma3_config(metadata, prefix, config))
     scaling = _rope_scaling(metadata, prefix, head_dim, config["max_position_embeddings"], rope_freqs)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -235,6 +256,22 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
         if arch != "llama":
             config["use_sliding_window"] = True
     return config
+
+
+def _gemma3_config(metadata: dict[str, Any], prefix: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's settings that llama.cpp does not store but fixes in code (its
+    ``llama-model.cpp``): every 6th layer global, local layers' RoPE base 10000, and the
+    attention scale ``1/sqrt(head_dim)``, except ``1/sqrt(hidden / heads)`` for the
+    62-layer (27B) model. Gemma's defaults (norm epsilon 1e-6, RoPE base 1e6) fill
+    keys a file lacks."""
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    return {
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
+        "rms_norm_eps": _get(metadata, prefix + "attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": _get(metadata, prefix + "rope.freq_base", float, 1_000_000.0),
+    }
 
 
 def _moe_config(metadata: dict[str, Any], prefix: str, config: dict[str, Any],
@@ -282,5 +319,5 @@ def unpermute_rows(rows: Any, heads: int) -> Any:
     return rows.reshape((heads, shape[0] // heads // 2, 2) + shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-__all__ = ["ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata", "fused_parts", "hf_name",
+__all__ = ["ARCHITECTURES", "NORM_SHIFTED_ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata", "fused_parts", "hf_name",
            "unpermute_rows"]

@@ -1,5 +1,5 @@
-"""qwen3moe (stacked expert tensors) and phi3 (fused attn_qkv and gate+up ffn_up) GGUF
-files: float32 logits at every position and greedy tokens through the engine (both KV
+"""qwen3moe (stacked expert tensors), phi3 (fused attn_qkv and gate+up ffn_up) and gemma3
+(sandwich norms stored as 1 + w, sliding-window and global layers) GGUF files: float32 logits at every position and greedy tokens through the engine (both KV
 layouts) against transformers' GGUF loader, which dequantizes the file itself."""
 
 from __future__ import annotations
@@ -21,11 +21,27 @@ from mlx_ferrum.models import load_model  # noqa: E402
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 128, 2, 4, 2, 128
 EXPERTS, USED, EXPERT_FFN = 4, 2, 64
 HEAD_DIM = HIDDEN // HEADS
+#: gemma3: 6 layers so that one is global (llama.cpp: every 6th), a window shorter than the prompts
+GEMMA_LAYERS, GEMMA_WINDOW = 6, 8
+
+
+def _layers(architecture: str) -> int:
+    return GEMMA_LAYERS if architecture == "gemma3" else LAYERS
 
 
 def _matrix_shapes(architecture: str, layer: int) -> dict[str, tuple[int, ...]]:
     """llama.cpp tensor name -> numpy shape of one layer's matrices."""
     p = f"blk.{layer}"
+    if architecture == "gemma3":
+        return {
+            f"{p}.attn_q.weight": (HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.attn_output.weight": (HIDDEN, HEADS * HEAD_DIM),
+            f"{p}.ffn_gate.weight": (FFN, HIDDEN),
+            f"{p}.ffn_up.weight": (FFN, HIDDEN),
+            f"{p}.ffn_down.weight": (HIDDEN, FFN),
+        }
     if architecture == "phi3":
         return {
             f"{p}.attn_qkv.weight": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
@@ -51,7 +67,7 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
 
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(_layers(architecture))
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
@@ -61,6 +77,10 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(VOCAB)
+    if architecture == "gemma3":
+        writer.add_key_length(HEAD_DIM)
+        writer.add_value_length(HEAD_DIM)
+        writer.add_sliding_window(GEMMA_WINDOW)
     if architecture == "qwen3moe":
         writer.add_key_length(HEAD_DIM)
         writer.add_value_length(HEAD_DIM)
@@ -78,8 +98,10 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
     writer.add_eos_token_id(258)
     writer.add_pad_token_id(257)  # Phi3Config's default pad id (32000) lies outside this vocabulary
     writer.add_add_bos_token(False)
-    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN)}
+    if architecture != "gemma3":  # Gemma ties its embeddings
+        shapes["output.weight"] = (VOCAB, HIDDEN)
+    for i in range(_layers(architecture)):
         shapes.update(_matrix_shapes(architecture, i))
     for name, shape in shapes.items():
         values = rng.normal(0.0, 0.05, shape).astype(np.float32)
@@ -88,12 +110,15 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
         else:
             raw = quants.quantize(values, GGMLQuantizationType[type_name])
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[type_name])
-    for i in range(LAYERS):
+    # gemma3 norms are stored as 1 + w (llama.cpp's converter); uniform(0.8, 1.2) either way
+    norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if architecture == "gemma3" else ())
+    for i in range(_layers(architecture)):
         if architecture == "qwen3moe":
             writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.normal(0.0, 0.5, (EXPERTS, HIDDEN)).astype(np.float32))
+        if architecture in ("qwen3moe", "gemma3"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.8, 1.2, HEAD_DIM).astype(np.float32))
-        for norm in ("attn_norm", "ffn_norm"):
+        for norm in norms:
             writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
     writer.write_header_to_file()
@@ -105,13 +130,17 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
 def _reference(folder: Path, architecture: str):
     # transformers' GGUF config mapping drops qwen3moe.expert_feed_forward_length (it
     # keeps Qwen3MoeConfig's default): pass the file's value explicitly
-    extra = {"moe_intermediate_size": EXPERT_FFN} if architecture == "qwen3moe" else {}
+    # (and the gemma3 attention scale, which llama.cpp derives from head_dim and
+    # transformers leaves at Gemma3TextConfig's 256)
+    extra = {"qwen3moe": {"moe_intermediate_size": EXPERT_FFN},
+             "gemma3": {"query_pre_attn_scalar": HEAD_DIM}}.get(architecture, {})
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf",
                                                              dtype=torch.float32, **extra).eval()
 
 
 CASES = [("qwen3moe", "qwen3_moe", "F32"), ("qwen3moe", "qwen3_moe", "Q8_0"),
-         ("phi3", "phi3", "F16"), ("phi3", "phi3", "Q8_0")]
+         ("phi3", "phi3", "F16"), ("phi3", "phi3", "Q8_0"), ("gemma3", "gemma3_text", "F32"),
+         ("gemma3", "gemma3_text", "Q8_0")]
 
 
 @pytest.mark.parametrize("architecture,model_type,type_name", CASES)
@@ -128,7 +157,7 @@ def test_gguf_family_logits_match_transformers(tmp_path, architecture, model_typ
     assert np.abs(got - expected).max() <= 1e-3
 
 
-@pytest.mark.parametrize("architecture", ["qwen3moe", "phi3"])
+@pytest.mark.parametrize("architecture", ["qwen3moe", "phi3", "gemma3"])
 def test_gguf_family_greedy_tokens_match_transformers(tmp_path, architecture):
     write_family_gguf(tmp_path / "model.gguf", architecture, "Q8_0", seed=2)
     ref = _reference(tmp_path, architecture)
