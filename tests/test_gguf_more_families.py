@@ -1,6 +1,7 @@
 """qwen3moe (stacked expert tensors), phi3 (fused attn_qkv and gate+up ffn_up) and gemma3
-(sandwich norms stored as 1 + w, sliding-window and global layers) GGUF files: float32 logits at every position and greedy tokens through the engine (both KV
-layouts) against transformers' GGUF loader, which dequantizes the file itself."""
+(sandwich norms stored as 1 + w, sliding-window and global layers) GGUF files: float32
+logits at every position and greedy tokens through the engine (both KV layouts) against
+transformers' GGUF loader, which dequantizes the file itself."""
 
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
     norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if architecture == "gemma3" else ())
     for i in range(_layers(architecture)):
         if architecture == "qwen3moe":
-            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.normal(0.0, 0.5, (EXPERTS, HIDDEN)).astype(np.float32))
+            router = rng.normal(0.0, 0.5, (EXPERTS, HIDDEN)).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
         if architecture in ("qwen3moe", "gemma3"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.8, 1.2, HEAD_DIM).astype(np.float32))

@@ -115,9 +115,10 @@ def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], g
     """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
     fused tensors split (:func:`~mlx_ferrum.models.gguf.config.fused_parts`), stacked
     expert codes shaped ``[experts, rows, ...]`` as MLX's quantized ``SwitchLinear``
-    keeps them, names by ``arch`` (``general.architecture``), with its module's quantization entry; a 16-weight-group tensor's module goes into
-    ``groups16`` (module path -> bits), its scales and biases paired into two MLX
-    group-32 sets (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
+    keeps them, names by ``arch`` (``general.architecture``), with its module's
+    quantization entry; a 16-weight-group tensor's module goes into ``groups16``
+    (module path -> bits), its scales and biases paired into two MLX group-32 sets
+    (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
     parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
     role = name.split(".")[-2]
     if permute and role in heads and name.endswith((".weight", ".bias")):

@@ -319,5 +319,5 @@ def unpermute_rows(rows: Any, heads: int) -> Any:
     return rows.reshape((heads, shape[0] // heads // 2, 2) + shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-__all__ = ["ARCHITECTURES", "NORM_SHIFTED_ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata", "fused_parts", "hf_name",
-           "unpermute_rows"]
+__all__ = ["ARCHITECTURES", "NORM_SHIFTED_ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata",
+           "fused_parts", "hf_name", "unpermute_rows"]
