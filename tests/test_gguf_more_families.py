@@ -5,6 +5,7 @@ transformers' GGUF loader, which dequantizes the file itself."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mlx_ferrum as mf  # noqa: E402
-from support.gguf_fixtures import SPECIALS, VOCAB, byte_tokens  # noqa: E402
+from support.gguf_fixtures import SPECIALS, VOCAB, byte_tokens, quantized_bytes  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 128, 2, 4, 2, 128
@@ -64,7 +65,7 @@ def _matrix_shapes(architecture: str, layer: int) -> dict[str, tuple[int, ...]]:
 def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int = 0) -> None:
     """A tiny random ``architecture`` GGUF with every matrix in ``type_name`` (F32, F16
     or Q8_0), norms and the router in F32, an untied ``output``."""
-    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
@@ -108,8 +109,9 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
         values = rng.normal(0.0, 0.05, shape).astype(np.float32)
         if type_name in ("F32", "F16"):
             writer.add_tensor(name, values.astype(np.float32 if type_name == "F32" else np.float16))
-        else:
-            raw = quants.quantize(values, GGMLQuantizationType[type_name])
+        else:  # a stacked expert tensor is quantized row by row, as a matrix of all experts' rows
+            raw = quantized_bytes(type_name, values.reshape(-1, shape[-1]), rng)
+            raw = raw.reshape(shape[:-1] + raw.shape[-1:])
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[type_name])
     # gemma3 norms are stored as 1 + w (llama.cpp's converter); uniform(0.8, 1.2) either way
     norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if architecture == "gemma3" else ())
@@ -156,6 +158,23 @@ def test_gguf_family_logits_match_transformers(tmp_path, architecture, model_typ
         expected = ref(torch.tensor([prompt])).logits[0].numpy()
     got = np.array(ours(mx.array([prompt]))[0])
     assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= 1e-3
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_gguf_qwen3moe_k_quant_experts_match_transformers(tmp_path, monkeypatch, type_name):
+    # K-quant blocks hold 256 weights: widen every input axis to 256
+    module = sys.modules[__name__]
+    for name, value in {"HIDDEN": 256, "HEAD_DIM": 64, "FFN": 256, "EXPERT_FFN": 256}.items():
+        monkeypatch.setattr(module, name, value)
+    write_family_gguf(tmp_path / "model.gguf", "qwen3moe", type_name)
+    ours, config, _ = load_model(tmp_path / "model.gguf", dtype="float32")
+    assert config["quantization"]["model.layers.0.mlp.switch_mlp.down_proj"]["bits"] in (4, 5)
+    ref = _reference(tmp_path, "qwen3moe")
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, VOCAB, 24)]
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0].numpy()
+    got = np.array(ours(mx.array([prompt]))[0])
     assert np.abs(got - expected).max() <= 1e-3
 
 
