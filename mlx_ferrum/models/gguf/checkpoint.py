@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError, UnsupportedTensorTypeError
+from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
 from .config import (NORM_SHIFTED_ARCHITECTURES, PERMUTED_ARCHITECTURES, config_from_metadata, fused_parts, hf_name,
                      unpermute_rows)
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
@@ -27,6 +27,8 @@ from .tensors import GROUP_SIZE, ConvertedTensor, check_types_supported, convert
 from .tokenizer import prebuild as prebuild_tokenizer
 
 SUFFIX = ".gguf"
+#: GGUF types with one scale and bias per 16 weights (:mod:`.tensors16`)
+GROUP16_TYPES = frozenset({"Q6_K", "Q3_K", "Q2_K"})
 #: threads converting tensors at load (numpy work on every byte of the file)
 _CONVERT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -124,11 +126,6 @@ def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], g
     if permute and role in heads and name.endswith((".weight", ".bias")):
         parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
     if converted.bits is not None and len(tensor.shape) == 3:  # stacked experts [E, out, in]
-        if converted.group_size == 16:
-            raise UnsupportedTensorTypeError(
-                f"{path.name}: expert tensor {name!r} is {tensor.type_name}, whose 16-weight groups this loader "
-                "maps only for 2-D matrices; use a file whose expert tensors use another type (Q4_K, Q5_K, Q8_0, "
-                "Q4_0 ...) or the Hugging Face checkpoint")
         experts, rows = int(tensor.shape[0]), int(tensor.shape[1])
         parts = {k: v.reshape(experts, rows, -1) for k, v in parts.items()}
     pieces = fused_parts(name, config, arch)
@@ -254,6 +251,14 @@ def _mlx_reader_tensors(arrays: Optional[dict[str, mx.array]], wanted: list) -> 
     return taken
 
 
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A tensor's float32 values, as ``gguf.quants.dequantize`` gives them (its shape)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(tensor.data, GGMLQuantizationType[tensor.type_name]).reshape(tensor.shape)
+
+
 def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
     """Convert a GGUF model to the loader's ``(config, weights)``.
 
@@ -305,6 +310,9 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     # memory is reused by the next conversions. Results come in file order: the outcome
     # does not depend on the threads. The tokenizer is built while either runs (see prebuild)
     by_mlx = all(t.type_name in MLX_READER_TYPES for t in tensors.values())
+    # stacked expert tensors of 16-weight-group types: the 16-group layers are 2-D only, so
+    # these load as float32 (exact, 32 bits per weight instead of 6.6 / 3.4 / 2.6)
+    dequantized = {name for name, tensor in wanted if len(tensor.shape) == 3 and tensor.type_name in GROUP16_TYPES}
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
         read_by_mlx = {}
         if by_mlx:
@@ -312,7 +320,7 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             prebuild_tokenizer(model_file.metadata)
             read_by_mlx = _mlx_reader_tensors(arrays.result(), wanted)
             del arrays
-        rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx]
+        rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx and name not in dequantized]
         buffers, views = _weight_buffers(rest)
         results = iter(pool.map(
             lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), rest))
@@ -320,7 +328,9 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             prebuild_tokenizer(model_file.metadata)
         for name, tensor in wanted:
             converted = read_by_mlx.get(name)
-            if converted is None:  # MLX arrays made on this thread
+            if name in dequantized:
+                converted = ConvertedTensor(mx.array(_dequantize(tensor)))
+            elif converted is None:  # MLX arrays made on this thread
                 converted = to_mlx(next(results), weight=buffers.get(name))
             _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads, config, arch)
     if quantization:
