@@ -19,13 +19,16 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ...errors import AmbiguousCheckpointError, GGUFFormatError, ModelLoadError
-from .config import PERMUTED_ARCHITECTURES, config_from_metadata, hf_name, unpermute_rows
+from .config import (NORM_SHIFTED_ARCHITECTURES, PERMUTED_ARCHITECTURES, config_from_metadata, fused_parts, hf_name,
+                     unpermute_rows)
 from .reader import SPLIT_PATTERN, GGUFModelFile, read_gguf
 from ...layers.quantized16 import pair_groups, quantized16_like
 from .tensors import GROUP_SIZE, ConvertedTensor, check_types_supported, convert_numpy, packed_shape, to_mlx
 from .tokenizer import prebuild as prebuild_tokenizer
 
 SUFFIX = ".gguf"
+#: GGUF types with one scale and bias per 16 weights (:mod:`.tensors16`)
+GROUP16_TYPES = frozenset({"Q6_K", "Q3_K", "Q2_K"})
 #: threads converting tensors at load (numpy work on every byte of the file)
 _CONVERT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -109,16 +112,42 @@ def find_gguf(path_or_repo_id: Union[str, os.PathLike], gguf_file: Optional[str]
 
 
 def _add_converted(weights: dict[str, mx.array], quantization: dict[str, Any], groups16: dict[str, int], path: Path,
-                   name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int]) -> None:
+                   name: str, tensor: Any, converted: Any, permute: bool, heads: dict[str, int],
+                   config: dict[str, Any], arch: str) -> None:
     """Store one converted tensor under its Hugging Face name(s), q/k rows un-permuted,
-    with its module's quantization entry; a 16-weight-group tensor's module goes into
-    ``groups16`` (module path -> bits), its scales and biases paired into two MLX
-    group-32 sets (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
-    target = hf_name(name)
+    fused tensors split (:func:`~mlx_ferrum.models.gguf.config.fused_parts`), stacked
+    expert codes shaped ``[experts, rows, ...]`` as MLX's quantized ``SwitchLinear``
+    keeps them, names by ``arch`` (``general.architecture``), with its module's
+    quantization entry; a 16-weight-group tensor's module goes into ``groups16``
+    (module path -> bits), its scales and biases paired into two MLX group-32 sets
+    (:func:`~mlx_ferrum.layers.quantized16.pair_groups`)."""
     parts = {"weight": converted.weight, "scales": converted.scales, "biases": converted.biases}
     role = name.split(".")[-2]
     if permute and role in heads and name.endswith((".weight", ".bias")):
         parts = {k: None if v is None else unpermute_rows(v, heads[role]) for k, v in parts.items()}
+    if converted.bits is not None and len(tensor.shape) == 3:  # stacked experts [E, out, in]
+        experts, rows = int(tensor.shape[0]), int(tensor.shape[1])
+        parts = {k: v.reshape(experts, rows, -1) for k, v in parts.items()}
+    pieces = fused_parts(name, config, arch)
+    if pieces is None:
+        _store(weights, quantization, groups16, path, name, tensor, converted,
+               hf_name(name, arch), parts)
+        return
+    total = sum(rows for _, rows in pieces)
+    if parts["weight"].shape[0] != total:
+        raise GGUFFormatError(
+            f"{path.name}: fused tensor {name!r} has {parts['weight'].shape[0]} rows; the metadata's head counts / "
+            f"feed-forward length give {total}")
+    start = 0
+    for target, rows in pieces:
+        piece = {k: None if v is None else v[start:start + rows] for k, v in parts.items()}
+        _store(weights, quantization, groups16, path, name, tensor, converted, target, piece)
+        start += rows
+
+
+def _store(weights: dict[str, mx.array], quantization: dict[str, Any], groups16: dict[str, int], path: Path,
+           name: str, tensor: Any, converted: Any, target: str, parts: dict[str, Any]) -> None:
+    """Store one tensor's (or one fused piece's) arrays under ``target``."""
     module = target.rpartition(".")[0]
     if converted.bits is None:
         weights[target] = parts["weight"]
@@ -222,6 +251,14 @@ def _mlx_reader_tensors(arrays: Optional[dict[str, mx.array]], wanted: list) -> 
     return taken
 
 
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A tensor's float32 values, as ``gguf.quants.dequantize`` gives them (its shape)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(tensor.data, GGMLQuantizationType[tensor.type_name]).reshape(tensor.shape)
+
+
 def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], GGUFModelFile]:
     """Convert a GGUF model to the loader's ``(config, weights)``.
 
@@ -252,19 +289,19 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     config = config_from_metadata(model_file.metadata, set(tensors), rope_freqs=None if rope_freqs is None else
                                   np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1).tolist())
     check_types_supported({t.name: t.type_name for t in tensors.values()})
-    unknown = sorted(n for n in tensors if hf_name(n) is None and n != "rope_freqs.weight")
+    arch = model_file.metadata["general.architecture"]
+    unknown = sorted(n for n in tensors if hf_name(n, arch) is None and n != "rope_freqs.weight")
     if unknown:
         raise GGUFFormatError(
             f"{path.name}: tensors this loader does not know for architecture "
             f"{model_file.metadata.get('general.architecture')!r}: {', '.join(unknown[:8])}"
         )
-    arch = model_file.metadata["general.architecture"]
     permute = arch in PERMUTED_ARCHITECTURES
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     quantization: dict[str, Any] = {}
     weights: dict[str, mx.array] = {}
     groups16: dict[str, int] = {}
-    wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name) is not None]
+    wanted = [(name, tensor) for name, tensor in tensors.items() if hf_name(name, arch) is not None]
     # a file of the types MLX's reader keeps exactly is read by it (the tensors it does not
     # take are converted here); numpy releases the GIL in its array loops, so the others'
     # tensors convert in parallel, writing the packed codes straight into their MLX arrays
@@ -273,6 +310,9 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
     # memory is reused by the next conversions. Results come in file order: the outcome
     # does not depend on the threads. The tokenizer is built while either runs (see prebuild)
     by_mlx = all(t.type_name in MLX_READER_TYPES for t in tensors.values())
+    # stacked expert tensors of 16-weight-group types: the 16-group layers are 2-D only, so
+    # these load as float32 (exact, 32 bits per weight instead of 6.6 / 3.4 / 2.6)
+    dequantized = {name for name, tensor in wanted if len(tensor.shape) == 3 and tensor.type_name in GROUP16_TYPES}
     with ThreadPoolExecutor(max_workers=_CONVERT_THREADS) as pool:
         read_by_mlx = {}
         if by_mlx:
@@ -280,7 +320,7 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             prebuild_tokenizer(model_file.metadata)
             read_by_mlx = _mlx_reader_tensors(arrays.result(), wanted)
             del arrays
-        rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx]
+        rest = [(name, tensor) for name, tensor in wanted if name not in read_by_mlx and name not in dequantized]
         buffers, views = _weight_buffers(rest)
         results = iter(pool.map(
             lambda item: convert_numpy(item[1].type_name, item[1].data, item[1].shape, out=views.get(item[0])), rest))
@@ -288,12 +328,18 @@ def load_gguf_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, mx.array
             prebuild_tokenizer(model_file.metadata)
         for name, tensor in wanted:
             converted = read_by_mlx.get(name)
-            if converted is None:  # MLX arrays made on this thread
+            if name in dequantized:
+                converted = ConvertedTensor(mx.array(_dequantize(tensor)))
+            elif converted is None:  # MLX arrays made on this thread
                 converted = to_mlx(next(results), weight=buffers.get(name))
-            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads)
+            _add_converted(weights, quantization, groups16, path, name, tensor, converted, permute, heads, config, arch)
     if quantization:
         first = next(iter(quantization.values()))
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": first["bits"], "mode": "affine", **quantization}
+    if arch in NORM_SHIFTED_ARCHITECTURES:
+        for name in list(weights):
+            if name.endswith("norm.weight"):  # llama.cpp stored 1 + w; the model's norm adds the 1
+                weights[name] = (weights[name].astype(mx.float32) - 1.0).astype(weights[name].dtype)
     config["gguf"] = {"file": str(path), "architecture": arch, "groups16": groups16}
     return config, weights, model_file
 

@@ -3,7 +3,13 @@ names -> the model's parameter names.
 
 The keys are llama.cpp's (``{arch}.block_count``, ``{arch}.attention.head_count`` ...,
 ``gguf-py/gguf/constants.py`` ``Keys``), and so are the tensor names (``token_embd``,
-``blk.N.attn_q`` ..., ``MODEL_TENSORS``). llama.cpp's converter permutes the rows of
+``blk.N.attn_q`` ..., ``MODEL_TENSORS``; the per-layer roles of ``tensor_mapping.py``).
+Qwen3-MoE files store each layer's experts stacked (``ffn_{gate,up,down}_exps``,
+``[experts, out, in]``, the layout of the model's ``switch_mlp``); Phi-3 files keep the
+fused ``attn_qkv`` (q, k, v rows) and ``ffn_up`` (gate rows, then up rows), split here
+by :func:`fused_parts`. Gemma 3 files store every norm weight as ``1 + w``; the
+checkpoint loader subtracts the 1 (:data:`NORM_SHIFTED_ARCHITECTURES`).
+llama.cpp's converter permutes the rows of
 Llama-style q/k projections into its interleaved RoPE order (``LlamaModel.permute`` in
 ``convert_hf_to_gguf.py``); :func:`unpermute_rows` undoes it so the rotate-half RoPE
 of :mod:`mlx_ferrum.models.llama` applies.
@@ -16,9 +22,11 @@ from typing import Any, Optional
 from ...errors import GGUFFormatError, UnsupportedArchitectureError
 
 #: general.architecture -> model_type of the family that runs it
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
+                 "gemma3": "gemma3_text"}
 
-#: architectures whose q/k rows llama.cpp's converter permutes
+#: architectures whose q/k rows llama.cpp's converter permutes (its ``LlamaModel``
+#: subclasses; the Qwen and Phi-3 converters store Hugging Face's row order)
 PERMUTED_ARCHITECTURES = ("llama",)
 
 _LAYER_NAMES = {
@@ -33,21 +41,66 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+#: per-architecture roles that differ from the Llama ones: Gemma 3's sandwich norms
+#: (llama.cpp's ``ffn_norm`` is its pre-feed-forward norm there)
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+#: architectures whose norm weights llama.cpp's converter stores as ``1 + w`` (Gemma's
+#: ``(1 + w)`` RMSNorm folded in; ``norm_shift`` in ``convert_hf_to_gguf.py``): the
+#: loader subtracts 1 from every ``*norm.weight`` tensor
+NORM_SHIFTED_ARCHITECTURES = ("gemma3",)
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 #: tensors llama.cpp stores that the model computes itself
 _IGNORED = ("rope_freqs.weight",)
 
 
-def hf_name(name: str) -> Optional[str]:
+def hf_name(name: str, architecture: Optional[str] = None) -> Optional[str]:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for an
-    unknown name."""
+    unknown name. ``architecture`` (``general.architecture``) picks the roles that
+    differ per family (Gemma 3's norms); None means the Llama roles."""
     module, _, kind = name.rpartition(".")
     if module in _TOP_NAMES:
         return f"{_TOP_NAMES[module]}.{kind}"
     parts = module.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    roles = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture or "", {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in roles:
+        return f"model.layers.{parts[1]}.{roles[parts[2]]}.{kind}"
+    return None
+
+
+def fused_parts(name: str, config: dict[str, Any], architecture: Optional[str] = None
+                ) -> Optional[list[tuple[str, int]]]:
+    """The pieces of a fused llama.cpp tensor: ``[(Hugging Face name, rows), ...]`` in
+    row order, or None when ``name`` is not fused.
+
+    ``blk.N.attn_qkv`` holds q, k, v rows (Phi-3's ``qkv_proj``); Phi-3's
+    ``blk.N.ffn_up`` holds the gate rows, then the up rows (its ``gate_up_proj``; the
+    model's SwiGLU splits it in halves, gate first). Splitting rows keeps quantized
+    blocks intact: they run along the input axis.
+    """
+    target = hf_name(name, architecture)
+    if target is None:
+        return None
+    module, _, kind = target.rpartition(".")
+    stem = module.rpartition(".")[0]
+    if module.endswith("self_attn.qkv_proj"):
+        q = config["num_attention_heads"] * config["head_dim"]
+        kv = config["num_key_value_heads"] * config["head_dim"]
+        return [(f"{stem}.q_proj.{kind}", q), (f"{stem}.k_proj.{kind}", kv), (f"{stem}.v_proj.{kind}", kv)]
+    if config["model_type"] == "phi3" and module.endswith("mlp.up_proj"):
+        ffn = config["intermediate_size"]
+        return [(f"{stem}.gate_proj.{kind}", ffn), (f"{stem}.up_proj.{kind}", ffn)]
     return None
 
 
@@ -133,7 +186,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
             one (see :func:`_rope_scaling`).
 
     Returns:
-        A config dict for :mod:`mlx_ferrum.models.llama` (no ``quantization`` entry).
+        A config dict for the family :data:`ARCHITECTURES` names (no ``quantization``
+        entry).
 
     Raises:
         UnsupportedArchitectureError: ``general.architecture`` is not in
@@ -167,7 +221,9 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
         "model_type": ARCHITECTURES[arch],
         "hidden_size": hidden,
         "num_hidden_layers": _get(metadata, prefix + "block_count", int, required=True),
-        "intermediate_size": _get(metadata, prefix + "feed_forward_length", int, required=True),
+        "intermediate_size": _get(metadata, prefix + "feed_forward_length", int,
+                                  _get(metadata, prefix + "expert_feed_forward_length", int),
+                                  required=arch != "qwen3moe"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -178,6 +234,19 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
+    if arch == "qwen3moe":
+        config.update(_moe_config(metadata, prefix, config, tensor_names))
+    if arch == "phi3":
+        if any(n.startswith("rope_factors_") for n in tensor_names):
+            raise UnsupportedArchitectureError(
+                "this Phi-3 GGUF file carries LongRoPE factors (rope_factors_long / rope_factors_short), which this "
+                "loader does not map yet; use the Hugging Face checkpoint of the model"
+            )
+        rotary = _get(metadata, prefix + "rope.dimension_count", int, head_dim)
+        if rotary != head_dim:
+            config["partial_rotary_factor"] = rotary / head_dim
+    if arch == "gemma3":
+        config.update(_gemma3_config(metadata, prefix, config))
     scaling = _rope_scaling(metadata, prefix, head_dim, config["max_position_embeddings"], rope_freqs)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -187,6 +256,50 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str],
         if arch != "llama":
             config["use_sliding_window"] = True
     return config
+
+
+def _gemma3_config(metadata: dict[str, Any], prefix: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's settings that llama.cpp does not store but fixes in code (its
+    ``llama-model.cpp``): every 6th layer global, local layers' RoPE base 10000, and the
+    attention scale ``1/sqrt(head_dim)``, except ``1/sqrt(hidden / heads)`` for the
+    62-layer (27B) model. Gemma's defaults (norm epsilon 1e-6, RoPE base 1e6) fill
+    keys a file lacks."""
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    return {
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
+        "rms_norm_eps": _get(metadata, prefix + "attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": _get(metadata, prefix + "rope.freq_base", float, 1_000_000.0),
+    }
+
+
+def _moe_config(metadata: dict[str, Any], prefix: str, config: dict[str, Any],
+                tensor_names: set[str]) -> dict[str, Any]:
+    """Qwen3-MoE's expert keys: ``expert_count``, ``expert_used_count``,
+    ``expert_feed_forward_length``; llama.cpp renormalizes the chosen experts' weights
+    for qwen3moe (``expert_weights_norm`` when a file sets it) and routes by softmax.
+    A layer without a router (``ffn_gate_inp``) is dense (``mlp_only_layers``).
+
+    Raises:
+        GGUFFormatError: an expert key is missing.
+        UnsupportedArchitectureError: a gating function other than softmax.
+    """
+    gating = _get(metadata, prefix + "expert_gating_func", int, 1)
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise UnsupportedArchitectureError(
+            f"{prefix}expert_gating_func = {gating}: only softmax routing (1) is supported for qwen3moe"
+        )
+    experts = _get(metadata, prefix + "expert_count", int, required=True)
+    layers = config["num_hidden_layers"]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": _get(metadata, prefix + "expert_used_count", int, required=True),
+        "moe_intermediate_size": _get(metadata, prefix + "expert_feed_forward_length", int, required=True),
+        "norm_topk_prob": bool(metadata.get(prefix + "expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
 
 
 def unpermute_rows(rows: Any, heads: int) -> Any:
@@ -206,4 +319,5 @@ def unpermute_rows(rows: Any, heads: int) -> Any:
     return rows.reshape((heads, shape[0] // heads // 2, 2) + shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-__all__ = ["ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata", "hf_name", "unpermute_rows"]
+__all__ = ["ARCHITECTURES", "NORM_SHIFTED_ARCHITECTURES", "PERMUTED_ARCHITECTURES", "config_from_metadata",
+           "fused_parts", "hf_name", "unpermute_rows"]
