@@ -83,6 +83,10 @@ def apply_generation_defaults(args, model) -> dict:
 
 
 def sampling_fields(args) -> dict:
+    """The sampling flags of ``generate`` / ``chat`` as :class:`~mlx_ferrum.engine.SamplingParams`
+    keyword arguments (``max_tokens`` in tokens, ``temperature`` from ``--temp``, ``stop`` as a
+    list of strings); the model's generation defaults were applied to ``args`` before
+    (:func:`apply_generation_defaults`). Raises nothing: the flags were checked by the parser."""
     return dict(
         max_tokens=args.max_tokens,
         temperature=args.temp,
