@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mlx_ferrum as mf  # noqa: E402
-from support.gguf_fixtures import SPECIALS, VOCAB, byte_tokens, quantized_bytes  # noqa: E402
+from support.gguf_fixtures import SPECIALS, VOCAB, byte_tokens, quantized_bytes, write_shape_metadata  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 128, 2, 4, 2, 128
@@ -69,16 +69,7 @@ def write_family_gguf(path: Path, architecture: str, type_name: str, seed: int =
 
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(_layers(architecture))
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_vocab_size(VOCAB)
+    write_shape_metadata(writer, _layers(architecture), HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM)
     if architecture == "gemma3":
         writer.add_key_length(HEAD_DIM)
         writer.add_value_length(HEAD_DIM)

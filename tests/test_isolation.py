@@ -278,9 +278,8 @@ class _NoTextTokenizer:
 
 
 # ------------------------------------------------------------- AsyncEngine
-@pytest.mark.parametrize("failure", [RuntimeError, SystemExit], ids=["exception", "base_exception"])
-def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model, failure):
-    eng = Engine(model, None, config("paged"))
+def _first_step_fails(eng: Engine, failure: type) -> Engine:
+    """``eng`` with its first ``step()`` raising ``failure("step blew up")``; later steps run."""
     real_step = eng.step
     boom = {"left": 1}
 
@@ -291,6 +290,12 @@ def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model, fail
         return real_step()
 
     eng.step = step
+    return eng
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, SystemExit], ids=["exception", "base_exception"])
+def test_async_engine_loop_survives_a_failing_step_and_keeps_serving(model, failure):
+    eng = _first_step_fails(Engine(model, None, config("paged")), failure)
     aeng = AsyncEngine(eng)
 
     async def main():
@@ -326,17 +331,7 @@ class _PublicOnly:
 
 
 def test_async_engine_uses_only_public_engine_methods_even_when_a_step_fails(model):
-    eng = Engine(model, None, config("paged"))
-    real_step = eng.step
-    boom = {"left": 1}
-
-    def step():
-        if boom["left"]:
-            boom["left"] -= 1
-            raise RuntimeError("step blew up")
-        return real_step()
-
-    eng.step = step
+    eng = _first_step_fails(Engine(model, None, config("paged")), RuntimeError)
     aeng = AsyncEngine(_PublicOnly(eng))
 
     async def main():

@@ -57,6 +57,22 @@ def quantized_bytes(type_name: str, values: np.ndarray, rng: np.random.Generator
     return raw.reshape(rows, -1)
 
 
+def write_shape_metadata(writer, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                         head_dim: int) -> None:
+    """The shape keys every tiny test GGUF writes (sizes as given, ``VOCAB`` tokens, context
+    256, RoPE base 10000, RMSNorm epsilon 1e-5), through the ``gguf`` package's writer."""
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(VOCAB)
+
+
 def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool = True,
                      architecture: str = "llama", embedding_type: Optional[str] = None,
                      heads: int = HEADS, kv_heads: int = KV_HEADS,
@@ -74,16 +90,7 @@ def write_llama_gguf(path: Path, type_name: str, seed: int = 0, tokenizer: bool 
     HEADS, KV_HEADS = heads, kv_heads  # noqa: N806 - the module defaults, overridden
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(VOCAB)
+    write_shape_metadata(writer, LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, HIDDEN // HEADS)
     writer.add_key_length(HIDDEN // HEADS)
     writer.add_value_length(HIDDEN // HEADS)
     if tokenizer:
