@@ -11,6 +11,14 @@ groups of tokens (Liu et al., 2024, "KIVI"), which is not a storable format here
 would need the last group's tokens in float until the group is full): they show what
 that layout would buy.
 
+The rows with a *float window* keep the ``window`` most recent keys and values of each
+query (and the first ``sinks`` tokens) in float: scores and value products use the float
+K/V for those positions and the round-tripped ones for the rest, one softmax over both
+(KIVI's full-precision residual of recent tokens; attention sinks as in Xiao et al., 2023,
+"Efficient Streaming Language Models with Attention Sinks"). The rule is per query and key
+position, so it does not depend on how the text is split into passes. For these rows the
+script swaps mlx-lm's attention function in ``mlx_lm.models.llama`` for the run.
+
 Each variant reads ``--text`` (default ``benchmarks/data/public_domain_passages.txt``)
 teacher-forced in chunks of 512 tokens, and its next-token log-probabilities are
 compared with the float KV run's: mean ``KL(p_float || p_variant)`` in nats per token
@@ -71,7 +79,8 @@ def int4(group: int = 64, **kw) -> dict:
 
 #: name -> variant: "k"/"v" (fake_quantize arguments, absent: kept float), "k_rotate"
 #: (default True), "v_rotate" (default False), "k_tokens" (KIVI: per channel over this many
-#: tokens), "int8_layers" (layers stored int8 instead), "only_layers" (quantize just these)
+#: tokens), "int8_layers" (layers stored int8 instead), "only_layers" (quantize just these),
+#: "window" / "sinks" (positions kept in float, see the module docstring)
 VARIANTS = {
     "int8 (today: rotated K, groups of 64)": {"k": INT8, "v": INT8},
     "int8, values rotated too": {"k": INT8, "v": INT8, "v_rotate": True},
@@ -97,6 +106,18 @@ VARIANTS = {
     "int4 values only, groups of 32": {"v": int4(32)},
     "int4 values only, rotated, groups of 32": {"v": int4(32), "v_rotate": True},
     "int4 values only, range clipped to 90 %": {"v": int4(clip=0.9)},
+    "int4, values rotated, first 4 tokens float": {"k": int4(), "v": int4(), "v_rotate": True, "sinks": 4},
+    "int4, values rotated, last 16 tokens float": {"k": int4(), "v": int4(), "v_rotate": True, "window": 16},
+    "int4, values rotated, last 32 tokens float": {"k": int4(), "v": int4(), "v_rotate": True, "window": 32},
+    "int4, values rotated, last 64 tokens float": {"k": int4(), "v": int4(), "v_rotate": True, "window": 64},
+    "int4, values rotated, last 128 tokens float": {"k": int4(), "v": int4(), "v_rotate": True, "window": 128},
+    "int4, values rotated, first 4 and last 64 tokens float":
+        {"k": int4(), "v": int4(), "v_rotate": True, "sinks": 4, "window": 64},
+    "int4, values not rotated, last 64 tokens float": {"k": int4(), "v": int4(), "window": 64},
+    "int4, values rotated, first 4 and last 32 tokens float":
+        {"k": int4(), "v": int4(), "v_rotate": True, "sinks": 4, "window": 32},
+    "int4 keys only, last 64 tokens float": {"k": int4(), "window": 64},
+    "int4 values only (rotated), last 64 tokens float": {"v": int4(), "v_rotate": True, "window": 64},
 }
 
 
@@ -110,8 +131,12 @@ def make_cache_class():
             super().__init__()
             self.variant, self.layer = variant, layer
             self.h = hadamard_matrix(head_dim)
+            self.float_cache = KVCache()
 
         def update_and_fetch(self, k, v):
+            if "window" in self.variant or "sinks" in self.variant:
+                # the float K/V the window's positions attend to (read by windowed_attention)
+                self.float_kv = self.float_cache.update_and_fetch(k, v)
             var = self.variant
             if self.layer in var.get("int8_layers", ()):
                 var = {"k": INT8, "v": INT8}
@@ -135,6 +160,35 @@ def make_cache_class():
     return FakeQuantizedCache
 
 
+def windowed_attention(original):
+    """An attention function for ``mlx_lm.models.llama``: for a cache with a float window
+    (see the module docstring), keys within ``window`` positions of the query or among the
+    first ``sinks`` positions use the float K/V, the others the round-tripped ones."""
+
+    def attention(q, k, v, cache, scale, mask):
+        variant = getattr(cache, "variant", None) or {}
+        if "window" not in variant and "sinks" not in variant:
+            return original(q, k, v, cache=cache, scale=scale, mask=mask)
+        float_k, float_v = cache.float_kv
+        num_queries, num_keys = q.shape[2], k.shape[2]
+        repeats = q.shape[1] // k.shape[1]
+        query_pos = mx.arange(num_keys - num_queries, num_keys)[:, None]
+        key_pos = mx.arange(num_keys)[None]
+        use_float = ((query_pos - key_pos) < variant.get("window", 0)) | (key_pos < variant.get("sinks", 0))
+
+        def by_query_head(x):
+            return mx.repeat(x, repeats, axis=1)
+
+        scores = mx.where(use_float, (q * scale) @ by_query_head(float_k).swapaxes(-1, -2),
+                          (q * scale) @ by_query_head(k).swapaxes(-1, -2))
+        scores = mx.where(key_pos <= query_pos, scores, -mx.inf)
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1)
+        float_probs = mx.where(use_float, probs, 0)
+        return (float_probs @ by_query_head(float_v) + (probs - float_probs) @ by_query_head(v)).astype(q.dtype)
+
+    return attention
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="/tmp/smollm2-f32", help="an mlx-lm checkpoint folder (float32 weights)")
@@ -145,7 +199,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from mlx_lm import load
+    from mlx_lm.models import llama
     from mlx_lm.models.cache import KVCache
+
+    llama.scaled_dot_product_attention = windowed_attention(llama.scaled_dot_product_attention)
 
     model, tokenizer = load(args.model)
     ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
