@@ -584,10 +584,9 @@ class Engine:
         )
 
     def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
-        """The runner's work for ``items`` (:func:`~mlx_ferrum.engine.launch.build_work`), with
-        each request's pinned LoRA slot."""
+        """The runner's work for ``items`` (:func:`~mlx_ferrum.engine.launch.build_work`)."""
         rows = self._inflight.row_of if self._inflight is not None else {}
-        return self.lora_admission.with_slots(build_work(items, proposals or {}, rows))
+        return build_work(items, proposals or {}, rows)
 
     def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None,
                 outputs: Optional[list] = None, plan: Optional[SchedulerOutput] = None):

@@ -93,7 +93,8 @@ def mask_undecodable(logits: mx.array, decodable: Optional[mx.array]) -> mx.arra
 
 
 def build_work(items: list, proposals: dict, flight_rows: dict) -> list[SeqWork]:
-    """The runner's work for ``items`` (``lora_slot`` left unset).
+    """The runner's work for ``items``, each row with the adapter slot its scheduled item
+    carries (``ScheduledItem.lora_slot``, -1: the base model).
 
     A token still in flight is taken on the device from the previous step's sampled
     tokens (``prev_row``: its row in ``flight_rows``, request id -> row); a row with a
@@ -110,14 +111,15 @@ def build_work(items: list, proposals: dict, flight_rows: dict) -> list[SeqWork]
         end = s.num_computed + it.num_tokens
         tokens = s.token_at(s.num_computed, end)
         if i in proposals:
-            work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True, as_decode=True))
+            work.append(SeqWork(s.request_id, tokens + proposals[i].token_ids, all_logits=True, as_decode=True,
+                                lora_slot=it.lora_slot))
             continue
         prev_row = -1
         if end == s.num_tokens and s.output_ids and s.output_ids[-1] == IN_FLIGHT:
             prev_row = flight_rows[s.request_id]
             tokens[-1] = 0
         work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
-                            all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens)))
+                            all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens), lora_slot=it.lora_slot))
     return work
 
 

@@ -39,7 +39,8 @@ class SeqWork:
             compiled decode step. Honoured by the paged layout for rows of at most
             ``MAX_DECODE_EXPANSION`` tokens with ``all_logits`` on an existing cache.
         lora_slot: the resident LoRA slot these tokens run with
-            (:meth:`ModelRunner.acquire_lora`), or -1 for the base model. A row laid out
+            (:meth:`ModelRunner.acquire_lora`), or -1 for the base model; the engine copies
+            it from the scheduler's row (``ScheduledItem.lora_slot``). A row laid out
             ``as_decode`` runs every one of its decode rows with it.
     """
 
