@@ -34,7 +34,7 @@ class SeqWork:
             ``prev_row`` of the ``prev_tokens`` device array given to
             :meth:`ModelRunner.forward` (``tokens[-1]`` is a placeholder then).
         as_decode: lay the tokens out as one decode row each (the same results as a
-            prefill segment; see ``PagedKvStore.prepare``): the engine sets it for a
+            prefill segment; see ``PagedPassBuilder.passes``): the engine sets it for a
             speculative draft, whose few tokens then keep a batch of drafts on the
             compiled decode step. Honoured by the paged layout for rows of at most
             ``MAX_DECODE_EXPANSION`` tokens with ``all_logits`` on an existing cache.
