@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import QWEN25_05B_CONFIG, print_header, print_table  # noqa: E402
 
 from mlx_ferrum.config import RuntimeConfig  # noqa: E402
-from mlx_ferrum.kv_cache.pool import PagedKvPool  # noqa: E402
+from mlx_ferrum.kv_cache.store import PagedKvPool  # noqa: E402
 from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool  # noqa: E402
 
 BLOCK_SIZE = 16

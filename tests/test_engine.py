@@ -310,7 +310,7 @@ def test_a_wave_sharing_a_prefix_computes_it_once(model):
     block = 8
     shared = 70 // block * block
     # the shared blocks once, then every prompt's own tokens past them
-    assert eng.num_prefilled_tokens == shared + sum(len(p) - shared for p in prompts)
+    assert eng.stats()["prefilled_tokens"] == shared + sum(len(p) - shared for p in prompts)
     assert all(o.metrics.num_cached_tokens == shared for o in cached[1:])
 
 

@@ -10,7 +10,7 @@ from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.errors import ExecutorError, InsufficientMemoryError
 from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvCacheManager
 from mlx_ferrum.kv_cache.factory import KvSpec, build_kv_store, pool_num_blocks
-from mlx_ferrum.kv_cache.pool import bytes_per_block, default_num_blocks
+from mlx_ferrum.kv_cache.store import bytes_per_block, default_num_blocks
 from mlx_ferrum.kv_cache.store import ContiguousKvStore, PagedKvStore
 from mlx_ferrum.layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
 from mlx_ferrum.runner import LlmRunner
@@ -61,7 +61,7 @@ def test_default_pool_is_what_max_num_seqs_sequences_use_at_least_sixteen_blocks
 def test_default_pool_is_capped_by_the_memory_left_beside_the_weights(monkeypatch):
     per = bytes_per_block(2, 2, 16, 8, mx.float16)
     monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 1000 * per)
-    monkeypatch.setattr("mlx_ferrum.kv_cache.pool.available_memory_bytes", lambda: 1000 * per)
+    monkeypatch.setattr("mlx_ferrum.kv_cache.store.available_memory_bytes", lambda: 1000 * per)
     cfg = RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=None, max_num_seqs=1000,
                         kv_memory_fraction=0.5)
     big = spec(max_seq_len=100_000)
@@ -101,7 +101,7 @@ def test_a_pool_beyond_free_memory_is_refused_before_any_allocation(monkeypatch)
     monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 100 * per)
     built = []
     monkeypatch.setattr(PagedKvCacheManager, "__init__", lambda *a, **k: built.append(a))
-    monkeypatch.setattr("mlx_ferrum.kv_cache.pool.PagedKvPool.__init__", lambda *a, **k: built.append(a))
+    monkeypatch.setattr("mlx_ferrum.kv_cache.store.PagedKvPool.__init__", lambda *a, **k: built.append(a))
     with pytest.raises(InsufficientMemoryError, match="FERRUM_KV_MAX_BLOCKS"):
         build_kv_store(spec(), RuntimeConfig(kv_layout="paged", block_size=16, max_num_blocks=10_000), 0)
     assert not built, "the manager's host bookkeeping was built before the memory check"

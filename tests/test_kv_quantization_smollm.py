@@ -32,7 +32,7 @@ import pytest
 import mlx.core as mx
 
 from mlx_ferrum.config import RuntimeConfig
-from mlx_ferrum.kv_cache.pool import PagedKvPool
+from mlx_ferrum.kv_cache.store import PagedKvPool
 from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool
 from support.smollm_support import dequantized_float32, smollm_path
 

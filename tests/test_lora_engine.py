@@ -46,7 +46,7 @@ def solo(model, adapters, prompt, lora, params=GREEDY):
 
 
 def assert_no_leaks(eng: Engine):
-    assert eng.lora_metrics_snapshot()["pinned_slots"] == 0 and not eng.lora_admission.slot_of
+    assert eng.lora_metrics_snapshot()["pinned_slots"] == 0 and not eng.scheduler.lora_slots
     mgr = eng.block_manager
     if mgr is not None:
         mgr.check_invariants()
@@ -172,5 +172,18 @@ def test_draft_model_speculation_with_adapters_matches_plain_decoding(model, ada
     outs = eng.generate(PROMPTS, GREEDY, lora=loras)
     for prompt, name, out in zip(PROMPTS, loras, outs):
         assert out.token_ids == solo(model, adapters, prompt, name)
-    assert eng.spec_proposed_tokens > 0
+    assert eng.stats()["spec_proposed_tokens"] > 0
     assert_no_leaks(eng)
+
+
+def test_scheduled_rows_carry_the_pinned_adapter_slot(model, adapters):
+    # the scheduler's output names each row's adapter slot; the runner's registry says
+    # which adapter that slot holds
+    eng = engine(model, adapters)
+    eng.add_request(PROMPTS[0], GREEDY, "with-a", lora="a")
+    eng.add_request(PROMPTS[1], GREEDY, "base")
+    eng.add_request(PROMPTS[2], GREEDY, "with-c", lora="c")
+    slots = {it.seq.request_id: it.lora_slot for it in eng.scheduler.schedule().items}
+    assert slots["base"] == -1
+    assert eng.runner.lora.slot_name(slots["with-a"]) == "a"
+    assert eng.runner.lora.slot_name(slots["with-c"]) == "c"

@@ -1,7 +1,7 @@
 """Faults while the engine READS BACK a launched step, with the next step queued behind it.
 
 The pipelined engine (``RuntimeConfig.async_scheduling``) queues step t+1 with
-``mx.async_eval`` before :meth:`Engine._resolve` reads step t's tokens
+``mx.async_eval`` before :meth:`StepLauncher.resolve` reads step t's tokens
 (``flight.tokens.tolist()``). MLX evaluates lazily, so a computation that fails on the
 device is reported at the first host read that waits for it: that read-back. These
 tests make that read fail, in both modes (``async_scheduling`` True and False; the
@@ -20,7 +20,7 @@ synchronous mode reads each step back at once) and both KV layouts, and check th
 Two ways the fault reaches the read-back:
 
 1. :class:`ReadBackFault` replaces the chosen step's ``flight.tokens`` by an array whose
-   ``tolist()`` raises, just before ``_resolve`` reads it (after step t+1 was queued):
+   ``tolist()`` raises, just before ``StepLauncher.resolve`` reads it (after step t+1 was queued):
    the engine sees exactly what MLX shows it when the step's evaluation failed, or a
    Ctrl-C that arrives while the host waits in that read.
 2. :class:`FailsDuringEvaluation` is a real device-side failure: a model whose pass
@@ -97,7 +97,7 @@ def assert_clean(eng):
     else:
         assert not ex._contiguous, "contiguous caches were left behind"
     assert not eng.has_unfinished_requests()
-    assert not eng._seqs and not eng._pending and eng._inflight is None
+    assert not eng._seqs and not eng._pending and eng.launcher.inflight is None
     assert not eng._in_flight and not eng._deferred_release
 
 
@@ -118,10 +118,10 @@ class _Unreadable:
 class ReadBackFault:
     """Makes the read-back of one chosen launched step raise ``exc``.
 
-    ``Engine._resolve`` is wrapped on the instance; when armed, the first step whose
+    ``StepLauncher.resolve`` is wrapped on the instance; when armed, the first step whose
     rows hold ``target`` gets its ``tokens`` replaced by :class:`_Unreadable` just before
-    the real ``_resolve`` reads them. In the pipelined mode the next step is already
-    queued at that moment (``eng._inflight`` is it); the test records it.
+    the real ``resolve`` reads them. In the pipelined mode the next step is already
+    queued at that moment (``eng.launcher.inflight`` is it); the test records it.
     """
 
     def __init__(self, eng, exc, target=None, when=None):
@@ -130,7 +130,7 @@ class ReadBackFault:
         self.step_requests = None  # request ids of the failed step's rows
         self.queued_behind = None  # request ids of the step queued behind it
         self.on_fire = None  # optional callback, run just before the read fails
-        real = eng._resolve
+        real = eng.launcher.resolve
 
         def resolve(flight):
             chosen = self.when(flight) if self.when is not None else (
@@ -138,14 +138,14 @@ class ReadBackFault:
             if self.armed and chosen:
                 self.armed = False
                 self.step_requests = [s.request_id for s, _, _ in flight.rows]
-                behind = eng._inflight if eng._inflight is not flight else None
+                behind = eng.launcher.inflight if eng.launcher.inflight is not flight else None
                 self.queued_behind = [s.request_id for s, _, _ in behind.rows] if behind is not None else []
                 if self.on_fire is not None:
                     self.on_fire(flight)
                 flight.tokens = _Unreadable(self.exc)
             return real(flight)
 
-        eng._resolve = resolve
+        eng.launcher.resolve = resolve
 
 
 def drive(eng, steps_before=None, max_steps=2000):
@@ -336,8 +336,8 @@ def test_ctrl_c_during_read_back_ends_the_steps_requests_then_propagates(model, 
             if layout == "paged":
                 eng.block_manager.check_invariants()
             if pipelined:
-                assert eng._inflight is not None, "the step queued behind the read-back was lost"
-                assert [s.request_id for s, _, _ in eng._inflight.rows] == fault.queued_behind
+                assert eng.launcher.inflight is not None, "the step queued behind the read-back was lost"
+                assert [s.request_id for s, _, _ in eng.launcher.inflight.rows] == fault.queued_behind
             checked["at_interrupt"] = True
             continue
         for o in outs:
@@ -383,7 +383,7 @@ class FailsDuringEvaluation:
     on the device later. MLX (0.32, CPU) reports it once, at the first host wait after
     it, and computes what depends on it from the unwritten output buffer without a
     word. The fault sits after the last attention layer, so the wait that sees it is
-    the step's read-back (``tolist()`` in ``_resolve``) when nothing else waits first;
+    the step's read-back (``tolist()`` in ``StepLauncher.resolve``) when nothing else waits first;
     in the pipelined mode ``mx.async_eval`` of step t+1 waits first (on the CPU it waits
     for the queued work its attention reads, step t's tokens included).
     """
@@ -420,7 +420,7 @@ class FailingSampler:
     zero matrix at the end of a short chain of matmuls, so the failure is among the
     last operations of the step and happens after ``mx.async_eval`` returned. MLX
     reports it at the next host wait: the step's read-back (``tolist()`` in
-    ``_resolve``), or in the pipelined mode possibly ``mx.async_eval`` of step t+1
+    ``StepLauncher.resolve``), or in the pipelined mode possibly ``mx.async_eval`` of step t+1
     first. The failed value reads back as 0 (a valid token id), so a token "computed"
     by the failed step would be silently wrong, not out of range.
     """
@@ -451,7 +451,7 @@ def where_raised(eng):
 
     def fail_seqs(seqs, exc):
         frames = [f.name for f in traceback.extract_tb(exc.__traceback__)] if exc.__traceback__ else []
-        engine_frames = [f for f in frames if f in ("_launch", "_resolve")]
+        engine_frames = [f for f in frames if f in ("sample", "resolve")]
         places.append(engine_frames[-1] if engine_frames else None)
         return real(seqs, exc)
 
@@ -504,7 +504,7 @@ def test_evaluation_failure_ends_every_request_of_that_step_and_no_other(model, 
     if fault_in == "sampler" and not pipelined:
         # the evaluation runs on MLX's worker while the step is still being launched: on a
         # loaded machine it can fail before the launch's last MLX call, which then raises
-        assert places[0] in ("_resolve", "_launch"), f"the failure did not surface in the step: {places}"
+        assert places[0] in ("resolve", "sample"), f"the failure did not surface in the step: {places}"
     for rid, prompt, params in ((a, PROMPTS[0], GREEDY), (b, PROMPTS[1], SEEDED), (d, PROMPTS[4], d_params),
                                 (extra["L"], LONG_PROMPT, GREEDY)):
         out = finals[rid]

@@ -118,7 +118,7 @@ def test_abort_while_a_token_is_in_flight(model, layout):
                 final[o.request_id] = o
         steps += 1
         if steps == 6:
-            assert eng._inflight is not None, "nothing in flight: the abort would not land in the lag"
+            assert eng.launcher.inflight is not None, "nothing in flight: the abort would not land in the lag"
             eng.abort(ids[0])
             eng.abort(ids[3])
     for i, (rid, (ref_ids, ref_reason)) in enumerate(zip(ids, reference)):

@@ -345,7 +345,7 @@ def test_device_queries_use_mx_device_info_without_deprecation_warning(monkeypat
 
     from mlx_ferrum import config as config_module
     from mlx_ferrum.kernels import metal
-    from mlx_ferrum.kv_cache.pool import default_num_blocks
+    from mlx_ferrum.kv_cache.store import default_num_blocks
 
     def deprecated():
         warnings.warn("mx.metal.device_info is deprecated, use mx.device_info", DeprecationWarning, stacklevel=2)

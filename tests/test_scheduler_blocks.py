@@ -10,7 +10,7 @@ arithmetic, token positions), not from the scheduler's own answers:
 - a shared prompt prefix is one set of blocks with reference count 2;
 - lookahead slots for speculation are appended with the row, given back when the draft
   is shorter, and the rejected draft's blocks freed by ``commit_draft``;
-- the block tables and slot mapping a ``PagedKvStore`` builds from ``SchedulerOutput.kv``
+- the block tables and slot mapping the runner's ``PagedPassBuilder`` builds from ``SchedulerOutput.kv``
   are the manager's;
 - a step that did not run is rolled back.
 """
@@ -28,6 +28,7 @@ from mlx_ferrum.engine.sequence import Sequence, SequenceStatus
 from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvPool
 from mlx_ferrum.kv_cache.manager import UNKNOWN_TOKEN
 from mlx_ferrum.kv_cache.store import PagedKvStore
+from mlx_ferrum.runner.attention_metadata import PagedPassBuilder
 
 BS = 8
 
@@ -208,7 +209,7 @@ def test_lookahead_never_takes_blocks_from_ordinary_work():
     mgr.check_invariants()
 
 
-def test_the_store_reads_the_scheduler_output_tables_and_slots():
+def test_the_runner_reads_the_scheduler_output_tables_and_slots():
     mgr = LayerGroupKvManager(32, BS, 8)
     store = PagedKvStore(mgr, PagedKvPool(1, 33, 1, BS, 4, mx.float32), bytes_per_token=32)
     sched = Scheduler(config(), mgr, max_seq_len=64)
@@ -219,7 +220,8 @@ def test_the_store_reads_the_scheduler_output_tables_and_slots():
     sched.add(c)
     out = sched.schedule()  # a and b decode, c prefills
     items = [(it.seq.request_id, [0] * it.num_tokens) for it in out.items]
-    passes, _ = store.prepare(items, blocks=out.kv)
+    store.prepare([cid for cid, _ in items], out.kv)
+    passes = PagedPassBuilder(store).passes(items, blocks=out.kv)
     f = passes[0].inputs
     order = [items[i][0] for i in passes[0].items]
     assert order == ["a", "b", "c"]  # decode rows first
@@ -233,9 +235,9 @@ def test_the_store_reads_the_scheduler_output_tables_and_slots():
     slots = [x for cid in order for x in expected_slots(mgr.block_table(cid), starts[cid], out.kv.rows[cid].num_tokens)]
     assert f.slot_mappings[0].tolist() == slots
     assert f.context_lens.tolist() == [20, 4, 9]
-    # the store refuses a row whose slots were not appended
+    # the builder refuses a row whose slots were not appended
     with pytest.raises(Exception, match="allocate its slots"):
-        store.prepare([("zz", [1])], blocks=out.kv)
+        PagedPassBuilder(store).passes([("zz", [1])], blocks=out.kv)
 
 
 def test_a_step_that_did_not_run_is_rolled_back():

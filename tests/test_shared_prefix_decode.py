@@ -97,22 +97,23 @@ def test_the_rows_of_one_draft_count_as_one_sequence():
 
 
 def test_a_verify_pass_of_one_sequence_makes_no_plan_and_four_sequences_do():
-    """``PagedKvStore.prepare`` hands the plan each row's sequence: one request's draft
+    """``PagedPassBuilder.passes`` hands the plan each row's sequence: one request's draft
     rows read its blocks as before; drafts of four requests under one prefix share them."""
     from mlx_ferrum.runner import LlmRunner
 
     from mlx_ferrum.kv_cache.block_tables import BatchBlocks, append_row
 
     model = tiny_model("llama")
-    store = LlmRunner(model, RuntimeConfig(kv_layout="paged", block_size=BS, max_num_blocks=256,
-                                           prefix_cache=False)).store
-    mgr = store.geometry.new_block_manager()  # the blocks' owner (the scheduler, in the engine)
+    runner = LlmRunner(model, RuntimeConfig(kv_layout="paged", block_size=BS, max_num_blocks=256,
+                                            prefix_cache=False))
+    mgr = runner.store.geometry.new_block_manager()  # the blocks' owner (the scheduler, in the engine)
 
     def prepare(items, **kw):
         blocks = BatchBlocks()
         for cid, tokens in items:
             append_row(mgr, blocks, cid, len(tokens))
-        return store.prepare(items, blocks=blocks, **kw)
+        runner.store.prepare([cid for cid, _ in items], blocks)
+        return runner.passes.passes(items, blocks=blocks, **kw), None
 
     prepare([("a", list(range(1, 6 * BS + 1)))])
     one, _ = prepare([("a", [3, 4, 5, 6, 7])], as_decode=[True])

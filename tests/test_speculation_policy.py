@@ -116,7 +116,7 @@ def test_a_request_alone_asks_for_a_draft_at_every_decode_step(model, pipelined)
     # every step after the prefill (which samples the first token) proposes, until the
     # last token, which has no room for a draft
     assert steps == list(range(1, 11))
-    assert eng.spec_num_drafts == 0
+    assert eng.stats()["spec_num_drafts"] == 0
 
 
 def test_two_requests_do_not_speculate_by_default(model):
@@ -129,7 +129,7 @@ def test_two_requests_do_not_speculate_by_default(model):
     # (pipelined, two requests never ask in the same step: one's token is always in flight)
     assert running and set(running) == {1}, f"asked with {running} requests in the engine"
     # the longer request's last steps ran alone: those do draft
-    assert eng.spec_num_drafts > 0
+    assert eng.stats()["spec_num_drafts"] > 0
 
 
 def test_beside_others_a_request_that_finds_nothing_skips_steps(model):
@@ -140,7 +140,7 @@ def test_beside_others_a_request_that_finds_nothing_skips_steps(model):
     ids = [eng.add_request(never_repeating_prompt(20, seed=s), params) for s in (1, 2, 3)]
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.spec_num_drafts == 0
+    assert eng.stats()["spec_num_drafts"] == 0
     for rid in ids:
         steps = sorted(step for s in asked for r, step in s if r == rid)
         assert 0 < len(steps) < 12, f"{rid} asked at steps {steps}: no back-off beside other requests"

@@ -446,11 +446,12 @@ def test_presence_and_frequency_penalties_are_applied_when_verifying(model, layo
 
 
 def test_a_draft_row_is_laid_out_as_decode_rows_with_causal_context_lengths():
-    """PagedKvStore.prepare(as_decode=...) turns an n-token row into n one-query rows over
+    """PagedPassBuilder.passes(as_decode=...) turns an n-token row into n one-query rows over
     the same block table, row j attending to the cache up to its own token."""
     from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvPool
     from mlx_ferrum.kv_cache.block_tables import BatchBlocks, append_row
     from mlx_ferrum.kv_cache.store import PagedKvStore
+    from mlx_ferrum.runner.attention_metadata import PagedPassBuilder
 
     mgr = LayerGroupKvManager(32, 4, 16)
     store = PagedKvStore(mgr, PagedKvPool(1, 32, 1, 4, 8, mx.float32), bytes_per_token=64)
@@ -459,7 +460,8 @@ def test_a_draft_row_is_laid_out_as_decode_rows_with_causal_context_lengths():
         blocks = BatchBlocks()
         for cid, tokens in items:
             append_row(mgr, blocks, cid, len(tokens))
-        return store.prepare(items, blocks=blocks, **kw)
+        store.prepare([cid for cid, _ in items], blocks)
+        return PagedPassBuilder(store).passes(items, blocks=blocks, **kw), None
 
     prepare([("a", list(range(6))), ("b", [1, 2, 3])])
     passes, _ = prepare([("a", [7, 8, 9]), ("b", [4]), ("c", [5, 6, 7, 8, 9])], as_decode=[True, False, False])

@@ -406,7 +406,7 @@ def test_constrained_rows_draft_and_verify_against_per_position_masks(stories, k
     drafted = eng.generate(prompts, params)
     assert [(o.token_ids, o.text, o.finish_reason) for o in drafted] == \
         [(o.token_ids, o.text, o.finish_reason) for o in plain]
-    assert eng.spec_num_drafts > 0 and eng.spec_accepted_tokens > 0  # every row is constrained
+    assert eng.stats()["spec_num_drafts"] > 0 and eng.stats()["spec_accepted_tokens"] > 0  # every row is constrained
     for out, p in zip(drafted, params):
         if out.finish_reason == "stop":
             _check_constraint(p.structured_outputs, out.text)

@@ -1,29 +1,28 @@
 """Engine: requests -> Scheduler -> runner -> sampler -> detokenizer.
 
-Why this file is over 500 lines: the engine's step is one state machine over the
-requests' sequences, the step in flight (``Engine._inflight``), the outputs pending
-between steps, and the deferred releases of requests aborted while the runner runs;
-the launch and read-back methods (``_launch``, ``_resolve_before_masks``,
-``_evaluation_failed``, ``_resolve``, ``_verify``) each edit that state under the
-engine's lock and carry its failure isolation (which requests a failure ends, and when
-slots go back to the scheduler). Their stateless pieces live in ``launch.py`` (work,
-prompt scores, batched sampling), the output stage in ``output_processor.py`` and LoRA
-admission in ``lora_admission.py``; splitting the stateful remainder further would
-hand the engine's private state to another object, which is what those moves avoid.
-
 Continuous batching in the manner of Orca (Yu et al., OSDI 2022) and vLLM: every
 ``step()`` asks the scheduler which sequences run (the scheduler owns the KV block
 manager and appends the step's slots: ``SchedulerOutput.kv``), packs their new tokens
 (prefill chunks and decode tokens together) into ONE runner call that reads those
 slots, samples the sequences whose chunk reached their last token in one batched
 ``sample()``, detokenizes, checks stops, and frees the caches of finished requests at
-once (through the scheduler: the engine never touches the KV pool's arrays).
+once (through the scheduler: the engine never touches the KV pool's arrays). The engine
+keeps admission, the step loop and failure handling; the launch and read-back stage,
+with the step in flight, is :class:`~mlx_ferrum.engine.launch.StepLauncher`, the output
+stage :mod:`~mlx_ferrum.engine.output_processor` and LoRA admission
+:mod:`~mlx_ferrum.engine.lora_admission`.
 
 ``add_request``, ``abort``, ``step``, ``generate`` and ``stream`` are thread-safe: any
 thread may submit while another drives ``step()``, and several threads may call
 ``generate`` / ``stream`` on one engine at once (one steps while the others wait; each
 gets its own requests' outputs). :meth:`Engine.stream` drives the loop itself; :class:`AsyncEngine`
 (``mlx_ferrum.engine.async_engine``) drives it from a background thread for asyncio.
+
+Why this file is over 500 lines: ``Engine`` is the public class of the API contract
+(``add_request``, ``abort``, ``step``, ``generate``, ``stream``, the LoRA calls,
+``stats``), and each of those edits the same request state (the sequences, the pending
+outputs, the deferred releases) under one lock; the step itself is short, its stages
+living in ``launch.py``, ``output_processor.py`` and ``lora_admission.py``.
 """
 
 from __future__ import annotations
@@ -41,16 +40,15 @@ from ..runner import LlmRunner, ModelRunner, SeqWork
 from ..models.loader import tokenizer_id_limit
 from ..lora import prefix_salt
 from .lora_admission import LoraAdmission
-from .output_processor import IN_FLIGHT as _IN_FLIGHT, OutputProcessor, RequestOutput, host_logprobs, make_output
+from .output_processor import IN_FLIGHT as _IN_FLIGHT, OutputProcessor, RequestOutput, make_output
 from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
-from .rejection_sampler import Proposal, token_logprobs, verify
+from .rejection_sampler import Proposal
 from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
 from .structured import GrammarBackend
-from .launch import (InFlight, build_work, first_logit_rows, grammar_allowed, live_items, mask_undecodable,
-                     non_finite_error, sample_rows, score_prompts)
+from .launch import InFlight, StepLauncher, build_work, grammar_allowed, live_items
 
 _req_ids = itertools.count()
 
@@ -153,19 +151,12 @@ class Engine:
         # ids are read back (scheduler.set_token_ids), penalties count the token still in
         # flight on the device, and only a row about to speculate waits for its token
         self._pipelined = bool(self.config.async_scheduling)
-        self._prefix_cache = bool(getattr(self.block_manager, "prefix_cache", False))
-        self._inflight: Optional[InFlight] = None  # the launched step not read back yet
-        self.num_steps = 0
-        self.num_prefilled_tokens = 0
         self._start = time.time()
         self._proposer = proposer if proposer is not None else make_proposer(self.config, model.args.vocab_size)
         self._policy = SpeculationPolicy(self.config) if self._proposer is not None else None
         #: constrained requests (structured output) that ended at max_tokens or the context
         #: before their grammar was complete: the output does not parse
         self.num_structured_length = 0
-        self.spec_num_drafts = 0  # verified rows that carried at least one proposed token
-        self.spec_proposed_tokens = 0
-        self.spec_accepted_tokens = 0
         # On MLX's CPU backend mx.async_eval runs the queued work before it returns, so
         # there is no device work for the host to overlap: reading a constrained row's
         # token back mid-step only splits the step's evaluation in two (measured on
@@ -176,11 +167,25 @@ class Engine:
         self._grammar_init_lock = threading.Lock()
         #: LoRA: the adapter slots requests pin, and the requests waiting for one
         self.lora_admission = LoraAdmission(self.runner, self.scheduler)
+        #: the launch and read-back stage, with the step in flight (``launcher.inflight``);
+        #: the lambdas look the engine's methods up at each call
+        self.launcher = StepLauncher(
+            self.runner, self.scheduler, self.outputs, self._lock,
+            finish=lambda *a, **k: self._finish(*a, **k), fail=lambda seqs, exc: self._fail_seqs(seqs, exc),
+            pend=lambda outs: self._pending.extend(outs), end_flight=lambda: self._end_flight(),
+            max_sequence_tokens=self.max_sequence_tokens(), decodable=self._decodable,
+            prefix_cache=bool(getattr(self.block_manager, "prefix_cache", False)),
+            proposer=self._proposer, policy=self._policy, grammar_backend=self.grammar_backend)
 
     @property
     def num_generated_tokens(self) -> int:
         """Tokens emitted over the engine's life."""
         return self.outputs.num_generated_tokens
+
+    @property
+    def num_steps(self) -> int:
+        """Steps launched over the engine's life (steps that ran a forward pass)."""
+        return self.launcher.num_steps
 
     # ------------------------------------------------------ structured output
     def grammar_backend(self) -> GrammarBackend:
@@ -209,16 +214,6 @@ class Engine:
         if params.structured_outputs is None:
             return None
         return self.grammar_backend().matcher(params.structured_outputs)
-
-    def _grammar_mask(self, seqs: list, queued: Optional[mx.array] = None) -> Optional[mx.array]:
-        """The packed ``[B, ceil(V / 32)]`` token bitmask of ``seqs`` (None when none is
-        constrained). ``queued``: the logits being sampled, started on the device first so
-        that the host computes the masks while the forward pass runs."""
-        if not any(s.grammar is not None for s in seqs):
-            return None
-        if queued is not None:
-            mx.async_eval(queued)
-        return mx.array(self._grammar_backend.fill_bitmask([s.grammar for s in seqs]))
 
     # ------------------------------------------------------------ requests
     def add_request(
@@ -304,7 +299,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while a request waits or runs (or has an output not yet returned)."""
         with self._lock:
-            return (self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
+            return (self.scheduler.has_unfinished() or bool(self._pending) or self.launcher.inflight is not None
                     or bool(self.lora_admission.waiting))
 
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
@@ -392,18 +387,19 @@ class Engine:
         tokens are read back, detokenized and checked for stops, so the host work of one
         step overlaps the device work of the next (vLLM's async scheduling; mlx-lm's
         ``generate_step`` overlaps the same way). Outputs therefore trail by one step;
-        token ids are the same as in the synchronous mode (see :meth:`_resolve` for the
-        one-step lag).
+        token ids are the same as in the synchronous mode (see
+        :meth:`StepLauncher.resolve <mlx_ferrum.engine.launch.StepLauncher.resolve>` for
+        the one-step lag).
 
         Every mode runs through this one step, in four stages: schedule
-        (:meth:`_begin_step`: the scheduler plans the rows and their speculative
-        lookahead), run (:meth:`_run_step`: the proposer fills the lookahead, the runner
-        runs one forward pass, and the plain rows' sampling is queued lazily,
-        :meth:`_sample_flight`), sample (:meth:`_process_step`: the tokens of the step in
-        flight are read back, :meth:`_resolve`; rows carrying a draft get 1 to k+1 tokens,
-        :meth:`_verify`) and process output (the
-        :class:`~mlx_ferrum.engine.output_processor.OutputProcessor` records the tokens,
-        checks stops and builds the outputs, which are routed to waiting callers).
+        (:meth:`_begin_step`: the scheduler plans the rows, their slots, adapter slots and
+        speculative lookahead), run (:meth:`_run_step`: the proposer fills the lookahead,
+        the runner's forward pass is built, and the plain rows' sampling is queued with it
+        lazily), sample (:meth:`StepLauncher.read_back
+        <mlx_ferrum.engine.launch.StepLauncher.read_back>`: the tokens of the step in
+        flight are read back; rows carrying a draft get 1 to k+1 tokens) and process
+        output (the :class:`~mlx_ferrum.engine.output_processor.OutputProcessor` records
+        the tokens, checks stops and builds the outputs, which are routed to waiting callers).
         """
         # MLX gives every thread its own streams, and an array still unscheduled on one
         # thread's stream cannot be evaluated from another ("There is no Stream(cpu, n) in
@@ -417,7 +413,7 @@ class Engine:
                 items, plan, drafts, num_requests = self._begin_step(outputs)  # schedule
                 launched, verified = self._run_step(items, plan, drafts, num_requests, outputs)  # run, queue sampling
                 with self._lock:
-                    self._process_step(launched, verified, outputs)  # sample (read back, verify) + output
+                    self.launcher.read_back(launched, verified, self._pipelined, outputs)  # sample + output
             except BaseException:
                 # Ctrl-C (or a failure past the stages' own isolation): what this step already
                 # produced is returned by the next call instead of being lost
@@ -455,9 +451,8 @@ class Engine:
         with self._lock:
             outputs.extend(self._pending)
             self._pending = []
-            if self._inflight is not None and not self._can_overlap():
-                flight, self._inflight = self._inflight, None
-                outputs.extend(self._resolve(flight))
+            if self.launcher.inflight is not None and not self._can_overlap():
+                self.launcher.read_back_inflight(outputs)
             items, plan = self._schedule(outputs)
             num_requests = self._num_requests()
             drafts = [(i, SpeculativeRequest(it.seq.request_id, it.seq.token_at(0, it.seq.num_tokens),
@@ -487,9 +482,11 @@ class Engine:
 
     def _run_step(self, items: list, plan: Optional[SchedulerOutput], drafts: list, num_requests: int,
                   outputs: list[RequestOutput]) -> tuple[Optional[InFlight], list]:
-        """The run stage: drafts, the runner's work, then the forward pass and the (lazy)
-        sampling of the plain rows queued by :meth:`_launch`. Returns ``(flight, verified)``
-        as :meth:`_launch` does (``(None, [])`` when nothing ran).
+        """The run stage: drafts, the runner's work, then the forward pass
+        (:meth:`StepLauncher.run <mlx_ferrum.engine.launch.StepLauncher.run>`) and the lazy
+        sampling of the plain rows, queued with it (:meth:`StepLauncher.sample
+        <mlx_ferrum.engine.launch.StepLauncher.sample>`). Returns ``(flight, verified)`` as
+        ``sample`` does (``(None, [])`` when nothing ran).
 
         Isolation: an ``Exception`` fails this step's requests only (appended to
         ``outputs``); a ``BaseException`` before the launch gives the step's slots back
@@ -512,7 +509,8 @@ class Engine:
                 work = self._build_work(items, proposals)
             if work:
                 launching = True
-                return self._launch(items, work, proposals, outputs, plan)
+                logits, state = self.launcher.run(work, plan)  # run: the lazy forward pass
+                return self.launcher.sample(items, work, proposals, logits, state, outputs)  # queue sampling
             self._end_flight()
         except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
             # the pass's KV writes may be left lazy, bound to this thread: see step()
@@ -523,25 +521,12 @@ class Engine:
             if not launching:
                 # Ctrl-C while the draft or the batch was built: the step never ran, so
                 # its slots go back and the next step schedules the same tokens again
-                # (_launch does the same when the runner is interrupted)
+                # (StepLauncher.run does the same when the runner is interrupted)
                 with self._lock:
                     self.scheduler.rollback(plan)
                 self._end_flight()
             raise
         return None, []
-
-    def _process_step(self, launched: Optional[InFlight], verified: list, outputs: list[RequestOutput]) -> None:
-        """The sample and output stages: read back the step launched before (pipelined) or
-        this one (synchronous) and emit its tokens (:meth:`_resolve`), and verify this
-        step's drafts (:meth:`_verify`); outputs are appended to ``outputs``. Lock held."""
-        previous, self._inflight = self._inflight, launched
-        if previous is not None:
-            outputs.extend(self._resolve(previous))
-        if verified:
-            outputs.extend(self._verify(verified))
-        if launched is not None and not self._pipelined:
-            self._inflight = None
-            outputs.extend(self._resolve(launched))
 
     def _num_requests(self) -> int:
         """Requests in the engine, running or waiting: the batch size the speculation
@@ -566,13 +551,14 @@ class Engine:
 
         Prefix caching and penalties never need to wait (see ``__init__``), nor does a
         constrained row with :attr:`overlap_constrained_rows`: the forward pass takes its
-        token on the device, and only its mask needs it on the host, which :meth:`_launch`
-        reads back once the pass is built. A row that will propose a draft next step does
+        token on the device, and only its mask needs it on the host, which
+        :meth:`StepLauncher.sample <mlx_ferrum.engine.launch.StepLauncher.sample>` reads
+        back once the pass is built. A row that will propose a draft next step does
         wait, since its draft continues that token.
         """
         if not self._pipelined:
             return False
-        if not self.overlap_constrained_rows and any(s.grammar is not None for s, _, _ in self._inflight.rows):
+        if not self.overlap_constrained_rows and any(s.grammar is not None for s, _, _ in self.launcher.inflight.rows):
             return False
         if self._policy is None:
             return True
@@ -580,331 +566,13 @@ class Engine:
             return True
         return not any(
             s.params.speculative and self._policy.wants(s.request_id, self.num_steps + 1)
-            for s, _, _ in self._inflight.rows
+            for s, _, _ in self.launcher.inflight.rows
         )
 
     def _build_work(self, items: list, proposals: Optional[dict] = None) -> list[SeqWork]:
-        """The runner's work for ``items`` (:func:`~mlx_ferrum.engine.launch.build_work`), with
-        each request's pinned LoRA slot."""
-        rows = self._inflight.row_of if self._inflight is not None else {}
-        return self.lora_admission.with_slots(build_work(items, proposals or {}, rows))
-
-    def _launch(self, items: list, work: list[SeqWork], proposals: Optional[dict] = None,
-                outputs: Optional[list] = None, plan: Optional[SchedulerOutput] = None):
-        """Queue the forward pass and the sampling of ``items``; nothing of this step is read back.
-
-        Returns ``(flight, verified)``: the :class:`InFlight` of the plain sampled rows
-        (or None), and ``(sequence, logits [1 + m, V], proposal)`` for each row that carried
-        a draft of ``m`` tokens, which :meth:`_verify` settles after this step's launch.
-
-        A constrained row whose previous token is still in flight needs that token on the
-        host for its mask (its grammar takes it in :meth:`_emit`): once the forward pass
-        is queued, the step in flight is read back here (:meth:`_resolve`, its outputs
-        appended to ``outputs``, and ``self._inflight`` cleared so that the caller does
-        not resolve it again), so the pass still overlaps the read-back; a row whose
-        request ended in that read-back is not sampled.
-
-        Isolation as in a synchronous step: an ``Exception`` from the runner
-        fails this step's requests (the caller does that; the runner restored every
-        cache first), a ``BaseException`` propagates after the runner's rollback; a
-        sampler failure ends only its row's request (:meth:`_sample_flight`), and a
-        ``BaseException`` while sampling ends this step's sampled requests, then propagates.
-        When ``mx.async_eval`` raises, see :meth:`_evaluation_failed`.
-        """
-        proposals = proposals or {}
-        prev = self._inflight.tokens if self._inflight is not None else None
-        try:
-            # the runner reads the slots the scheduler appended (plan.kv); when the pass
-            # cannot be built, the scheduler takes them back, so a BaseException (Ctrl-C)
-            # propagates with every cache as it was before this step
-            logits, state = self.runner.forward(work, prev, plan.kv if plan is not None else None)
-        except BaseException:
-            if plan is not None:
-                with self._lock:
-                    self.scheduler.rollback(plan)
-            raise
-        finally:
-            self._end_flight()
-        with self._lock:
-            self.num_steps += 1
-            sampled, verified = [], []
-            samples = [it.samples for it in items]  # read before num_computed moves
-            scores = score_prompts(items, work, logits, skip=proposals)
-            row_of_item = first_logit_rows(work)
-            pending_rows = []
-            for i, it in enumerate(items):
-                s = it.seq
-                if s.finished:  # aborted while the step was built: released by _end_flight
-                    continue
-                if i in proposals:
-                    # the draft's K/V are kept or trimmed by _verify
-                    s.num_computed += 1
-                    start = row_of_item[i]
-                    verified.append((s, logits[start : start + work[i].num_logit_rows], proposals[i]))
-                    continue
-                if s.num_computed < len(s.prompt_ids):
-                    self.num_prefilled_tokens += it.num_tokens
-                    s.metrics.num_prefilled_tokens += it.num_tokens
-                s.num_computed += it.num_tokens
-                if s.num_computed == s.num_tokens:
-                    sampled.append(s)
-                    in_flight = bool(s.output_ids) and s.output_ids[-1] == _IN_FLIGHT
-                    pending_rows.append(self._inflight.row_of[s.request_id] if in_flight else -1)
-            started = False
-            if self._inflight is not None and any(s.grammar is not None and p >= 0
-                                                  for s, p in zip(sampled, pending_rows)):
-                self._resolve_before_masks(logits, sampled, outputs if outputs is not None else self._pending)
-                started = True
-                # every token of that step is on the host now: the penalties count it from
-                # the history, and a request it ended is not sampled
-                sampled = [s for s in sampled if not s.finished]
-                pending_rows = [-1] * len(sampled)
-                prev = None
-            # an item's sampled row is its last one (a prompt-logprobs chunk returns them all)
-            rows = [row_of_item[i] + work[i].num_logit_rows - 1 for i, it in enumerate(items)
-                    if samples[i] and not it.seq.finished and i not in proposals]
-            if not sampled:
-                try:
-                    mx.async_eval(state, *scores)
-                except BaseException as e:
-                    self._evaluation_failed([], e)
-                    raise
-                return None, verified
-            take = logits if len(rows) == logits.shape[0] else logits[mx.array(rows, dtype=mx.int32)]
-            pending = None
-            if prev is not None and any(p >= 0 for p in pending_rows):
-                # the penalties count each row's token still in flight, on the device
-                index = mx.array(pending_rows, dtype=mx.int32)
-                pending = mx.where(index >= 0, prev.astype(mx.int32)[mx.maximum(index, 0)], -1)
-            try:
-                flight = self._sample_flight(take, sampled, pending,
-                                             self._grammar_mask(sampled, None if started else take))
-            except BaseException as e:
-                # the KV already holds this step, so its sampled requests end now rather
-                # than stall; then it propagates
-                self._pending.extend(self._fail_seqs(sampled, e))
-                raise
-            sampled_ids = {id(s) for s in sampled}
-            flight.unsampled = [it.seq for i, it in enumerate(items)
-                                if not it.seq.finished and id(it.seq) not in sampled_ids and i not in proposals]
-            extra = [a for res in {id(x[0]): x[0] for x in flight.results if x[0] is not None}.values()
-                     for a in (res.logprobs, res.top_ids, res.top_logprobs) if a is not None]
-            keys = [s.sampler.key for s in sampled]  # split by this step: see step()
-            try:
-                mx.async_eval(flight.tokens, flight.finite, *extra, *state, *keys, *scores)
-            except BaseException as e:
-                self._evaluation_failed(sampled, e)
-                raise
-            return (flight if flight.rows else None), verified
-
-    def _resolve_before_masks(self, logits: mx.array, sampled: list, outputs: list) -> None:
-        """Read back the step in flight for the masks of this step's constrained rows, with
-        this step's pass queued in between; the flight's outputs are appended to
-        ``outputs``. Call with the lock held, after the pass is built and before sampling.
-
-        Order: wait for the step in flight (``tolist``), then queue the pass
-        (``mx.async_eval(logits)``), then emit the read tokens (each grammar accepts its
-        own), so that the pass runs on the device while the host emits and computes the
-        masks. (On MLX's CPU backend ``async_eval`` waits for the work queued before it, so
-        queuing the pass before the wait would serialize the two.) ``self._inflight`` is
-        cleared: the caller must not resolve that step again.
-
-        Isolation: a failed read-back ends the flight's requests (:meth:`_resolve`); a
-        failure queuing the pass is this step's own (the flight was read back), raised
-        after the flight's tokens are emitted so that none is lost; a ``BaseException``
-        also ends this step's sampled requests, whose rows would never be sampled.
-        """
-        flight, self._inflight = self._inflight, None
-        try:
-            try:
-                read = flight.tokens.tolist(), flight.finite.tolist()
-            except Exception as e:  # noqa: BLE001 - the step's evaluation failed: _resolve ends its requests
-                read = e
-            queue_error = None
-            if not isinstance(read, Exception):
-                try:
-                    mx.async_eval(logits)
-                except BaseException as e:  # noqa: BLE001 - raised below, after the flight is emitted
-                    queue_error = e
-            outputs.extend(self._resolve(flight, read))
-        except BaseException as e:
-            self._pending.extend(self._fail_seqs([s for s, _, _ in flight.rows] + sampled, e))
-            raise
-        if queue_error is not None:
-            if not isinstance(queue_error, Exception):
-                self._pending.extend(self._fail_seqs(sampled, queue_error))
-            raise queue_error
-
-    def _evaluation_failed(self, sampled: list, exc: BaseException) -> None:
-        """``mx.async_eval`` of the step being launched raised. Call with the lock held.
-
-        MLX reports a failed evaluation once, at the first host wait after it (on the CPU
-        ``async_eval`` waits for most of the queued work), and computes what depends on
-        the failed op from an unwritten buffer without a word. So an ``Exception`` here
-        may be the failure of the step still in flight, whose tokens and KV this step
-        reads: that step's requests end too (their next read-back would return garbage
-        as if it were tokens); the caller ends this step's. A ``BaseException`` (Ctrl-C
-        while it waited) ends this step's sampled requests, whose tokens no flight
-        would ever read back; then it propagates.
-        """
-        previous = self._inflight
-        if isinstance(exc, Exception):
-            if previous is not None:
-                self._pending.extend(self._fail_seqs([s for s, _, _ in previous.rows] + previous.unsampled, exc))
-        else:
-            self._pending.extend(self._fail_seqs(sampled, exc))
-
-    def _sample_flight(self, take: mx.array, seqs: list[Sequence], pending: Optional[mx.array] = None,
-                       allowed: Optional[mx.array] = None) -> InFlight:
-        """Sample every row of ``take`` at once, lazily (:func:`~mlx_ferrum.engine.launch.sample_rows`);
-        a row whose sampling fails ends only its own request (finished here with
-        ``"error"``; its output is pending). Lock held."""
-        flight, errors = sample_rows(take, seqs, pending, allowed, self._decodable)
-        for b, e in errors.items():
-            s = seqs[b]
-            self._finish(s, "error", f"{type(e).__name__}: sampling failed: {e}", exception=e)
-            self._pending.append(self._output(s, "", []))
-        return flight
-
-    def _resolve(self, flight: InFlight, read=None) -> list[RequestOutput]:
-        """Read a launched step's tokens, then detokenize, check stops and emit.
-
-        ``read``: ``(tokens, finite)`` as lists, or the ``Exception`` reading them raised,
-        when the caller read the step back already; None reads it here.
-
-        The one-step lag: a request that finishes here may already have its next token
-        queued (a placeholder at the end of ``output_ids``); it is dropped with the rest
-        of the request when :meth:`_finish` frees its blocks, and a later resolve skips
-        finished requests. Aborted or finished requests are skipped the same way.
-
-        Isolation: NaN/Inf logits end their request with :class:`NonFiniteLogitsError`;
-        a failure emitting one token (e.g. the detokenizer) ends only that request; a
-        failure reading the step back (its evaluation failed) ends only this step's
-        requests, prompt-chunk ones included (``flight.unsampled``); a ``BaseException``
-        ends this step's sampled requests, then propagates.
-        """
-        outs: list[RequestOutput] = []
-        try:
-            if read is None:
-                try:
-                    read = flight.tokens.tolist(), flight.finite.tolist()
-                except Exception as e:  # noqa: BLE001
-                    read = e
-            if isinstance(read, Exception):  # the step's evaluation failed: its requests only
-                return self._fail_seqs([s for s, _, _ in flight.rows] + flight.unsampled, read)
-            tokens, finite = read
-            host: dict[int, tuple] = {}
-            now = time.time()
-            cap = self.max_sequence_tokens()
-            for s, b, index in flight.rows:
-                if s.finished:
-                    continue
-                error = None if finite[b] else non_finite_error()
-                if error is None:
-                    try:
-                        tok = tokens[b]
-                        lp, top = host_logprobs(flight.results[b], host)
-                        s.sampler.append(tok)
-                        if self._prefix_cache:
-                            # stored as UNKNOWN_TOKEN when the next step was queued: its
-                            # block can be hashed now
-                            self.scheduler.set_token_ids(s, len(s.prompt_ids) + index, [tok])
-                        outs.append(self._emit(s, [tok], [lp], [top], now, cap, index=index))
-                        continue
-                    except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request only
-                        error = e
-                if not s.finished:
-                    self._finish(s, "error", exception=error)
-                outs.append(self._output(s, "", []))
-        except BaseException as e:
-            self._pending.extend(outs + self._fail_seqs([s for s, _, _ in flight.rows], e))
-            raise
-        return outs
-
-    def _emit(self, s: Sequence, tokens: list[int], lps: list, tops: list, now: float, cap: int,
-              index: Optional[int] = None) -> RequestOutput:
-        """The output stage (:meth:`OutputProcessor.emit
-        <mlx_ferrum.engine.output_processor.OutputProcessor.emit>`) for 1 or more sampled
-        tokens of ``s``; ends the request when one of them does. Call with the lock held."""
-        delta, new_ids, reason = self.outputs.emit(s, tokens, lps, tops, now, cap, index=index)
-        if reason is not None:
-            self._finish(s, reason)
-        return self._output(s, delta, new_ids)
-
-    def _draft_mask(self, seq: Sequence, proposal: Proposal) -> Optional[mx.array]:
-        """The ``[1 + m, ceil(V / 32)]`` grammar bitmask a constrained row's draft is verified
-        under (each position: its grammar state after the draft's earlier tokens), or None
-        for an unconstrained row."""
-        if seq.grammar is None:
-            return None
-        return mx.array(seq.grammar.draft_bitmask(proposal.token_ids, self._grammar_backend.words))
-
-    def _verify(self, verified: list) -> list[RequestOutput]:
-        """The sampling stage of rows that carried a draft: accept a prefix of each draft
-        and add one token of the target's (:func:`~mlx_ferrum.engine.rejection_sampler.verify`:
-        the target's own choice for greedy rows, rejection sampling for sampled ones), trim
-        each cache to the accepted length (whole blocks past it are freed, with the draft
-        model's cache), and emit the tokens. Call with the lock held.
-
-        Isolation: a failure verifying or emitting ends only the rows of this step's drafts;
-        NaN/Inf logits end their request with :class:`NonFiniteLogitsError`.
-        """
-        live = [(s, row, prop) for s, row, prop in verified if not s.finished]
-        if not live:
-            return []
-        outs, kept, masks = [], [], []
-        for s, row, prop in live:
-            try:
-                masks.append(self._draft_mask(s, prop))
-                kept.append((s, row, prop))
-            except Exception as e:  # noqa: BLE001 - a grammar failure ends its own request only
-                outs.extend(self._fail_seqs([s], e))
-        live = kept
-        if not live:
-            return outs
-        seqs = [s for s, _, _ in live]
-        try:
-            finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
-            results = verify([mask_undecodable(row, self._decodable) for _, row, _ in live], [p for _, _, p in live],
-                             [s.sampler for s in seqs], also=[finite_rows], allowed=masks)
-            finite = finite_rows.tolist()
-        except Exception as e:  # noqa: BLE001 - this step's drafts only
-            return outs + self._fail_seqs(seqs, e)
-        cap = self.max_sequence_tokens()
-        now = time.time()
-        offset = 0
-        for (s, row, prop), res in zip(live, results):
-            rows = 1 + len(prop.token_ids)
-            ok = all(finite[offset : offset + rows])
-            offset += rows
-            try:
-                if not ok:
-                    raise non_finite_error()
-                self.spec_num_drafts += 1
-                self.spec_proposed_tokens += len(prop.token_ids)
-                self.spec_accepted_tokens += res.num_accepted
-                self._policy.record(s.request_id, len(prop.token_ids), res.num_accepted, self.num_steps)
-                kept = s.num_computed + res.num_accepted  # prompt + output + accepted draft tokens
-                # the scheduler frees the rejected tokens' blocks (and learns the accepted
-                # ids); the runner cuts a contiguous cache's buffers (nothing for paged)
-                self.scheduler.commit_draft(s, s.num_computed, res.token_ids[: res.num_accepted])
-                self.runner.trim_cache(s.request_id, kept)
-                self._proposer.committed(s.request_id, kept)
-                s.num_computed = kept
-                lps = tops = [None] * len(res.token_ids)
-                if s.params.logprobs is not None:
-                    chosen, top_ids, top_lps = token_logprobs(row[: len(res.token_ids)], res.token_ids,
-                                                              s.params.logprobs or 0)
-                    lps = chosen
-                    tops = list(zip(top_ids, top_lps)) if top_ids is not None else [None] * len(chosen)
-                for tok in res.token_ids:
-                    s.sampler.append(tok)
-                outs.append(self._emit(s, res.token_ids, lps, tops, now, cap))
-            except Exception as e:  # noqa: BLE001 - this request only
-                if not s.finished:
-                    self._finish(s, "error", exception=e)
-                outs.append(self._output(s, "", []))
-        return outs
+        """The runner's work for ``items`` (:func:`~mlx_ferrum.engine.launch.build_work`)."""
+        rows = self.launcher.inflight.row_of if self.launcher.inflight is not None else {}
+        return build_work(items, proposals or {}, rows)
 
     # -------------------------------------------------------- conveniences
     def generate(
@@ -1041,13 +709,14 @@ class Engine:
         latency (seconds: mean, p50, p90, p99 over finished requests), KV blocks, prefix hits."""
         with self._lock:
             kv = self.runner.cache_metrics_snapshot(self.block_manager)
+            launcher = self.launcher
             ttft, itl = self.outputs.ttft, self.outputs.itl
             return {
                 "num_waiting": len(self.scheduler.waiting),
                 "num_running": len(self.scheduler.running),
                 "num_steps": self.num_steps,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "prefilled_tokens": self.num_prefilled_tokens,
+                "prefilled_tokens": self.launcher.num_prefilled_tokens,
                 "generated_tokens": self.outputs.num_generated_tokens,
                 "structured_length_finishes": self.num_structured_length,
                 "ttft_mean": ttft.mean,
@@ -1065,12 +734,12 @@ class Engine:
                 # spec_num_drafts = verified rows that carried proposals; acceptance rate =
                 # accepted / proposed; mean accepted length = tokens emitted per verified row,
                 # the bonus token included (1 + accepted / drafts, vLLM's mean acceptance length)
-                "spec_num_drafts": self.spec_num_drafts,
-                "spec_proposed_tokens": self.spec_proposed_tokens,
-                "spec_accepted_tokens": self.spec_accepted_tokens,
-                "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_proposed_tokens
-                                         if self.spec_proposed_tokens else 0.0),
-                "spec_mean_accepted_length": (1.0 + self.spec_accepted_tokens / self.spec_num_drafts
-                                              if self.spec_num_drafts else 0.0),
+                "spec_num_drafts": launcher.spec_num_drafts,
+                "spec_proposed_tokens": launcher.spec_proposed_tokens,
+                "spec_accepted_tokens": launcher.spec_accepted_tokens,
+                "spec_acceptance_rate": (launcher.spec_accepted_tokens / launcher.spec_proposed_tokens
+                                         if launcher.spec_proposed_tokens else 0.0),
+                "spec_mean_accepted_length": (1.0 + launcher.spec_accepted_tokens / launcher.spec_num_drafts
+                                              if launcher.spec_num_drafts else 0.0),
                 "kv": kv,
             }

@@ -1,7 +1,9 @@
 """LoRA admission: which requests with an adapter may enter the scheduler.
 
 A request with an adapter holds a pinned adapter slot of the runner from admission to
-its end (the runner loads the adapter into it); one that finds every slot pinned by
+its end (the runner loads the adapter into it); the scheduler is handed the slot with
+the request and puts it on each of its rows (``ScheduledItem.lora_slot``), whence the
+row's work carries it to the runner. A request that finds every slot pinned by
 other adapters' requests waits here, first come first served, outside the scheduler,
 and enters it when a slot can be had (vLLM's ``max_loras`` admission works the same way).
 The engine calls these methods with its lock held.
@@ -13,7 +15,7 @@ import collections
 from typing import Callable, Optional
 
 from ..errors import LoraError, RequestError
-from ..runner import ModelRunner, SeqWork
+from ..runner import ModelRunner
 from .sequence import Sequence
 
 
@@ -24,17 +26,15 @@ class LoraAdmission:
         runner: the engine's :class:`~mlx_ferrum.runner.ModelRunner` (``acquire_lora`` /
             ``release_lora`` pin and unpin slots).
         scheduler: the engine's :class:`~mlx_ferrum.engine.scheduler.Scheduler`
-            (``add`` admits a request).
+            (``add`` admits a request with its slot; ``lora_slots`` holds the pinned ones).
 
     Attributes:
-        slot_of: request id -> its pinned slot.
         waiting: requests waiting for a slot, oldest first.
     """
 
     def __init__(self, runner: ModelRunner, scheduler):
         self.runner = runner
         self.scheduler = scheduler
-        self.slot_of: dict[str, int] = {}
         self.waiting: collections.deque = collections.deque()
 
     def executor(self) -> ModelRunner:
@@ -75,8 +75,7 @@ class LoraAdmission:
         if slot is None:
             self.waiting.append(seq)
             return
-        self.slot_of[seq.request_id] = slot
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, lora_slot=slot)
 
     def admit_waiting(self, fail: Callable[[Sequence, LoraError], None]) -> None:
         """Move waiting requests to the scheduler while slots can be had, in order. A
@@ -96,21 +95,15 @@ class LoraAdmission:
             if slot is None:
                 return
             self.waiting.popleft()
-            self.slot_of[seq.request_id] = slot
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, lora_slot=slot)
 
     def release(self, seq: Sequence) -> None:
-        """Unpin the slot of a request that ended (or drop it from the waiting line)."""
+        """Unpin the slot of a request that ended (or drop it from the waiting line).
+        A no-op for a request without an adapter; the runner ignores an owner that holds
+        no slot."""
         if seq.lora is None:
             return
-        if self.slot_of.pop(seq.request_id, None) is not None:
-            self.runner.release_lora(seq.request_id)
-        elif seq in self.waiting:
+        if seq in self.waiting:
             self.waiting.remove(seq)
-
-    def with_slots(self, work: list[SeqWork]) -> list[SeqWork]:
-        """``work`` with each item's ``lora_slot`` set from its request's pinned slot (-1: base)."""
-        if self.slot_of:
-            for w in work:
-                w.lora_slot = self.slot_of.get(w.cache_id, -1)
-        return work
+        else:
+            self.runner.release_lora(seq.request_id)

@@ -56,11 +56,16 @@ class ScheduledItem:
     slots are appended with the row's (``SchedulerOutput.kv``), so the engine may
     append up to that many proposed tokens; it gives back the slots a draft does not
     use (:meth:`Scheduler.release_lookahead`).
+
+    ``lora_slot``: the runner's adapter slot the request pinned at admission
+    (:meth:`Scheduler.add`), -1 for the base model; the row's work carries it to the
+    runner (``SeqWork.lora_slot``).
     """
 
     seq: Sequence
     num_tokens: int
     num_lookahead: int = 0
+    lora_slot: int = -1
 
     @property
     def samples(self) -> bool:
@@ -76,7 +81,8 @@ class SchedulerOutput:
     Attributes:
         items: what runs this step, running sequences first, then admitted ones: per row
             the sequence (its request id, sampling parameters and adapter), its token
-            count (``num_tokens``) and its speculative lookahead.
+            count (``num_tokens``), its speculative lookahead and its adapter slot
+            (``lora_slot``, -1: the base model).
         preempted: sequences preempted this step, in order (their blocks are freed).
         rejected: sequences that can never run (the engine fails them).
         failed: ``(sequence, error)`` for rows whose slots could not be appended (the
@@ -135,6 +141,8 @@ class Scheduler:
     Attributes:
         block_manager: as given.
         waiting, running: the queues. num_preemptions: preemptions so far.
+        lora_slots: request id -> the adapter slot it pinned (requests with an adapter
+            only), from :meth:`add` until :meth:`remove`; each scheduled row carries it.
     """
 
     def __init__(self, config: RuntimeConfig, block_manager: Optional[LayerGroupKvManager], max_seq_len: int,
@@ -148,9 +156,13 @@ class Scheduler:
         self._order = 0
         self._reserved = 0  # blocks this step's decisions take, appended at the end of schedule()
         self.num_preemptions = 0
+        self.lora_slots: dict[Hashable, int] = {}
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request."""
+    def add(self, seq: Sequence, lora_slot: int = -1) -> None:
+        """Queue a new request; ``lora_slot`` is the runner's adapter slot it pinned
+        (-1: the base model), carried by each of its rows (``ScheduledItem.lora_slot``)."""
+        if lora_slot >= 0:
+            self.lora_slots[seq.request_id] = lora_slot
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -160,6 +172,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues (its blocks are freed by
         :meth:`free`, which the engine calls once no step in flight reads them)."""
+        self.lora_slots.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -300,7 +313,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted itself; the loop index now points at the next one
             self._reserved += need
-            out.items.append(ScheduledItem(seq, n))
+            out.items.append(ScheduledItem(seq, n, lora_slot=self.lora_slots.get(seq.request_id, -1)))
             budget -= n
             i += 1
 
@@ -356,7 +369,7 @@ class Scheduler:
             self.running.append(seq)
             if mgr is not None:
                 self._reserved += mgr.blocks_needed(seq.request_id, n)
-            out.items.append(ScheduledItem(seq, n))
+            out.items.append(ScheduledItem(seq, n, lora_slot=self.lora_slots.get(seq.request_id, -1)))
             budget -= n
             prefills += 1
             if prefilling is not None and seq.remaining > 0:

@@ -20,7 +20,7 @@ from .contiguous import ContiguousKvCache
 from .factory import KvSpec, build_kv_store
 from .layer_groups import LayerGroupKvManager
 from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
-from .pool import PagedKvPool, bytes_per_block, default_num_blocks
+from .store import PagedKvPool, bytes_per_block, default_num_blocks
 
 __all__ = [
     "AppendResult",

@@ -45,10 +45,9 @@ from ..layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
 from ..layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
 from .block_tables import KvGeometry
 from .layer_groups import LayerGroupKvManager
-from .pool import PagedKvPool, check_pool_fits, default_num_blocks
 from .quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool, check_quantized_pool_fits
 from .quantized import bytes_per_token as quantized_bytes_per_token
-from .store import ContiguousKvStore, KvStore, PagedKvStore
+from .store import ContiguousKvStore, KvStore, PagedKvPool, PagedKvStore, check_pool_fits, default_num_blocks
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ class KvSpec:
 
 def pool_num_blocks(spec: KvSpec, config: RuntimeConfig, weight_bytes: int) -> int:
     """Blocks the paged manager hands out: ``config.max_num_blocks`` when set, else
-    :func:`~mlx_ferrum.kv_cache.pool.default_num_blocks` (``kv_memory_fraction`` of the
+    :func:`~mlx_ferrum.kv_cache.store.default_num_blocks` (``kv_memory_fraction`` of the
     memory left beside ``weight_bytes``, at most what ``max_num_seqs`` sequences of
     ``max_seq_len`` tokens use, at least 16).
 
@@ -205,7 +204,7 @@ def build_kv_store(
         pool = PagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
                            spec.head_dim, spec.dtype)
         backend = PagedAttentionBackend()
-    return PagedKvStore(geometry, pool, spec.bytes_per_token, backend, metal_kernels=bool(config.metal_kernels))
+    return PagedKvStore(geometry, pool, spec.bytes_per_token, backend)
 
 
 def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):

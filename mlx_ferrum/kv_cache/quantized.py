@@ -46,7 +46,7 @@ from ..kernels.quantized_reference import (
     rotate,
 )
 from ..kernels.reference import slot_indices
-from .pool import HOST_BYTES_PER_BLOCK
+from .store import HOST_BYTES_PER_BLOCK
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -108,7 +108,7 @@ def _shapes(lead: tuple, head_dim: int, kv_cache_dtype: str) -> tuple[tuple, mx.
 class QuantizedPagedKvPool:
     """Quantized K/V block pools of all layers (the paged layout with ``kv_cache_dtype`` int8/int4).
 
-    The interface follows :class:`~mlx_ferrum.kv_cache.pool.PagedKvPool`: :meth:`write`
+    The interface follows :class:`~mlx_ferrum.kv_cache.store.PagedKvPool`: :meth:`write`
     at a ``slot_mapping`` with shared :meth:`slot_indices`, :meth:`copy_blocks`,
     :meth:`with_arrays` for a compiled step that takes the pools as inputs, ``nbytes``.
     Like that pool, this object is the only holder of its arrays, so MLX updates them

@@ -1,128 +1,205 @@
-"""One KV-store interface over both layouts: ``ContiguousKvStore`` and ``PagedKvStore``.
+"""The KV storage behind one interface: ``PagedKvStore`` (over the pool arrays,
+``PagedKvPool``) and ``ContiguousKvStore`` (per-sequence buffers).
 
-The runner runs every forward pass the same way; the layouts differ only here (how
-a batch's new tokens are placed and what attention metadata that yields) and in the
-attention backend the store was built with (:mod:`mlx_ferrum.layers.backends`, chosen
-once by :func:`~mlx_ferrum.kv_cache.factory.build_kv_store`). A store:
+A store holds the K/V arrays and the operations on them; how a pass lays out its rows
+and the attention metadata it gets are the runner's
+(:mod:`mlx_ferrum.runner.attention_metadata`), and the block accounting is the block
+manager's owner's (the scheduler). A store:
 
-- ``prepare(items, as_decode, blocks)``: places each item's new tokens and returns the
-  forward passes that run them (:class:`KvPass`: which items, in what order, laid out
-  how, with the pass's host-side inputs) plus an ``undo`` that restores the touched
-  storage if the pass fails. The paged store allocates nothing: it reads the slots and
-  block tables that the block manager's owner (the scheduler) appended
-  (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`); the contiguous store grows
-  its per-sequence buffers (that is storage, not block accounting);
-- ``metadata(kv_pass)``: the pass's complete, typed attention metadata (device arrays,
-  the backend, every per-pass array the layers share), built before the model runs;
+- ``prepare(cache_ids, blocks)``: readies the storage a pass writes and returns an ``undo``
+  that restores it if the pass fails: the paged store makes the step's copy-on-write
+  block copies in the pool (it allocates nothing); the contiguous store creates the
+  buffers of new sequences (that is storage, not block accounting);
 - ``truncate``, ``fork``, ``release``: per-sequence storage operations (contiguous
   buffers; nothing to do for the paged pool);
 - ``used_bytes`` / ``allocated_bytes``: KV memory in bytes;
 - ``state(cache_ids)``: the arrays a pass writes, for the caller to evaluate.
 
-The paged layout packs all items into ONE pass (one row, decode tokens first, no
-padding; vLLM's varlen layout). The contiguous layout runs one pass per distinct
-new-token count (rows of equal length; caches of different lengths are padded and
-masked inside attention), so no pad token is ever stored.
-
-Why this module is one file of over 500 lines: the one KV-store interface and both of
-its implementations sit side by side on purpose, so that the layouts visibly differ only
-in storage and metadata.
+The pool keeps the only reference to each of its arrays: writes go through an MLX
+indexed update (``pool[idx] = new``), which MLX performs in the pool's own buffer only
+while the array has no other live reference (``mx.fast.metal_kernel`` cannot write in
+place at all: its outputs are always fresh arrays).
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
-
-import numpy as np
 
 import mlx.core as mx
 
-from ..errors import KvCacheError, UnknownCacheError
-from ..kernels.reference import SHARED_PREFIX_MIN_SEQS
-from ..layers.backends import (
-    AttentionBackend,
-    ContiguousAttentionBackend,
-    ContiguousMetadata,
-    PagedAttentionBackend,
-    PagedMetadata,
-    paged_metadata,
-)
-from ..layers.sdpa import contiguous_pad_mask
-from .contiguous import ContiguousKvCache
-from ..errors import ExecutorError
+from .. import config as config_module
+from ..config import DEFAULT_KV_POOL_BYTES, available_memory_bytes, check_memory, device_info
+from ..errors import ExecutorError, KvCacheError, UnknownCacheError
+from ..kernels.reference import slot_indices, write_kv_slots
+from ..layers.backends import AttentionBackend, ContiguousAttentionBackend, PagedAttentionBackend
 from .block_tables import BatchBlocks, KvGeometry
+from .contiguous import ContiguousKvCache
 from .layer_groups import LayerGroupKvManager, layer_group_windows
-from .pool import PagedKvPool
 
 
-@dataclass
-class PagedPassInputs:
-    """A paged pass's host-side inputs (numpy), from :meth:`PagedKvStore.prepare`.
+class PagedKvPool:
+    """K/V block pools of all layers.
 
-    Attributes:
-        positions: ``[T]`` int32 position of each packed token.
-        context_lens: ``[num_rows]`` int32, tokens stored after the pass's writes.
-        query_start_loc: ``[num_rows + 1]`` int32 prefix sums of query tokens per row.
-        num_decode_seqs: leading rows that bring exactly one token.
-        host_context_lens, host_query_start_loc: the same as lists of ints.
-        slot_mappings: per layer group, ``[T]`` int32.
-        block_tables: per layer group, ``[num_rows, max_blocks]`` int32.
-        shared_prefixes: per layer group, the decode rows'
-            :class:`~mlx_ferrum.kernels.reference.SharedPrefix` (numpy) or None
-            (the backend's ``shared_prefix``); an empty list when no group has one.
-    """
-
-    positions: np.ndarray
-    context_lens: np.ndarray
-    query_start_loc: np.ndarray
-    num_decode_seqs: int
-    host_context_lens: list
-    host_query_start_loc: list
-    slot_mappings: list
-    block_tables: list
-    shared_prefixes: list = field(default_factory=list)
-
-
-@dataclass
-class ContiguousPassInputs:
-    """A contiguous pass's host-side inputs, from :meth:`ContiguousKvStore.prepare`.
+    Args:
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim: the pool shape.
+        dtype: the model's dtype.
 
     Attributes:
-        offsets: ``[B]`` int32 cache length of each row before the pass.
-        caches: per row, its per-layer caches.
-        cache_lens_after: per row, tokens stored after the pass.
+        k, v: lists (one entry per layer) of ``[num_blocks, num_kv_heads, block_size, head_dim]``.
     """
 
-    offsets: np.ndarray
-    caches: list
-    cache_lens_after: list
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype):
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        check_pool_fits(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype)
+        self.shape = shape
+        self.dtype = dtype
+        self.k = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        mx.eval(self.k, self.v)
+
+    def arrays(self) -> list[mx.array]:
+        """Every pool array, flat: the K pools of all layers, then the V pools."""
+        return self.k + self.v
+
+    def with_arrays(self, arrays: list) -> "PagedKvPool":
+        """A pool object of the same shape over other arrays (:meth:`arrays`' order).
+
+        A compiled decode step (``mx.compile``) gets the pools as inputs and returns the
+        written pools as outputs; attention writes through this view, so the real pool
+        is rebound to the outputs (:meth:`set_arrays`) only once the step has been built.
+        """
+        view = object.__new__(PagedKvPool)
+        view.shape, view.dtype = self.shape, self.dtype
+        view.set_arrays(arrays)
+        return view
+
+    def set_arrays(self, arrays: list) -> None:
+        """Rebind this pool to ``arrays`` (:meth:`arrays`' order), e.g. a compiled step's outputs."""
+        arrays = list(arrays)
+        half = len(arrays) // 2
+        self.k, self.v = arrays[:half], arrays[half:]
+
+    @property
+    def num_layers(self) -> int:
+        """Layers (one K and one V pool each)."""
+        return len(self.k)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per layer pool."""
+        return self.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all K and V pools."""
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array, indices=None) -> None:
+        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``.
+
+        ``indices``: :meth:`slot_indices` of ``slot_mapping``, to reuse across layers.
+        """
+        if indices is None:
+            indices = self.slot_indices(slot_mapping)
+        write_kv_slots(self.k[layer], slot_mapping, k, indices=indices)
+        write_kv_slots(self.v[layer], slot_mapping, v, indices=indices)
+
+    def slot_indices(self, slot_mapping: mx.array):
+        """Index arrays addressing ``slot_mapping`` in this pool (see ``kernels.reference.slot_indices``)."""
+        return slot_indices(slot_mapping, self.shape[1], self.shape[2])
+
+    def copy_blocks(self, copies: list[tuple[int, int]], layers=None) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer, or in ``layers`` (a list of
+        layer indices: one layer group's), for copy-on-write of shared blocks."""
+        if not copies:
+            return
+        src = mx.array([s for s, _ in copies], dtype=mx.int32)
+        dst = mx.array([d for _, d in copies], dtype=mx.int32)
+        if layers is None:
+            pools = self.k + self.v
+        else:
+            pools = [self.k[i] for i in layers] + [self.v[i] for i in layers]
+        # Evaluate the gathers first: a pending read of a pool would make the scatter
+        # below copy the whole pool instead of updating it in place (docs/benchmarks.md, "Pool writes stay in place").
+        blocks = [p[src] for p in pools]
+        mx.eval(blocks)
+        for p, b in zip(pools, blocks):
+            p[dst] = b
 
 
-@dataclass
-class KvPass:
-    """One forward pass over some items of a batch.
+#: Host bytes the block bookkeeping costs per block (``BlockAllocator``'s reference
+#: count list slot, free-list slot and int object), counted with the pool so that a
+#: huge block count is refused before those Python lists are built.
+HOST_BYTES_PER_BLOCK = 64
 
-    Attributes:
-        items: indices into the ``prepare`` items, in the pass's order.
-        rows, cols: the pass's token array is ``[rows, cols]``.
-        starts: flat index (into the ``rows * cols`` tokens) of each item's first token.
-        inputs: the store's host-side inputs of the pass (:class:`PagedPassInputs` or
-            :class:`ContiguousPassInputs`), turned into metadata by ``store.metadata``.
-        packed: True when the tokens are packed into one row of varlen sequences (the
-            paged layout), so the model may take them as ``[T]``.
-        decode_rows: attention rows that bring one token each (every row of a pure decode
-            pass; 0 when the store has no decode rows).
+
+def check_pool_fits(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                    dtype, extra_blocks: int = 0) -> None:
+    """Refuse a paged pool of ``num_blocks`` (+ ``extra_blocks`` the owner adds, such as
+    the executor's scratch block) blocks that free memory cannot hold, before anything
+    (device pool or host bookkeeping) is allocated.
+
+    Raises:
+        InsufficientMemoryError: names ``FERRUM_KV_MAX_BLOCKS`` / ``--max-num-blocks``,
+            the bytes asked for and free, and the most blocks that fit.
     """
+    per = bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype) + HOST_BYTES_PER_BLOCK
+    fits = max(0, config_module.available_memory_bytes() // per - extra_blocks)
+    check_memory(
+        (num_blocks + extra_blocks) * per,
+        f"a paged KV pool of {num_blocks} blocks (FERRUM_KV_MAX_BLOCKS / --max-num-blocks / "
+        f"RuntimeConfig.max_num_blocks; {per} bytes per block)",
+        f"set it to at most {fits} blocks, or leave it unset to size the pool from FERRUM_PAGED_MAX_SEQS",
+    )
 
-    items: list[int]
-    rows: int
-    cols: int
-    starts: list[int]
-    inputs: Any = None
-    packed: bool = False
-    decode_rows: int = 0
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype) -> int:
+    """Bytes one block id costs across all layers, K and V together."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.size
+
+
+def default_num_blocks(
+    num_layers: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype,
+    weight_bytes: int,
+    memory_fraction: float,
+    max_num_seqs: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    block_bytes: Optional[int] = None,
+) -> int:
+    """Blocks to give the pool when ``FERRUM_KV_MAX_BLOCKS`` is unset.
+
+    What the engine can use: ``max_num_seqs`` sequences of ``max_seq_len`` tokens each
+    (when both are given), capped by a memory budget: on a Mac
+    ``memory_fraction * (max_recommended_working_set_size - weight_bytes)``; elsewhere
+    ``memory_fraction * (available memory - weight_bytes)``, at most
+    ``DEFAULT_KV_POOL_BYTES`` (1 GiB). At least 16 blocks. ``block_bytes``: what one
+    block costs over all layers when it is not the model dtype's K+V (a quantized pool's
+    codes, scales and biases); None: :func:`bytes_per_block`.
+    """
+    per = block_bytes if block_bytes is not None else bytes_per_block(num_layers, num_kv_heads, block_size,
+                                                                      head_dim, dtype)
+    budget = DEFAULT_KV_POOL_BYTES
+    try:
+        if mx.metal.is_available():
+            ws = int(device_info()["max_recommended_working_set_size"])
+            budget = int(memory_fraction * max(0, ws - weight_bytes))
+        else:
+            budget = min(budget, int(memory_fraction * max(0, available_memory_bytes() - weight_bytes)))
+    except Exception:  # noqa: BLE001 - device_info is best effort; fall back to the default
+        pass
+    blocks = budget // per
+    if max_num_seqs is not None and max_seq_len is not None:
+        blocks = min(blocks, max_num_seqs * -(-max_seq_len // block_size))
+    return max(16, blocks)
 
 
 class KvStore(Protocol):
@@ -144,13 +221,7 @@ class KvStore(Protocol):
 
     def num_tokens(self, cache_id: Hashable) -> int: ...
 
-    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
-                as_decode: Sequence[bool] = (), blocks: Optional[BatchBlocks] = None,
-                ) -> tuple[list[KvPass], Callable[[], None]]: ...
-
-    def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> Any: ...
-
-    def set_ropes(self, ropes: Sequence) -> None: ...
+    def prepare(self, cache_ids: Sequence[Hashable], blocks: Optional[BatchBlocks] = None) -> Callable[[], None]: ...
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None: ...
 
@@ -192,13 +263,10 @@ class PagedKvStore:
         bytes_per_token: K+V bytes of one token over all layers.
         backend: the attention backend (default :class:`PagedAttentionBackend`), chosen
             once by the factory.
-        metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
 
     Attributes:
         block_size, group_windows: from the geometry (the window of each layer group).
         layer_groups: each layer's group (all 0 with one group).
-        ropes: the model's distinct table ropes, whose ``(cos, sin)`` tables the
-            metadata carries (set by the runner with :meth:`set_ropes`).
 
     Raises:
         KvCacheError: a geometry of several groups whose layers are not the pool's.
@@ -208,7 +276,7 @@ class PagedKvStore:
     supports_compiled_decode = True
 
     def __init__(self, geometry, pool: PagedKvPool, bytes_per_token: int,
-                 backend: Optional[AttentionBackend] = None, metal_kernels: Optional[bool] = None):
+                 backend: Optional[AttentionBackend] = None):
         num_layers = pool.num_layers if pool is not None else None
         if isinstance(geometry, LayerGroupKvManager):
             geometry = KvGeometry.of(geometry, num_layers)
@@ -216,8 +284,6 @@ class PagedKvStore:
         self.pool = pool
         self.bytes_per_token = bytes_per_token
         self.backend = backend if backend is not None else PagedAttentionBackend()
-        self.metal_kernels = metal_kernels
-        self.ropes: list = []
         self.block_size = geometry.block_size
         self.group_windows, layer_groups = layer_group_windows(geometry.layer_windows)
         num_layers = num_layers if num_layers is not None else len(layer_groups)
@@ -229,13 +295,6 @@ class PagedKvStore:
             raise KvCacheError(f"the block geometry groups {len(layer_groups)} layers and the pool has "
                                f"{num_layers}: build it from the model's layer windows")
 
-    def set_ropes(self, ropes: Sequence) -> None:
-        """The model's ropes with tables (one per distinct ``table_key`` is kept)."""
-        seen: dict = {}
-        for rope in ropes:
-            seen.setdefault(rope.table_key, rope)
-        self.ropes = list(seen.values())
-
     def has(self, cache_id: Hashable) -> bool:
         """False: the paged store keeps nothing per sequence (the block manager knows)."""
         return False
@@ -245,128 +304,26 @@ class PagedKvStore:
         raise UnknownCacheError(f"the paged store keeps no per-sequence state ({cache_id!r}): "
                                 "ask the block manager's owner (the scheduler, or LlmExecutor)")
 
-    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
-                as_decode: Sequence[bool] = (), blocks: Optional[BatchBlocks] = None,
-                ) -> tuple[list[KvPass], Callable[[], None]]:
-        """Pack every item into one pass, decode tokens first, at the slots ``blocks`` gives.
-
-        The store allocates nothing: the owner of the block manager (the scheduler, or the
-        low-level executor adapter) appended the slots and hands over each row's slots and
-        block tables (:class:`~mlx_ferrum.kv_cache.block_tables.BatchBlocks`); the store
-        makes the batch's copy-on-write copies in the pool and lays the pass out.
-
-        Args:
-            items: ``(cache_id, token ids)`` per sequence (only the counts are read).
-            as_decode: per item, True to lay its ``n`` tokens out as ``n`` decode rows of
-                one query each (the same block table, context lengths ``start + 1`` ..
-                ``start + n``) instead of one prefill segment. Each token then attends to
-                the cache up to itself, exactly as causal prefill attention would (every
-                row's K/V is written before any row attends), so a speculative draft
-                runs through the decode attention, and through the compiled decode step
-                when the whole pass is decode rows, as vLLM runs drafts as multi-query decode.
-            blocks: the step's rows, one per item's cache id, each with as many slots as
-                the item has tokens.
+    def prepare(self, cache_ids: Sequence[Hashable], blocks: Optional[BatchBlocks] = None) -> Callable[[], None]:
+        """Make the step's copy-on-write block copies (``blocks.copies``: per layer group,
+        ``(src, dst)`` block pairs the block manager's owner planned) in the pool, in that
+        group's layers; each list is emptied, so the copies are made once. The store
+        allocates nothing: ``cache_ids`` are unused (the rows' slots are in ``blocks``).
 
         Returns:
-            ``([KvPass], undo)``; ``undo`` does nothing (the block owner gives slots back).
+            ``undo``, which does nothing (the block owner gives the slots back).
 
         Raises:
-            ExecutorError: ``blocks`` missing, or a row absent or of another token count.
+            ExecutorError: ``blocks`` missing.
         """
         if blocks is None:
             raise ExecutorError("the paged store allocates no blocks: pass the step's BatchBlocks "
                                 "(the scheduler's SchedulerOutput.kv, or use LlmExecutor)")
-        expand = [bool(as_decode[i]) if i < len(as_decode) else False for i in range(len(items))]
-        # decode rows (one token, or expanded drafts) first, stable
-        order = sorted(range(len(items)), key=lambda i: not (len(items[i][1]) == 1 or expand[i]))
-        starts: list[int] = []
-        group_slots: list[list[int]] = [[] for _ in self.group_windows]
-        rows = []
-        for i in order:
-            cid, tokens = items[i]
-            row = blocks.rows.get(cid)
-            if row is None or row.num_tokens != len(tokens):
-                raise ExecutorError(
-                    f"cache {cid!r} brings {len(tokens)} tokens but the step's blocks hold "
-                    f"{'no row' if row is None else f'{row.num_tokens} slots'} for it: allocate its slots first")
-            for g, slots in enumerate(row.slots):
-                group_slots[g].extend(slots)
-            starts.append(row.start)
-            rows.append(row)
         for g, pairs in enumerate(blocks.copies):
             if pairs:
                 self.pool.copy_blocks(pairs, layers=[n for n, x in enumerate(self.layer_groups) if x == g])
                 pairs.clear()  # made once, by the first pass that reads them
-        lens = np.fromiter((len(items[i][1]) for i in order), dtype=np.int64, count=len(order))
-        item_qsl = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=item_qsl[1:])
-        starts_np = np.asarray(starts, dtype=np.int64)
-        # position of packed token j: its sequence's start + (j - that sequence's first row)
-        positions = np.arange(int(item_qsl[-1]), dtype=np.int64) - np.repeat(item_qsl[:-1] - starts_np, lens)
-        # attention rows: one per item, or one per token of an expanded item
-        if any(expand):
-            expanded = np.fromiter((expand[i] for i in order), dtype=bool, count=len(order))
-            row_item = np.repeat(np.arange(len(order), dtype=np.int64), np.where(expanded, lens, 1))
-            row_lens = np.where(expanded[row_item], 1, lens[row_item])
-        else:
-            row_item, row_lens = np.arange(len(order), dtype=np.int64), lens
-        qsl = np.zeros(len(row_lens) + 1, dtype=np.int64)
-        np.cumsum(row_lens, out=qsl[1:])
-        ctx_np = positions[qsl[1:] - 1] + 1  # each row attends up to its last token
-        ctx = ctx_np.tolist()
-        tables = [self._block_tables([row.block_tables[g] for row in rows]) for g in range(len(self.group_windows))]
-        if len(row_item) != len(order):
-            tables = [t[row_item] for t in tables]
-        num_decode = int(np.sum(row_lens == 1))
-        shared = [None] * len(tables)
-        # decode rows come first, in item order: the last one's item counts the sequences
-        if num_decode and int(row_item[num_decode - 1]) + 1 >= SHARED_PREFIX_MIN_SEQS:
-            row_seqs = row_item[:num_decode] if len(row_item) != len(order) else None
-            shared = [self.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], self.block_size,
-                                                 self.metal_kernels, row_seqs=row_seqs)
-                      if window is None else None for t, window in zip(tables, self.group_windows)]
-        inputs = PagedPassInputs(
-            positions=positions.astype(np.int32),
-            context_lens=np.asarray(ctx, dtype=np.int32),
-            query_start_loc=qsl.astype(np.int32),
-            num_decode_seqs=num_decode,
-            host_context_lens=ctx,
-            host_query_start_loc=qsl.tolist(),
-            slot_mappings=[np.asarray(gs, dtype=np.int32) for gs in group_slots],
-            block_tables=tables,
-            shared_prefixes=shared if any(x is not None for x in shared) else [],
-        )
-        decode_rows = num_decode if num_decode == int(item_qsl[-1]) else 0
-        return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), inputs, packed=True,
-                       decode_rows=decode_rows)], _nothing
-
-    def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> PagedMetadata:
-        """The pass's complete :class:`~mlx_ferrum.layers.backends.PagedMetadata` (numpy
-        inputs moved to the device; ``dtype``, the activation dtype, is unused here)."""
-        f: PagedPassInputs = kv_pass.inputs
-        return paged_metadata(
-            self.backend, self.pool, mx.array(f.positions), mx.array(f.context_lens), f.num_decode_seqs,
-            self.layer_groups, [mx.array(x) for x in f.slot_mappings], [mx.array(x) for x in f.block_tables],
-            ropes=self.ropes, query_start_loc=mx.array(f.query_start_loc), host_context_lens=f.host_context_lens,
-            host_query_start_loc=f.host_query_start_loc, metal_kernels=self.metal_kernels,
-            shared_prefixes=[None if x is None else x.to_device() for x in f.shared_prefixes],
-        )
-
-    @staticmethod
-    def _block_tables(tables: list) -> np.ndarray:
-        """``[num_seqs, max_blocks]`` int32 from per-row block id lists, zero-padded; blocks
-        freed outside a sliding window (-1) point at block 0, which attention never reads for them."""
-        widths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        table_arr = np.zeros((len(tables), int(widths.max())), dtype=np.int32)
-        if len(tables) <= 8:
-            for r, t in enumerate(tables):
-                table_arr[r, : len(t)] = t
-        else:
-            # one flat copy (row r's blocks fill its first widths[r] columns): a row at
-            # a time costs about 2 us per row
-            table_arr[np.arange(table_arr.shape[1])[None, :] < widths[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(tables), dtype=np.int32, count=int(widths.sum()))
-        return np.maximum(table_arr, 0, out=table_arr)
+        return _nothing
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Nothing to do: a paged sequence's blocks are its block manager's to free."""
@@ -433,9 +390,6 @@ class ContiguousKvStore:
         self.backend = backend if backend is not None else ContiguousAttentionBackend()
         self.caches: dict[Hashable, list[ContiguousKvCache]] = {}
 
-    def set_ropes(self, ropes: Sequence) -> None:
-        """Unused: contiguous passes rotate by each row's offset (``mx.fast.rope``), no tables."""
-
     def has(self, cache_id: Hashable) -> bool:
         """True when ``cache_id`` holds a cache."""
         return cache_id in self.caches
@@ -450,14 +404,10 @@ class ContiguousKvStore:
         """Tokens stored (raises UnknownCacheError for an unknown id)."""
         return self._get(cache_id)[0].len
 
-    def prepare(self, items: Sequence[tuple[Hashable, Sequence[int]]],
-                as_decode: Sequence[bool] = (), blocks: Optional[BatchBlocks] = None,
-                ) -> tuple[list[KvPass], Callable[[], None]]:
-        """One pass per distinct new-token count; caches are created as needed. The K/V
-        writes happen inside attention, so ``undo`` truncates back to these lengths."""
-        groups: dict[int, list[int]] = {}
-        for i, (_, tokens) in enumerate(items):
-            groups.setdefault(len(tokens), []).append(i)
+    def prepare(self, cache_ids: Sequence[Hashable], blocks: Optional[BatchBlocks] = None) -> Callable[[], None]:
+        """Create the caches of ``cache_ids`` that do not exist (``blocks`` is unused). The
+        K/V writes happen inside attention, so the returned ``undo`` truncates every cache
+        back to its length now and drops the caches created here."""
         touched: list[tuple[list[ContiguousKvCache], int]] = []
         created: list[Hashable] = []
 
@@ -469,31 +419,17 @@ class ContiguousKvStore:
             for cid in created:
                 self.caches.pop(cid, None)
 
-        passes = []
         try:
-            for n, idxs in groups.items():
-                caches = []
-                for i in idxs:
-                    cid = items[i][0]
-                    if cid not in self.caches:
-                        self.caches[cid] = self.make_caches()
-                        created.append(cid)
-                    caches.append(self.caches[cid])
-                prev = [c[0].len for c in caches]
-                touched.extend(zip(caches, prev))
-                inputs = ContiguousPassInputs(np.asarray(prev, dtype=np.int32), caches, [p + n for p in prev])
-                passes.append(KvPass(idxs, len(idxs), n, [j * n for j in range(len(idxs))], inputs))
+            for cid in cache_ids:
+                if cid not in self.caches:
+                    self.caches[cid] = self.make_caches()
+                    created.append(cid)
+                caches = self.caches[cid]
+                touched.append((caches, caches[0].len))
         except BaseException:  # Ctrl-C too: no half-created caches stay behind
             undo()
             raise
-        return passes, undo
-
-    def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> ContiguousMetadata:
-        """The pass's :class:`~mlx_ferrum.layers.backends.ContiguousMetadata`: offsets on the
-        device, the rows' caches, and the pad mask (in ``dtype``) for rows of different lengths."""
-        f: ContiguousPassInputs = kv_pass.inputs
-        return ContiguousMetadata(self.backend, mx.array(f.offsets), f.caches,
-                                  contiguous_pad_mask(f.cache_lens_after, kv_pass.cols, dtype))
+        return undo
 
     def truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Keep the first ``new_len`` tokens (their buffers stay allocated)."""

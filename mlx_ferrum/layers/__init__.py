@@ -1,7 +1,7 @@
 """Layers shared by every model family: the attention call and its backends (no cache |
 contiguous | paged), rope variants, norms, MLP.
 
-Models import from here; the KV store builds the metadata (:data:`AttentionMetadata`:
+Models import from here; the runner builds the metadata (:data:`AttentionMetadata`:
 one of the typed metadata classes of :mod:`.backends`, carrying its backend) these layers read.
 """
 

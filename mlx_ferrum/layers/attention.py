@@ -1,6 +1,6 @@
 """The one attention call every model layer makes, and the metadata it takes.
 
-The runner's KV store builds one typed metadata object per forward pass, before the
+The runner builds one typed metadata object per forward pass, before the
 model runs (:mod:`mlx_ferrum.layers.backends`: :class:`NoCacheMetadata`,
 :class:`ContiguousMetadata`, :class:`PagedMetadata`), and hands it to the model; each
 attention layer hands its projected q/k/v to :func:`rope_attention` with it. The

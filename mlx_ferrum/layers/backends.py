@@ -4,7 +4,7 @@ A backend is chosen ONCE, when the KV store is built
 (:func:`mlx_ferrum.kv_cache.factory.build_kv_store`), and every pass's metadata carries
 it; the layers call ``meta.backend`` and never ask which layout is in use. This is the
 split vLLM makes between an ``AttentionBackend`` (the attention implementation), its
-``AttentionMetadata`` (built once per step by the store, before the model runs) and
+``AttentionMetadata`` (built once per step by the runner, before the model runs) and
 the KV storage it reads.
 
 Backends (one per layout; a quantized KV cache is another backend over another storage):
@@ -197,7 +197,7 @@ def paged_metadata(
     index arrays, decode indices, Metal launch arrays, RoPE tables) are derived here,
     once, from the step's arrays.
 
-    Called by the store for an eager pass and inside the compiled decode step's trace
+    Called by the runner's pass builder for an eager pass and inside the compiled decode step's trace
     (where the step's arrays are the traced inputs, so the derived ones are part of the
     compiled graph rather than constants of one trace).
 

@@ -6,7 +6,8 @@
 - :mod:`.llm_runner`: :class:`LlmRunner`, the implementation: the model, the KV store
   (built once by :func:`mlx_ferrum.kv_cache.factory.build_kv_store`) and the forward
   pass, in parts: :mod:`.inputs` (bucketed shapes, padded metadata arrays, token ids and
-  LoRA slots on the device), the store's ``metadata`` (typed attention metadata),
+  LoRA slots on the device), :mod:`.attention_metadata` (each pass's layout and typed
+  attention metadata, from the step's rows),
   :mod:`.compiled_decode` (the ``mx.compile``'d decode step) and :mod:`.model_facts`
   (dtype, rope tables and layer windows read off the loaded model).
 

@@ -2,12 +2,13 @@
 ``mx.compile`` and replayed (the idea of vLLM's CUDA-graph capture sizes).
 
 :class:`CompiledDecodeStep` is a part of :class:`~mlx_ferrum.runner.LlmRunner` (mixed
-into it): it reads the runner's store, pool, LoRA registry and model call
-(``self.store``, ``self.pool``, ``self.kv_geometry``, ``self.lora``, ``self._call_model``,
+into it): it reads the runner's store, pass builder, pool, LoRA registry and model call
+(``self.store``, ``self.passes``, ``self.pool``, ``self.kv_geometry``, ``self.lora``, ``self._call_model``,
 ``self._scratch_block``, ``self._metal_kernels``, ``self._packed_tokens``,
 ``self._wait_for_pools``, ``self._compiled_decode``) and is used by the runner's
 forward pass for passes whose every row is a decode row. The pass's slots and block
-tables come from the block manager's owner, as for every pass; the step only pads them.
+tables come from the block manager's owner and its arrays from the runner's pass builder
+(:mod:`.attention_metadata`), as for every pass; the step only pads them.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class CompiledDecodeStep:
         store = self.store
         meta = paged_metadata(
             store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
-            store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=store.ropes,
+            store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=self.passes.ropes,
             metal_kernels=self._metal_kernels, shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
         )
         meta.lora_slots = arrays.get("lora_slots")

@@ -3,9 +3,10 @@
 One runner holds one model and one KV store (built once by
 :func:`mlx_ferrum.kv_cache.factory.build_kv_store` from ``RuntimeConfig.kv_layout``,
 with its attention backend) and serves many sequences, each known by a ``cache_id``.
-It has ONE forward path: the store places each pass's tokens and builds its typed
-metadata (which carries the backend) before the model runs; the layouts differ only in
-their store and backend:
+It has ONE forward path: the store readies the storage a pass writes, and the runner's
+:mod:`.attention_metadata` part lays the pass out and builds its typed metadata (which
+carries the backend) before the model runs; the layouts differ only in their store,
+backend and pass builder:
 
 - contiguous: each sequence has per-layer :class:`~mlx_ferrum.kv_cache.ContiguousKvCache`.
   Batched calls put sequences on separate rows; rows whose caches differ in length are
@@ -50,6 +51,7 @@ from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata
 from ..layers.linear import cache_transposed_weights
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
+from .attention_metadata import KvPass, pass_builder
 from .compiled_decode import MAX_DECODE_TRACES, CompiledDecodeStep
 from .inputs import device_input_ids, lora_token_slots, shape_bucket
 from .model_facts import layer_windows, model_dtype, table_ropes
@@ -82,6 +84,9 @@ class LlmRunner(CompiledDecodeStep):
         model, config, args, info, dtype: the model and its facts.
         store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`) with
             its attention backend (``store.backend``).
+        passes: the pass builder of the store's layout
+            (:class:`~mlx_ferrum.runner.attention_metadata.PagedPassBuilder` or
+            ``ContiguousPassBuilder``): each pass's layout and attention metadata.
         layout: ``store.layout``, for reports.
         kv_geometry: the paged pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry`,
             from which the scheduler (or :class:`~mlx_ferrum.executor.LlmExecutor`) builds
@@ -130,7 +135,9 @@ class LlmRunner(CompiledDecodeStep):
         spec = KvSpec(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.dtype, self.max_seq_len,
                       tuple(layer_windows(model)), self.config.kv_cache_dtype)
         self.store: KvStore = build_kv_store(spec, self.config, self.weight_bytes, manager)
-        self.store.set_ropes(table_ropes(model))
+        # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
+        self._metal_kernels = bool(self.config.metal_kernels)
+        self.passes = pass_builder(self.store, table_ropes(model), self._metal_kernels)
         # before any step is traced: the projections' transposed weights become constants
         # of the compiled step rather than a Transpose node each
         cache_transposed_weights(model)
@@ -142,8 +149,6 @@ class LlmRunner(CompiledDecodeStep):
         if self.kv_geometry is not None:
             # the pool's block past the manager's (see build_kv_store)
             self._scratch_block = self.kv_geometry.num_blocks
-        # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
-        self._metal_kernels = bool(self.config.metal_kernels)
         # paged decode passes run as one compiled graph (see _decode_pass); None: op by op
         # (MLX streams belong to the thread that made them, and a trace keeps its streams:
         # each thread that runs steps gets its own compiled function)
@@ -349,8 +354,9 @@ class LlmRunner(CompiledDecodeStep):
     _input_ids = staticmethod(device_input_ids)
 
     def _forward(self, work: Sequence[SeqWork], prev: Optional[mx.array], blocks: Optional[BatchBlocks]):
-        """One code path for both layouts: the store places the tokens and says how
-        many passes they take (paged: one packed pass; contiguous: one per token count).
+        """One code path for both layouts: the store readies the storage the tokens go
+        to, and the pass builder lays them out in passes (paged: one packed pass at the
+        scheduler's slots; contiguous: one per token count).
 
         A pipeline stage (``model.pipeline_stage``, :mod:`mlx_ferrum.distributed.pipeline`)
         that can overlap splits the step into micro-batches, each placed by the store on
@@ -371,10 +377,10 @@ class LlmRunner(CompiledDecodeStep):
             with stage.deferring() if overlap else contextlib.nullcontext():
                 for indices in groups:
                     part = [work[i] for i in indices]
-                    passes, part_undo = self.store.prepare(
-                        [(w.cache_id, w.tokens) for w in part],
-                        as_decode=[self._as_decode(w, blocks) for w in part], blocks=blocks)
-                    undos.append(part_undo)
+                    items = [(w.cache_id, w.tokens) for w in part]
+                    # the storage first (a contiguous pass reads its caches' lengths)
+                    undos.append(self.store.prepare([cid for cid, _ in items], blocks))
+                    passes = self.passes.passes(items, [self._as_decode(w, blocks) for w in part], blocks)
                     for kv_pass in passes:
                         part_owner: list[int] = []
                         pieces.append(self._run_pass(part, kv_pass, prev, part_owner))
@@ -394,7 +400,7 @@ class LlmRunner(CompiledDecodeStep):
     def _as_decode(self, w: SeqWork, blocks: Optional[BatchBlocks]) -> bool:
         """True for a short row marked ``as_decode`` that returns every position's logits on
         a cache that exists (a speculative draft): it runs as one decode row per token (see
-        ``PagedKvStore.prepare``), so a batch of drafts stays a decode pass and goes
+        ``PagedPassBuilder.passes``), so a batch of drafts stays a decode pass and goes
         through the compiled step instead of the op-by-op prefill path."""
         if not (w.as_decode and w.all_logits and 1 < len(w.tokens) <= MAX_DECODE_EXPANSION and w.prev_row < 0
                 and blocks is not None):
@@ -421,7 +427,7 @@ class LlmRunner(CompiledDecodeStep):
         except Exception:  # noqa: BLE001 - the failure being handled already reports it
             pass
 
-    def _run_pass(self, work: Sequence[SeqWork], kv_pass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
+    def _run_pass(self, work: Sequence[SeqWork], kv_pass: KvPass, prev: Optional[mx.array], owner: list[int]) -> mx.array:
         """Build one pass's metadata and input ids and call the model (lazily); returns the
         logits rows of its items ``[R, vocab]`` and appends their owners to ``owner``."""
         if self._compiled_decode is not None and self._is_decode_pass(work, kv_pass):
@@ -444,7 +450,7 @@ class LlmRunner(CompiledDecodeStep):
             k = w.num_logit_rows
             rows.extend(range(start + n - k, start + n))
             owner.extend([i] * k)
-        meta = self.store.metadata(kv_pass, self.dtype)
+        meta = self.passes.metadata(kv_pass, self.dtype)
         meta.lora_slots = self._lora_token_slots(work, kv_pass, flat.size)
         # the LM head runs only on the rows whose logits are returned
         if not (len(rows) == flat.size and rows == list(range(flat.size))):

@@ -34,12 +34,13 @@ class SeqWork:
             ``prev_row`` of the ``prev_tokens`` device array given to
             :meth:`ModelRunner.forward` (``tokens[-1]`` is a placeholder then).
         as_decode: lay the tokens out as one decode row each (the same results as a
-            prefill segment; see ``PagedKvStore.prepare``): the engine sets it for a
+            prefill segment; see ``PagedPassBuilder.passes``): the engine sets it for a
             speculative draft, whose few tokens then keep a batch of drafts on the
             compiled decode step. Honoured by the paged layout for rows of at most
             ``MAX_DECODE_EXPANSION`` tokens with ``all_logits`` on an existing cache.
         lora_slot: the resident LoRA slot these tokens run with
-            (:meth:`ModelRunner.acquire_lora`), or -1 for the base model. A row laid out
+            (:meth:`ModelRunner.acquire_lora`), or -1 for the base model; the engine copies
+            it from the scheduler's row (``ScheduledItem.lora_slot``). A row laid out
             ``as_decode`` runs every one of its decode rows with it.
     """
 
