@@ -41,19 +41,18 @@ import mlx.core as mx
 
 from ..errors import KvCacheError, UnknownCacheError
 from ..kernels.reference import SHARED_PREFIX_MIN_SEQS
-from ..layers.backends import (
+from ..layers.attention import (
     AttentionBackend,
     ContiguousAttentionBackend,
     ContiguousMetadata,
     PagedAttentionBackend,
     PagedMetadata,
+    contiguous_pad_mask,
     paged_metadata,
 )
-from ..layers.sdpa import contiguous_pad_mask
 from .contiguous import ContiguousKvCache
 from ..errors import ExecutorError
-from .block_tables import BatchBlocks, KvGeometry
-from .layer_groups import LayerGroupKvManager, layer_group_windows
+from .block_tables import BatchBlocks, KvGeometry, LayerGroupKvManager, layer_group_windows
 from .pool import PagedKvPool
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedArchitectureError
-from ..kernels.exp2 import exp2, is_fusing as exp2_fusing_now
+from ..kernels.reference import exp2, is_fusing as exp2_fusing_now
 from .linear import Linear
 
 _LOG2_E = 1.4426950408889634  # exp(x) == 2 ** (x * log2(e))
@@ -34,7 +34,7 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     On MLX's CPU backend it is one fused kernel computing ``gate / (1 + 2**(-gate *
     log2(e))) * up``: there ``sigmoid`` and ``exp`` cost several times ``2**x``, and
     ``nn.silu(gate) * up`` was a fifth of a Qwen2.5-0.5B-shaped prefill. In a compiled
-    decode step's trace ``2**x`` is :func:`~mlx_ferrum.kernels.exp2.exp2`'s arithmetic.
+    decode step's trace ``2**x`` is :func:`~mlx_ferrum.kernels.reference.exp2`'s arithmetic.
     Elsewhere it is ``nn.silu(gate) * up``.
     """
     if mx.default_device().type == mx.DeviceType.cpu:

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..kernels.exp2 import fusing as exp2_fusing
 from ..kernels.reference import SharedPrefix
+from ..kernels.reference import fusing as exp2_fusing
 from ..layers.attention import paged_metadata
 from .inputs import _pad_rows, _pad_table, device_input_ids, shape_bucket
 from .protocol import SeqWork
