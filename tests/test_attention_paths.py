@@ -136,7 +136,7 @@ def test_mixed_prefill_batch_equals_the_no_cache_forward(family):
 def test_swiglu_equals_silu_times_up(dtype):
     import mlx.nn as nn
 
-    from mlx_ferrum.layers.mlp import swiglu
+    from mlx_ferrum.layers.dense import swiglu
 
     rng = np.random.default_rng(5)
     gate32 = mx.array((rng.normal(size=(7, 33)) * 6).astype(np.float32))

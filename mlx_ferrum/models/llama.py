@@ -29,9 +29,8 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, rope_attention
-from ..layers.linear import Linear
+from ..layers.dense import GatedMLP, Linear
 from .config_validation import validate_config
-from ..layers.mlp import GatedMLP
 from ..layers.rope import Rope, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -48,7 +48,7 @@ from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.block_tables import BatchBlocks, KvGeometry
 from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata
-from ..layers.linear import cache_transposed_weights
+from ..layers.dense import cache_transposed_weights
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
 from .compiled_decode import MAX_DECODE_TRACES, CompiledDecodeStep
 from .inputs import device_input_ids, lora_token_slots, shape_bucket
