@@ -4,14 +4,14 @@ Three measurements behind choices in ``mlx_ferrum/kernels`` (each side alternate
 its baseline in the same process, medians over the repeats):
 
 1. ``2 ** x`` per element: ``mx.exp``, ``mx.power(2.0, x)`` and the fused arithmetic of
-   ``kernels.exp2`` inside ``mx.compile``, on decode-sized (90 K) scores.
+   ``kernels.reference.exp2`` inside ``mx.compile``, on decode-sized (90 K) scores.
 2. A wave of prompt tails: N requests sharing a prefix-cached system prompt (the chat
    workload of ``bench_serving.py``) arrive at once; the step that prefills their
    uncached tails, with the reference prefill's base-2 softmax (the default) against
    ``mx.fast.scaled_dot_product_attention``, which computes ``exp`` on this backend.
 3. A decode step of the compiled paged step over 1, 4 and N sequences of C tokens, with
-   the fused ``2 ** x`` (forced at every size) against ``mx.power`` (``kernels.exp2.fusing``
-   made a no-op); the default fuses only scores of at least ``kernels.exp2.MIN_FUSED_SIZE``
+   the fused ``2 ** x`` (forced at every size) against ``mx.power`` (``kernels.reference.fusing``
+   made a no-op); the default fuses only scores of at least ``kernels.reference.MIN_FUSED_SIZE``
    elements, and the table says which side it takes at each size.
 4. Where an ``Engine.step`` goes at 8 and N requests (32-token prompts, 128 greedy tokens
    each): time blocked in ``mx.async_eval`` (the device working: on the CPU backend it
@@ -48,7 +48,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import mlx_ferrum as mf  # noqa: E402
 from common import print_header, print_table  # noqa: E402
-from mlx_ferrum.kernels import exp2 as exp2_module  # noqa: E402
 from mlx_ferrum.kernels import reference  # noqa: E402
 from mlx_ferrum.runner.protocol import SeqWork  # noqa: E402
 import mlx_ferrum.runner.compiled_decode as compiled_decode  # noqa: E402
@@ -70,18 +69,18 @@ def bench_exponential(repeats: int) -> list[list]:
     mx.eval(scores)
 
     def fused(x):
-        with exp2_module.fusing():
-            return exp2_module.exp2(x)
+        with reference.fusing():
+            return reference.exp2(x)
 
     sides = {"mx.exp": mx.compile(mx.exp), "mx.power(2, x)": mx.compile(lambda x: mx.power(2.0, x)),
-             "kernels.exp2 (fused)": mx.compile(fused)}
+             "reference.exp2 (fused)": mx.compile(fused)}
     rows = []
     for name, fn in sides.items():
         ms = _per_call_ms(lambda: fn(scores), repeats)
         rows.append([name, scores.size, f"{ms:.3f}", f"{ms * 1e6 / scores.size:.2f}"])
-    # the size past which kernels.exp2 falls back to mx.power (MAX_FUSED_SIZE)
-    graph = mx.compile(exp2_module._exp2_graph)
-    for size in (exp2_module.MAX_FUSED_SIZE, 8 * exp2_module.MAX_FUSED_SIZE):
+    # the size past which kernels.reference.exp2 falls back to mx.power (MAX_FUSED_SIZE)
+    graph = mx.compile(reference._exp2_graph)
+    for size in (reference.MAX_FUSED_SIZE, 8 * reference.MAX_FUSED_SIZE):
         x = mx.random.uniform(-30.0, 0.0, (size,))
         mx.eval(x)
         for name, fn in (("fused arithmetic", graph), ("mx.power(2, x)", sides["mx.power(2, x)"])):
@@ -182,12 +181,12 @@ def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: in
 
     def fused_side() -> float:
         runner.runner._compiled_decode = {}  # retrace with the fused 2**x, whatever the size
-        real = exp2_module.MIN_FUSED_SIZE
-        exp2_module.MIN_FUSED_SIZE = 0
+        real = reference.MIN_FUSED_SIZE
+        reference.MIN_FUSED_SIZE = 0
         try:
             step()
         finally:
-            exp2_module.MIN_FUSED_SIZE = real
+            reference.MIN_FUSED_SIZE = real
         return timed()
 
     def power_side() -> float:
@@ -199,9 +198,9 @@ def _decode_step_rows(model, tokenizer, requests: int, context: int, repeats: in
     fused, power = _alternate(fused_side, power_side, repeats)
     f, p = statistics.median(fused), statistics.median(power)
     ratios = sorted(b / a for a, b in zip(fused, power))
-    # the scores' size decides which one the default takes (kernels.exp2.MIN_FUSED_SIZE)
+    # the scores' size decides which one the default takes (kernels.reference.MIN_FUSED_SIZE)
     scores = requests * model.args.num_attention_heads * context
-    default = "fused" if scores >= exp2_module.MIN_FUSED_SIZE else "mx.power"
+    default = "fused" if scores >= reference.MIN_FUSED_SIZE else "mx.power"
     return [[f"{requests} x {context} tokens (~{scores} scores), fused 2**x", f"{f:.2f}", "", default],
             [f"{requests} x {context} tokens, mx.power", f"{p:.2f}",
              f"{p / f:.2f}x the fused time ({ratios[0]:.2f}-{ratios[-1]:.2f})", ""]]
@@ -270,7 +269,7 @@ def bench_shared_prefix_step(model, tokenizer, requests: int, context: int, repe
 
 
 def bench_fresh_prefill(model, tokenizer, context: int, repeats: int) -> list[list]:
-    import mlx_ferrum.layers.sdpa as sdpa_module
+    import mlx_ferrum.layers.attention as attention_module
     engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
     rng = np.random.default_rng(6)
     params = mf.SamplingParams(max_tokens=1, temperature=0.0)
@@ -285,7 +284,7 @@ def bench_fresh_prefill(model, tokenizer, context: int, repeats: int) -> list[li
         return elapsed * 1e3
 
     def untiled() -> float:
-        with _patched(sdpa_module, "PREFILL_GROUP_SCORES", 1 << 62):
+        with _patched(attention_module, "PREFILL_GROUP_SCORES", 1 << 62):
             return prefill()
 
     prefill()
@@ -340,7 +339,7 @@ def main(argv=None) -> int:
                  {"model": args.model, "requests": args.requests, "context": args.context, "repeats": args.repeats})
     model, tokenizer = mf.load(args.model)
     if 1 in sections:
-        print("\n1. 2**x, compiled: decode-sized scores, then at kernels.exp2.MAX_FUSED_SIZE and 8x past it")
+        print("\n1. 2**x, compiled: decode-sized scores, then at kernels.reference.MAX_FUSED_SIZE and 8x past it")
         print_table(["function", "elements", "ms per call", "ns per element"], bench_exponential(args.repeats))
     if 2 in sections:
         print("\n2. the step that prefills a wave of prompt tails (prefix-cached system prompt)")

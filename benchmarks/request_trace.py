@@ -72,8 +72,7 @@ IDLE_SAMPLE_S = 0.5
 
 #: The files of the deepest layers, where the path's seed is looked for (kernels first).
 KERNEL_PREFIXES = ("mlx_ferrum/kernels/",)
-ATTENTION_FILES = ("mlx_ferrum/layers/attention.py", "mlx_ferrum/layers/backends.py", "mlx_ferrum/layers/sdpa.py",
-                   "mlx_ferrum/layers/quantized_backends.py")
+ATTENTION_FILES = ("mlx_ferrum/layers/attention.py", "mlx_ferrum/layers/quantized_backends.py")
 
 
 @dataclass

@@ -136,7 +136,7 @@ def test_mixed_prefill_batch_equals_the_no_cache_forward(family):
 def test_swiglu_equals_silu_times_up(dtype):
     import mlx.nn as nn
 
-    from mlx_ferrum.layers.mlp import swiglu
+    from mlx_ferrum.layers.dense import swiglu
 
     rng = np.random.default_rng(5)
     gate32 = mx.array((rng.normal(size=(7, 33)) * 6).astype(np.float32))
@@ -267,3 +267,40 @@ def test_a_long_causal_pass_takes_query_tiles_over_the_keys_each_tile_sees(monke
     assert len(seen) > 1 and sum(rows for rows, _ in seen) == 300
     assert [keys for _, keys in seen] == sorted(keys for _, keys in seen) and seen[-1][1] == 300
     assert sum(rows * keys for rows, keys in seen) < 0.7 * 300 * 300
+
+
+# ------------------------------------------------------ the kernels: chosen once per backend
+def test_the_paged_backend_chooses_its_kernels_once_when_it_is_built(monkeypatch):
+    """No attention call asks again whether the Metal path is on: the backend built by the
+    executor holds the reference functions, and a pass with decode, fresh and continuing
+    prefill rows runs without consulting the flag."""
+    from mlx_ferrum import kernels
+
+    asked = []
+    real = kernels.metal_path_enabled
+    monkeypatch.setattr(kernels, "metal_path_enabled", lambda *a: asked.append(a) or real(*a))
+    model = tiny_model("llama")
+    ex = LlmExecutor(model, RuntimeConfig(kv_layout="paged", block_size=8, max_num_blocks=32, enforce_eager=True,
+                                          metal_kernels=False))
+    assert len(asked) == 1
+    chosen = ex.runner.store.backend.kernels
+    asked.clear()
+    ex.run([SeqWork("a", [1, 2, 3]), SeqWork("b", [4, 5, 6])])
+    ex.run([SeqWork("a", [7]), SeqWork("b", [8, 9]), SeqWork("c", [10, 11, 12, 13])])
+    assert asked == []
+    assert chosen.decode is reference.paged_attention_decode and chosen.prefill is reference.paged_prefill_attention
+
+
+def test_the_environment_flag_is_read_when_the_backend_is_built(monkeypatch):
+    """``FERRUM_METAL_KERNELS=0`` set before a backend is built forces the reference even with
+    a launcher installed; a backend built with the launcher and no flag takes the Metal path."""
+    from mlx_ferrum.kernels import metal
+    from mlx_ferrum.kernels.reference import paged_attention_decode as reference_decode
+
+    with metal.use_launcher(lambda **kw: None):
+        monkeypatch.setenv("FERRUM_METAL_KERNELS", "0")
+        off = PagedAttentionBackend()
+        monkeypatch.delenv("FERRUM_METAL_KERNELS")
+        on = PagedAttentionBackend()
+    assert not off.kernels.metal and off.kernels.decode is reference_decode
+    assert on.kernels.metal and on.kernels.decode is not reference_decode

@@ -1,12 +1,12 @@
-"""The softmaxes' ``2 ** x`` (``mlx_ferrum.kernels.exp2``) against numpy in float64."""
+"""The softmaxes' ``2 ** x`` (``mlx_ferrum.kernels.reference.exp2``) against numpy in float64."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_ferrum.kernels import exp2 as exp2_module
-from mlx_ferrum.kernels.exp2 import exp2, fusing
+from mlx_ferrum.kernels import reference
+from mlx_ferrum.kernels.reference import exp2, fusing
 
 
 def _inputs() -> np.ndarray:
@@ -37,17 +37,17 @@ def _scores(n: int) -> mx.array:
 
 
 def test_large_inputs_keep_mx_power_even_when_fusing(monkeypatch):
-    monkeypatch.setattr(exp2_module, "MAX_FUSED_SIZE", 1000)
-    monkeypatch.setattr(exp2_module, "MIN_FUSED_SIZE", 1)
+    monkeypatch.setattr(reference, "MAX_FUSED_SIZE", 1000)
+    monkeypatch.setattr(reference, "MIN_FUSED_SIZE", 1)
     x = _scores(1001)
     with fusing():
         assert np.array_equal(np.array(exp2(x)), np.array(mx.power(2.0, x)))
         assert not np.array_equal(np.array(exp2(x[:1000])), np.array(mx.power(2.0, x[:1000])))
-    assert not getattr(exp2_module._local, "fusing", False)  # the block restores the flag
+    assert not getattr(reference._local, "fusing", False)  # the block restores the flag
 
 
 def test_small_inputs_keep_mx_power_even_when_fusing(monkeypatch):
-    monkeypatch.setattr(exp2_module, "MIN_FUSED_SIZE", 1000)
+    monkeypatch.setattr(reference, "MIN_FUSED_SIZE", 1000)
     x = _scores(1000)
     with fusing():
         assert np.array_equal(np.array(exp2(x[:999])), np.array(mx.power(2.0, x[:999])))
@@ -72,7 +72,7 @@ def test_the_default_sizes_fuse_decode_scores_of_batches_only():
 def test_eager_arithmetic_serves_every_shape_and_matches_float64():
     """``exp2_eager``: one shapeless compiled kernel for inputs of any shape (prompt-tail
     scores differ in every call), within float32 rounding of float64."""
-    from mlx_ferrum.kernels.exp2 import MIN_EAGER_FUSED_SIZE, exp2_eager
+    from mlx_ferrum.kernels.reference import MIN_EAGER_FUSED_SIZE, exp2_eager
 
     rng = np.random.default_rng(4)
     for shape in [(1, 8, 45, 380), (1, 4, 2, 31, 357), (MIN_EAGER_FUSED_SIZE,)]:
@@ -89,7 +89,7 @@ def test_eager_arithmetic_runs_on_any_thread():
     """The compiled kernel is per thread: a graph traced on one thread keeps its streams."""
     import threading
 
-    from mlx_ferrum.kernels.exp2 import exp2_eager
+    from mlx_ferrum.kernels.reference import exp2_eager
 
     x = mx.array(np.linspace(-20, 0, 1 << 16, dtype=np.float32))
     results, errors = [], []
@@ -112,6 +112,6 @@ def test_range_reduction_rounds_to_nearest_even_inside_a_compiled_kernel():
     """``n = round(x)`` comes from adding and taking away 1.5 * 2**23 (so the compiled
     kernel keeps it fused); numpy's ``rint`` (ties to even) is the reference, halves included."""
     x = np.concatenate([np.arange(-127.0, 128.5, 0.5), np.linspace(-127.0, 128.0, 20_001)]).astype(np.float32)
-    _, bits = mx.compile(exp2_module._exp2_parts)(mx.array(x))
+    _, bits = mx.compile(reference._exp2_parts)(mx.array(x))
     whole = (np.array(bits) >> 23) - 127
     assert np.array_equal(whole, np.rint(x).astype(np.int32))

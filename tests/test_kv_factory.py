@@ -12,7 +12,7 @@ from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvCacheManager
 from mlx_ferrum.kv_cache.factory import KvSpec, build_kv_store, pool_num_blocks
 from mlx_ferrum.kv_cache.store import bytes_per_block, default_num_blocks
 from mlx_ferrum.kv_cache.store import ContiguousKvStore, PagedKvStore
-from mlx_ferrum.layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
+from mlx_ferrum.layers.attention import ContiguousAttentionBackend, PagedAttentionBackend
 from mlx_ferrum.runner import LlmRunner
 from support.tiny_models import tiny_model
 

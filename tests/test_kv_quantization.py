@@ -440,7 +440,7 @@ def test_contiguous_backend_decode_batches_rows_of_different_lengths(kind, windo
     attends from each row's codes; every row equals the float64 oracle over what its
     cache stores. Rows past a whole read granule (128 slots) before their window start
     the read there."""
-    from mlx_ferrum.layers.backends import ContiguousMetadata
+    from mlx_ferrum.layers.attention import ContiguousMetadata
     from mlx_ferrum.layers.quantized_backends import QuantizedContiguousAttentionBackend
 
     caches = []

@@ -1,4 +1,4 @@
-"""``layers.linear.Linear``: the same products as ``mlx.nn.Linear`` (and numpy), without a
+"""``layers.dense.Linear``: the same products as ``mlx.nn.Linear`` (and numpy), without a
 Transpose node once its transposed weight is cached, and never from a stale weight."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_ferrum.layers.linear import Linear, cache_transposed_weights
+from mlx_ferrum.layers.dense import Linear, cache_transposed_weights
 
 
 def _graph_text(*arrays: mx.array) -> str:

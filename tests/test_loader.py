@@ -32,7 +32,7 @@ from mlx_ferrum.errors import (
     UnsupportedArchitectureError,
     WeightShapeError,
 )
-from mlx_ferrum.layers.linear import Linear
+from mlx_ferrum.layers.dense import Linear
 from mlx_ferrum.models import SUPPORTED_MODEL_TYPES, load_model, resolve_model_path
 from mlx_ferrum.models import loader as loader_mod
 

@@ -1,5 +1,5 @@
 """The layers and models never ask which KV layout is in use: they call the attention
-backend the pass's metadata carries (mlx_ferrum.layers.backends), chosen once when the
+backend the pass's metadata carries (mlx_ferrum.layers.attention), chosen once when the
 KV store was built."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _sources():
 
 def test_the_scan_covers_the_attention_layers_and_the_model_families():
     names = {p.relative_to(ROOT).as_posix() for p in _sources()}
-    assert {"layers/attention.py", "layers/backends.py", "models/llama.py", "models/gemma3.py"} <= names
+    assert {"layers/attention.py", "layers/quantized_backends.py", "models/llama.py", "models/gemma3.py"} <= names
 
 
 @pytest.mark.parametrize("pattern", LAYOUT_TESTS, ids=lambda p: p.pattern)

@@ -22,7 +22,7 @@ from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.errors import ConfigurationError
 from mlx_ferrum.kernels.quantized_reference import dequantize_kv, quantize_kv, rotate
 from mlx_ferrum.kv_cache.quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool
-from mlx_ferrum.layers.backends import NoCacheAttentionBackend, NoCacheMetadata
+from mlx_ferrum.layers.attention import NoCacheAttentionBackend, NoCacheMetadata
 from mlx_ferrum.layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
 from mlx_ferrum.executor import LlmExecutor
 from mlx_ferrum.runner import LlmRunner, SeqWork

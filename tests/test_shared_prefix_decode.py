@@ -13,7 +13,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.kernels import reference
-from mlx_ferrum.kernels.exp2 import fusing
+from mlx_ferrum.kernels.reference import fusing
 from support.tiny_models import tiny_model
 
 H, KVH, D, BS = 8, 2, 16, 8

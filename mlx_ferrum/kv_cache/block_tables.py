@@ -1,10 +1,26 @@
-"""What a paged forward pass reads of the block manager: geometry, per-row slots and tables.
+"""The paged layout's block manager and what a forward pass reads of it.
 
-Ownership follows vLLM's block manager (Kwon et al., SOSP 2023) and nano-vllm: the
-*scheduler* owns the :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager` (block tables,
-reference counts, prefix hashes) and allocates a step's slots while it schedules; the
-runner's :class:`~mlx_ferrum.kv_cache.store.PagedKvStore` holds only the pool arrays and
-reads the tables it is handed. Three things travel between them:
+The manager. :class:`LayerGroupKvManager` keeps one block table per layer group. Every
+paged store uses it; a model whose layers all share one window (or none) has one
+group. Gemma 3 (5 sliding layers per global one) and gpt-oss (alternating) cannot free a
+block while any full-attention layer still reads it, yet their sliding layers need
+only the last ``window`` tokens. As in vLLM's hybrid KV cache manager, layers are
+grouped by window (:func:`layer_group_windows`) and each group keeps its own block
+tables over its own block ids (one :class:`~mlx_ferrum.kv_cache.PagedKvCacheManager`
+per group): the full group holds every block of a sequence, a sliding group only the
+blocks its window covers. KV bytes held are counted per group: blocks in use times the
+bytes a block costs in that group's layers. The pool itself
+(:class:`~mlx_ferrum.kv_cache.PagedKvPool`) keeps one array per layer; a layer's block
+ids are those of its group, so the groups never share a slot. Every group's pool has
+the same number of blocks. Sequence-level questions (tokens stored, whether ``n`` more
+tokens fit, blocks free) are answered for all groups together.
+
+What travels. Ownership follows vLLM's block manager (Kwon et al., SOSP 2023) and
+nano-vllm: the *scheduler* owns the :class:`LayerGroupKvManager` (block tables,
+reference counts, prefix hashes) and allocates a step's slots while it schedules (the
+low-level executor adapter does, where there is no scheduler); the runner's
+:class:`~mlx_ferrum.kv_cache.store.PagedKvStore` holds only the pool arrays and reads
+the tables it is handed. Three things travel between them:
 
 - :class:`KvGeometry`: what the store reports about its pool (blocks, block size, layer
   groups and their windows), from which the owner builds its block manager
@@ -15,7 +31,8 @@ reads the tables it is handed. Three things travel between them:
   copies the pool must make before the step writes.
 
 :func:`append_row` is the one allocation path (the scheduler's and the low-level
-executor adapter's): it appends slots in the manager and records them in a batch.
+executor adapter's): it appends slots in the manager and records them in a batch;
+:func:`shrink_row` and :func:`undo_rows` give slots back.
 """
 
 from __future__ import annotations
@@ -23,9 +40,216 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
-from .layer_groups import LayerGroupKvManager
+from .manager import AppendResult, PagedKvCacheManager, SequenceBlocks
 
 
+# ---------------------------------------------------------------------------- the manager
+def layer_group_windows(layer_windows: Sequence[Optional[int]]) -> tuple[list[Optional[int]], list[int]]:
+    """Group layers by window: ``(window of each group, group of each layer)``.
+
+    Full attention (None) comes first, then windows in increasing size.
+    """
+    windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
+    return windows, [windows.index(w) for w in layer_windows]
+
+
+class LayerGroupKvManager:
+    """Block tables of many sequences, one table per layer group.
+
+    Args:
+        num_blocks: blocks in each group's pool.
+        block_size: tokens per block.
+        max_blocks_per_seq: longest block table a sequence may have.
+        layer_windows: the sliding window of each layer (None: full attention); the
+            default, one full-attention layer, gives one group (every layer of a model
+            without windows can share it).
+        prefix_cache: share full blocks across sequences by hash chain, per group.
+
+    Attributes:
+        groups: one :class:`PagedKvCacheManager` per group (``sliding_window`` set for
+            the sliding groups, so they free blocks outside their window).
+        layer_groups: ``layer_groups[layer]`` is the layer's group index.
+        group_windows: the window of each group.
+
+    Raises (from its methods): as :class:`PagedKvCacheManager`; an append that does
+    not fit in every group changes nothing.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        layer_windows: Sequence[Optional[int]] = (None,),
+        prefix_cache: bool = False,
+    ):
+        self.group_windows, self.layer_groups = layer_group_windows(layer_windows)
+        self.groups = [
+            PagedKvCacheManager(num_blocks, block_size, max_blocks_per_seq, prefix_cache, sliding_window=w)
+            for w in self.group_windows
+        ]
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.prefix_cache = prefix_cache
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each group's pool."""
+        return self.groups[0].num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a new sequence can take: a sequence fits when it fits in every group,
+        so this is the smallest group's free count."""
+        if len(self.groups) == 1:  # the common case, asked per sequence and step
+            return self.groups[0].allocator.num_free
+        return min(g.allocator.num_free for g in self.groups)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks in use summed over the groups (each costs only its group's layers)."""
+        return sum(g.allocator.num_in_use for g in self.groups)
+
+    @property
+    def peak_in_use(self) -> int:
+        """The groups' peak blocks in use, summed."""
+        return sum(g.allocator.peak_in_use for g in self.groups)
+
+    @property
+    def seqs(self) -> dict[Hashable, SequenceBlocks]:
+        """Group 0's sequences (token counts are the same in every group)."""
+        return self.groups[0].seqs
+
+    def _seq(self, cache_id: Hashable) -> SequenceBlocks:
+        return self.groups[0]._seq(cache_id)
+
+    def has(self, cache_id: Hashable) -> bool:
+        """True when ``cache_id`` holds block tables."""
+        return self.groups[0].has(cache_id)
+
+    def create(self, cache_id: Hashable) -> None:
+        """Start an empty sequence in every group (KvCacheError: it exists)."""
+        for g in self.groups:
+            g.create(cache_id)
+
+    def num_tokens(self, cache_id: Hashable) -> int:
+        """Tokens stored for ``cache_id`` (the same in every group)."""
+        return self.groups[0].num_tokens(cache_id)
+
+    def block_table(self, cache_id: Hashable, group: int = 0) -> list[int]:
+        """Physical block ids of ``cache_id`` in ``group`` (a copy)."""
+        return self.groups[group].block_table(cache_id)
+
+    def blocks_needed(self, cache_id: Optional[Hashable], n: int) -> int:
+        """The most new blocks any one group needs for ``n`` more tokens."""
+        if len(self.groups) == 1:  # the common case, called per sequence and step
+            return self.groups[0].blocks_needed(cache_id, n)
+        return max(g.blocks_needed(cache_id, n) for g in self.groups)
+
+    def can_append(self, cache_id: Optional[Hashable], n: int) -> bool:
+        """True when ``n`` more tokens fit in every group."""
+        return all(g.can_append(cache_id, n) for g in self.groups)
+
+    def append_slots(self, cache_id: Hashable, n: int, token_ids: Optional[Sequence[int]] = None) -> list[AppendResult]:
+        """Reserve slots for ``n`` new tokens in every group (all groups or none).
+
+        Returns:
+            One :class:`AppendResult` (slots, copy-on-write pairs) per group.
+
+        Raises:
+            KvCacheExhaustedError: some group cannot hold them; no group changed.
+        """
+        if len(self.groups) == 1:  # the common case, per sequence and step: nothing to roll back
+            return [self.groups[0].append_slots(cache_id, n, token_ids)]
+        before = self.num_tokens(cache_id)
+        results: list[AppendResult] = []
+        try:
+            for g in self.groups:
+                results.append(g.append_slots(cache_id, n, token_ids))
+        except Exception:
+            for g in self.groups[: len(results)]:
+                g.truncate(cache_id, before)
+            raise
+        return results
+
+    def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """:meth:`PagedKvCacheManager.set_token_ids` in every group."""
+        for g in self.groups:
+            g.set_token_ids(cache_id, start, token_ids)
+
+    def trim_to_window(self, cache_id: Hashable) -> None:
+        """Free, in each sliding group, the blocks outside the next token's window."""
+        for g in self.groups:
+            g.trim_to_window(cache_id)
+
+    def truncate(self, cache_id: Hashable, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens in every group (checked in all groups first).
+
+        Raises:
+            KvCacheError: see :meth:`PagedKvCacheManager.check_truncate`; nothing changed.
+        """
+        for g in self.groups:
+            g.check_truncate(cache_id, new_len)
+        for g in self.groups:
+            g.truncate(cache_id, new_len)
+
+    def release(self, cache_id: Hashable) -> None:
+        """Free every block of ``cache_id`` in every group (UnknownCacheError: unknown id)."""
+        for g in self.groups:
+            g.release(cache_id)
+
+    def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
+        """Share all of ``cache_id``'s blocks with ``new_cache_id`` in every group (copy-on-write)."""
+        for g in self.groups:
+            g.fork(cache_id, new_cache_id)
+
+    def longest_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens :meth:`match_prefix` would reuse: the shortest group's cached prefix
+        (read-only; see :meth:`PagedKvCacheManager.longest_cached_prefix`)."""
+        return min(g.longest_cached_prefix(token_ids) for g in self.groups)
+
+    def match_prefix(self, cache_id: Hashable, token_ids: Sequence[int], max_tokens: Optional[int] = None) -> int:
+        """Share cached prefix blocks in every group; the shortest group match wins (at
+        most ``max_tokens``), and the longer groups give their extra blocks back.
+
+        Raises:
+            KvCacheError: ``cache_id`` is not empty.
+        """
+        hits = [g.match_prefix(cache_id, token_ids) for g in self.groups]
+        common = min(hits)
+        if max_tokens is not None:
+            common = min(common, max(0, max_tokens) // self.block_size * self.block_size)
+        for g, hit in zip(self.groups, hits):
+            if hit > common:
+                g.truncate(cache_id, common)
+        return common
+
+    def bytes_held(self, bytes_per_token_per_layer: int) -> int:
+        """KV bytes held by all sequences: per group, blocks in use x block_size x
+        that group's layer count x ``bytes_per_token_per_layer`` (K and V together)."""
+        total = 0
+        for gi, g in enumerate(self.groups):
+            layers = self.layer_groups.count(gi)
+            total += g.allocator.num_in_use * self.block_size * layers * bytes_per_token_per_layer
+        return total
+
+    def cache_metrics_snapshot(self) -> dict:
+        """Group 0's metrics; with several groups also ``used_blocks`` per group under
+        ``group_used_blocks`` and each group's window under ``group_windows``."""
+        snap = self.groups[0].cache_metrics_snapshot()
+        if len(self.groups) == 1:
+            return snap
+        snap["group_used_blocks"] = [g.allocator.num_in_use for g in self.groups]
+        snap["group_windows"] = list(self.group_windows)
+        return snap
+
+    def check_invariants(self) -> None:
+        """Assert every group's reference counts balance (for tests)."""
+        for g in self.groups:
+            g.check_invariants()
+
+
+# ---------------------------------------------------------------------------- what a pass reads
 @dataclass(frozen=True)
 class KvGeometry:
     """A paged pool's shape, as its store reports it to the owner of the block manager.
@@ -36,7 +260,7 @@ class KvGeometry:
         block_size: tokens per block.
         max_blocks_per_seq: longest block table (``ceil(kv_capacity / block_size)``).
         layer_windows: each layer's sliding window (None: full attention); layers are
-            grouped by window (:func:`~mlx_ferrum.kv_cache.layer_groups.layer_group_windows`).
+            grouped by window (:func:`layer_group_windows`).
         prefix_cache: whether full blocks are shared by hash chain.
     """
 

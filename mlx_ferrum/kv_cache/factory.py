@@ -21,12 +21,13 @@
     compiled decode step write to.
 
 The attention backend is chosen here too, once per store, by layout and
-``kv_cache_dtype``: :class:`~mlx_ferrum.layers.backends.ContiguousAttentionBackend` /
-:class:`~mlx_ferrum.layers.backends.PagedAttentionBackend` over the model dtype ("auto"),
+``kv_cache_dtype``: :class:`~mlx_ferrum.layers.attention.ContiguousAttentionBackend` /
+:class:`~mlx_ferrum.layers.attention.PagedAttentionBackend` over the model dtype ("auto"),
 :class:`~mlx_ferrum.layers.quantized_backends.QuantizedContiguousAttentionBackend` /
 :class:`~mlx_ferrum.layers.quantized_backends.QuantizedPagedAttentionBackend` over the
-int8 / int4 storage of :mod:`mlx_ferrum.kv_cache.quantized` (int4 rotates keys); the
-store puts it in every pass's metadata. Nothing above this module tests the layout string to decide how KV is
+int8 / int4 storage of :mod:`mlx_ferrum.kv_cache.quantized` (int4 rotates keys); a
+paged backend picks its kernels (Metal or the pure-MLX reference) as it is built, from
+``config.metal_kernels``; the store puts it in every pass's metadata. Nothing above this module tests the layout string to decide how KV is
 stored or attended: the runner asks the store it was given.
 """
 
@@ -41,10 +42,9 @@ from ..config import RuntimeConfig
 from ..errors import ExecutorError
 from .contiguous import ContiguousKvCache
 from ..kernels.quantized_reference import check_kv_cache_dtype
-from ..layers.backends import ContiguousAttentionBackend, PagedAttentionBackend
+from ..layers.attention import ContiguousAttentionBackend, PagedAttentionBackend
 from ..layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
-from .block_tables import KvGeometry
-from .layer_groups import LayerGroupKvManager
+from .block_tables import KvGeometry, LayerGroupKvManager
 from .quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool, check_quantized_pool_fits
 from .quantized import bytes_per_token as quantized_bytes_per_token
 from .store import ContiguousKvStore, KvStore, PagedKvPool, PagedKvStore, check_pool_fits, default_num_blocks
@@ -199,11 +199,12 @@ def build_kv_store(
     if spec.quantized:
         pool = QuantizedPagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
                                     spec.head_dim, spec.kv_cache_dtype, rotate_keys=rotate_keys)
-        backend = QuantizedPagedAttentionBackend(spec.kv_cache_dtype, pool.rotate_keys)
+        backend = QuantizedPagedAttentionBackend(spec.kv_cache_dtype, pool.rotate_keys,
+                                                 metal_kernels=bool(config.metal_kernels))
     else:
         pool = PagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
                            spec.head_dim, spec.dtype)
-        backend = PagedAttentionBackend()
+        backend = PagedAttentionBackend(metal_kernels=bool(config.metal_kernels))
     return PagedKvStore(geometry, pool, spec.bytes_per_token, backend)
 
 

@@ -1,4 +1,5 @@
-"""PagedKvCacheManager: per-sequence block tables over one shared block pool.
+"""PagedKvCacheManager: per-sequence block tables over one shared block pool, and the
+BlockAllocator (free list and reference counts) under them.
 
 One layer group's tables: the paged store's manager is a
 :class:`~mlx_ferrum.kv_cache.LayerGroupKvManager`, which keeps one of these per group.
@@ -29,20 +30,28 @@ before the window of the first new token are freed, so a sequence holds about
 ``block_ids`` become :data:`FREED_BLOCK` (the executor points them at any valid
 block; attention never reads them). This is vLLM's sliding-window block freeing.
 
+The allocator (:class:`BlockAllocator`): reference-counted block ids, host-side only (it
+never touches arrays). Blocks are shared by reference count (``fork``, prefix caching),
+and a block returns to the free list when its count reaches zero. With prefix caching, a
+freed block that still holds a hashed, full block of tokens is kept in an LRU list of
+*evictable* blocks: it can be revived by ``acquire`` on a later prefix hit, and is
+reused (evicted, least recently freed first) only once the plain free list is empty.
+
 Why this module is one file of over 500 lines: allocation, copy-on-write, prefix hashing
-and trimming all edit the same per-sequence block tables and reference counts; split,
-each part would reach into the others' state.
+and trimming all edit the same per-sequence block tables and reference counts (the
+allocator's counts are what the tables' sharing and freeing change); split, each part
+would reach into the others' state.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
-from ..errors import KvCacheError, KvCacheExhaustedError, UnknownCacheError
-from .block_allocator import BlockAllocator
+from ..errors import DoubleFreeError, KvCacheError, KvCacheExhaustedError, UnknownBlockError, UnknownCacheError
 
 FREED_BLOCK = -1
 """``block_ids`` entry of a block freed because it left the sliding window."""
@@ -65,6 +74,132 @@ def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+# ---------------------------------------------------------------------------- allocator
+class BlockAllocator:
+    """Reference-counted allocator of ``num_blocks`` block ids ``0..num_blocks-1``.
+
+    Attributes:
+        num_blocks: blocks in the pool.
+        peak_in_use: most blocks ever held at once (count > 0).
+
+    ``on_evict(block_id)`` (optional) is called when a cached block is reused, so the
+    owner can drop its hash.
+    """
+
+    def __init__(self, num_blocks: int, on_evict: Optional[Callable[[int], None]] = None):
+        if num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: set[int] = set()
+        self.on_evict = on_evict
+        self.peak_in_use = 0
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that ``allocate_n`` can hand out (plain free plus evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks with a reference count above zero."""
+        return self.num_blocks - self.num_free
+
+    def _check(self, block: int) -> None:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise UnknownBlockError(f"block {block!r} is not in this pool of {self.num_blocks} blocks")
+
+    def allocate_n(self, n: int) -> list[int]:
+        """Take ``n`` blocks, each with reference count 1; all or nothing.
+
+        Raises:
+            KvCacheExhaustedError: fewer than ``n`` blocks are free (nothing is taken).
+        """
+        if n > self.num_free:
+            raise KvCacheExhaustedError(
+                f"KV block pool exhausted: {n} blocks needed, {self.num_free} of {self.num_blocks} free; "
+                "raise FERRUM_KV_MAX_BLOCKS, lower FERRUM_PAGED_MAX_SEQS, or release finished sequences"
+            )
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self._cached.discard(b)
+                self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b)
+            self.ref_counts[b] = 1
+            out.append(b)
+        self.peak_in_use = max(self.peak_in_use, self.num_in_use)
+        return out
+
+    def allocate(self) -> int:
+        """Take one block (see :meth:`allocate_n`)."""
+        return self.allocate_n(1)[0]
+
+    def acquire(self, block: int) -> None:
+        """Add a reference to ``block`` (sharing); revives an evictable cached block.
+
+        Raises:
+            UnknownBlockError: ``block`` is outside the pool, or free and not cached.
+        """
+        self._check(block)
+        if self.ref_counts[block] == 0:
+            if block not in self._evictable:
+                raise UnknownBlockError(f"block {block} is free and holds no cached tokens: allocate it instead")
+            del self._evictable[block]
+            self.peak_in_use = max(self.peak_in_use, self.num_in_use + 1)
+        self.ref_counts[block] += 1
+
+    def free(self, block: int) -> None:
+        """Drop one reference; at zero the block becomes free (or evictable, if cached).
+
+        Raises:
+            UnknownBlockError: ``block`` is outside the pool.
+            DoubleFreeError: its count is already zero.
+        """
+        self._check(block)
+        if self.ref_counts[block] == 0:
+            raise DoubleFreeError(f"block {block} freed twice: its reference count is already 0")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self._cached:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def mark_cached(self, block: int, cached: bool = True) -> None:
+        """Say whether ``block`` holds a hashed full block worth keeping after it is freed."""
+        self._check(block)
+        if cached:
+            self._cached.add(block)
+        else:
+            self._cached.discard(block)
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+
+    def is_evictable(self, block: int) -> bool:
+        """True when ``block`` is free but still holds cached tokens."""
+        return block in self._evictable
+
+    def check_invariants(self) -> None:
+        """Assert that free, evictable and referenced blocks partition the pool (for tests)."""
+        free = set(self._free)
+        ev = set(self._evictable)
+        assert len(free) == len(self._free), "duplicate block in the free list"
+        assert not (free & ev), "block both free and evictable"
+        for b in range(self.num_blocks):
+            in_use = self.ref_counts[b] > 0
+            assert in_use + (b in free) + (b in ev) == 1, f"block {b} is in {in_use=}, free={b in free}, evictable={b in ev}"
+
+
+# ---------------------------------------------------------------------------- block tables
 @dataclass
 class SequenceBlocks:
     """One sequence's share of the pool.

@@ -31,10 +31,9 @@ from .. import config as config_module
 from ..config import DEFAULT_KV_POOL_BYTES, available_memory_bytes, check_memory, device_info
 from ..errors import ExecutorError, KvCacheError, UnknownCacheError
 from ..kernels.reference import slot_indices, write_kv_slots
-from ..layers.backends import AttentionBackend, ContiguousAttentionBackend, PagedAttentionBackend
-from .block_tables import BatchBlocks, KvGeometry
+from ..layers.attention import AttentionBackend, ContiguousAttentionBackend, PagedAttentionBackend
+from .block_tables import BatchBlocks, KvGeometry, LayerGroupKvManager, layer_group_windows
 from .contiguous import ContiguousKvCache
-from .layer_groups import LayerGroupKvManager, layer_group_windows
 
 
 class PagedKvPool:

@@ -2,18 +2,22 @@
 contiguous | paged), rope variants, norms, MLP.
 
 Models import from here; the runner builds the metadata (:data:`AttentionMetadata`:
-one of the typed metadata classes of :mod:`.backends`, carrying its backend) these layers read.
+one of the typed metadata classes of :mod:`.attention`, carrying its backend) these layers read.
 """
 
-from .attention import AttentionMetadata, apply_rope, attention, contiguous_pad_mask, rope_attention
-from .backends import (
+from .attention import (
     AttentionBackend,
+    AttentionMetadata,
     ContiguousAttentionBackend,
     ContiguousMetadata,
     NoCacheAttentionBackend,
     NoCacheMetadata,
     PagedAttentionBackend,
     PagedMetadata,
+    apply_rope,
+    attention,
+    contiguous_pad_mask,
+    rope_attention,
 )
 
 __all__ = [

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import LoraError
-from .linear import Linear
+from .dense import Linear
 from .quantized16 import QuantizedLinear16
 
 #: module types a LoRA can sit beside
@@ -120,7 +120,7 @@ class _LoraMixin:
 
 
 class LoraLinear(_LoraMixin, Linear):
-    """A :class:`~mlx_ferrum.layers.linear.Linear` (an ``nn.Linear``) with per-token LoRA
+    """A :class:`~mlx_ferrum.layers.dense.Linear` (an ``nn.Linear``) with per-token LoRA
     slots (see the module docstring)."""
 
 
@@ -177,6 +177,6 @@ def adapt_module(module: nn.Module, path: str, index: int, context: LoraContext)
 
 def restore_module(module: nn.Module) -> None:
     """Undo :func:`adapt_module`: the module becomes an ``nn.QuantizedLinear``, a
-    ``QuantizedLinear16`` or a :class:`~mlx_ferrum.layers.linear.Linear` again."""
+    ``QuantizedLinear16`` or a :class:`~mlx_ferrum.layers.dense.Linear` again."""
     if isinstance(module, _LoraMixin):
         module.__class__ = _BASE_CLASS[type(module)]

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .mlp import swiglu
+from .dense import swiglu
 
 # below this many (token, expert) pairs sorting costs more than it saves
 _SORT_THRESHOLD = 64

@@ -1,6 +1,6 @@
 """Attention backends over a quantized KV cache (``kv_cache_dtype`` "int8" / "int4").
 
-The same layouts as :mod:`mlx_ferrum.layers.backends`, over the storage of
+The same layouts as the backends of :mod:`mlx_ferrum.layers.attention`, over the storage of
 :mod:`mlx_ferrum.kv_cache.quantized` (group-wise codes with float16 scales along
 ``head_dim``; keys rotated by a Walsh-Hadamard transform before quantization, the
 format of :mod:`mlx_ferrum.kernels.quantized_reference`):
@@ -22,18 +22,20 @@ gives what its requests give one at a time.
 
 :class:`QuantizedPagedAttentionBackend` runs the Metal decode and prefill kernels over the
 quantized blocks where the Metal path is on (codes dequantized in registers, queries rotated
-before the launch), else the quantized reference (:mod:`mlx_ferrum.kernels`' dispatch).
+before the launch), else the quantized reference: the choice of
+:func:`mlx_ferrum.kernels.attention_kernels`, made once when the backend is built.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from typing import Optional
+
 from .. import kernels
-from ..kernels.quantized_reference import check_kv_cache_dtype, dequantize_kv, quantize_kv, rotate
 from ..errors import ConfigurationError
-from .backends import ContiguousAttentionBackend, PagedAttentionBackend, PagedGroupTables
-from ..kernels.quantized_reference import attention_over_codes
+from ..kernels.quantized_reference import attention_over_codes, check_kv_cache_dtype, dequantize_kv, quantize_kv, rotate
+from .attention import ContiguousAttentionBackend, PagedAttentionBackend, PagedGroupTables
 
 
 #: A contiguous decode step reads each row's slots in spans of this many tokens (the
@@ -69,17 +71,23 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         kv_cache_dtype: "int8" or "int4".
         rotate_keys: the pool rotates keys before quantizing them (the pool's
             ``rotate_keys``; queries are rotated to match).
+        metal_kernels: the runner's ``RuntimeConfig.metal_kernels`` (None reads
+            ``FERRUM_METAL_KERNELS``).
+
+    Attributes:
+        kernels: the quantized :class:`~mlx_ferrum.kernels.AttentionKernels` chosen here,
+            once (:func:`~mlx_ferrum.kernels.attention_kernels` with ``kv_cache_dtype``).
 
     Raises:
-        ConfigurationError: ``kv_cache_dtype`` is not "int8" or "int4".
+        ConfigurationError: ``kv_cache_dtype`` is not "int8" or "int4", or
+            ``FERRUM_METAL_KERNELS`` is malformed.
     """
 
-    uses_metal_kernels = True
-
-    def __init__(self, kv_cache_dtype: str, rotate_keys: bool):
+    def __init__(self, kv_cache_dtype: str, rotate_keys: bool, metal_kernels: Optional[bool] = None):
         _check_quantized(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.rotate_keys = bool(rotate_keys)
+        self.kernels = kernels.attention_kernels(metal_kernels, kv_cache_dtype)
 
     # write: the inherited one calls pool.write, which quantizes (and rotates keys)
 
@@ -90,27 +98,27 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
     def decode_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, scale: float,
                          window=None, sinks=None) -> mx.array:
         """Decode rows ``q`` ``[nd, H, D]`` -> ``[nd, H, D]`` over the quantized blocks
-        (:func:`~mlx_ferrum.kernels.quantized_paged_attention_decode`: the Metal kernel
-        dequantizing in registers, or the reference over the gathered blocks)."""
+        (the backend's quantized decode kernel: the Metal kernel dequantizing in registers,
+        :func:`~mlx_ferrum.kernels.metal_quantized_paged_attention_decode`, or the reference
+        over the gathered blocks)."""
         nd = q.shape[0]
-        return kernels.quantized_paged_attention_decode(
+        return self.kernels.decode(
             q, *meta.pool.layer_arrays(layer), tables.block_tables[:nd], meta.context_lens[:nd], scale,
-            kv_cache_dtype=self.kv_cache_dtype, keys_rotated=self.rotate_keys,
-            host_context_lens=meta.host_context_lens[:nd] or None, metal_kernels=meta.metal_kernels,
-            metadata=tables.decode_launch, window=window, sinks=sinks, reference_index=tables.decode_index,
+            keys_rotated=self.rotate_keys, host_context_lens=meta.host_context_lens[:nd] or None,
+            window=window, sinks=sinks, index=tables.decode_index,
         )
 
     def prefill_attention(self, layer: int, q: mx.array, tables: PagedGroupTables, meta, first: int, last: int,
                           scale: float, window=None, sinks=None) -> mx.array:
         """Prefill rows ``first .. last - 1`` over their quantized blocks
-        (:func:`~mlx_ferrum.kernels.quantized_paged_prefill_attention`)."""
+        (the backend's quantized prefill kernel)."""
         starts = meta.host_query_start_loc
         rel = [x - starts[first] for x in starts[first : last + 1]]
-        return kernels.quantized_paged_prefill_attention(
+        return self.kernels.prefill(
             q, *meta.pool.layer_arrays(layer), tables.block_tables[first:last], meta.context_lens[first:last],
-            mx.array(rel, dtype=mx.int32), scale, kv_cache_dtype=self.kv_cache_dtype, keys_rotated=self.rotate_keys,
+            mx.array(rel, dtype=mx.int32), scale, keys_rotated=self.rotate_keys,
             host_context_lens=meta.host_context_lens[first:last], host_query_start_loc=rel,
-            window=window, sinks=sinks, metal_kernels=meta.metal_kernels,
+            window=window, sinks=sinks,
         )
 
     def fresh_attention(self, q: mx.array, k: mx.array, v: mx.array, num_seqs: int, scale: float,

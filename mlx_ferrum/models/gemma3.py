@@ -29,8 +29,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, rope_attention
-from ..layers.linear import Linear
-from ..layers.mlp import GatedMLP
+from ..layers.dense import GatedMLP, Linear
 from ..layers.norms import GemmaRMSNorm
 from ..layers.rope import Rope, rope_parameters
 from . import llama

@@ -49,7 +49,7 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, ModelLoadError
 from ..layers.attention import AttentionMetadata, rope_attention
-from ..layers.linear import Linear
+from ..layers.dense import Linear
 from ..layers.moe import SwitchGLU, clamped_swiglu, topk_softmax
 from ..layers.rope import Rope, rope_parameters
 from . import llama

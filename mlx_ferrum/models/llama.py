@@ -29,9 +29,8 @@ import mlx.nn as nn
 
 from ..errors import MalformedConfigError, UnsupportedArchitectureError
 from ..layers.attention import AttentionMetadata, rope_attention
-from ..layers.linear import Linear
+from ..layers.dense import GatedMLP, Linear
 from .config_validation import validate_config
-from ..layers.mlp import GatedMLP
 from ..layers.rope import Rope, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -250,7 +249,7 @@ class Model(nn.Module):
     then every activation is ``[T, ...]`` and the logits ``[T, vocab]``, with no
     flatten/unflatten around each projection (two graph ops per matmul of a 3-D input).
 
-    ``meta`` is the pass's metadata (:mod:`mlx_ferrum.layers.backends`: its attention
+    ``meta`` is the pass's metadata (:mod:`mlx_ferrum.layers.attention`: its attention
     backend, positions, caches or slot mappings ...) built by the runner's KV store. ``meta=None`` runs plain
     causal attention over the given tokens at positions ``0..L-1``, with no cache.
     ``meta.logits_indices`` (optional, ``[N]`` int32 over the flattened ``B*L`` tokens)

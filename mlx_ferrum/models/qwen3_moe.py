@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MalformedConfigError
-from ..layers.linear import Linear
+from ..layers.dense import Linear
 from ..layers.moe import SwitchGLU, softmax_topk
 from . import llama
 from .stacking import stack_experts

@@ -10,7 +10,7 @@ decode tokens first; vLLM's varlen layout and ferrum's ``unified_decode``) and b
 arrays: positions, slot mapping, block tables, context lengths, query start offsets and
 the decode rows' shared prefix. The per-layer index arrays derived from those (pool
 indices, decode indices, Metal launch arrays, RoPE tables) come from the backend's
-:func:`~mlx_ferrum.layers.backends.paged_metadata`, which the compiled decode step also
+:func:`~mlx_ferrum.layers.attention.paged_metadata`, which the compiled decode step also
 calls inside its trace.
 
 The contiguous layout runs one pass per distinct new-token count (rows of equal length;
@@ -34,7 +34,7 @@ from ..errors import ExecutorError
 from ..kernels.reference import SHARED_PREFIX_MIN_SEQS
 from ..kv_cache.block_tables import BatchBlocks
 from ..kv_cache.store import ContiguousKvStore, PagedKvStore
-from ..layers.backends import ContiguousMetadata, PagedMetadata, paged_metadata
+from ..layers.attention import ContiguousMetadata, PagedMetadata, paged_metadata
 from ..layers.sdpa import contiguous_pad_mask
 
 
@@ -123,7 +123,7 @@ def block_table_array(tables: list) -> np.ndarray:
 
 
 class PagedPassBuilder:
-    """The paged layout's passes and :class:`~mlx_ferrum.layers.backends.PagedMetadata`.
+    """The paged layout's passes and :class:`~mlx_ferrum.layers.attention.PagedMetadata`.
 
     Args:
         store: the runner's :class:`~mlx_ferrum.kv_cache.store.PagedKvStore` (its pool,
@@ -228,9 +228,9 @@ class PagedPassBuilder:
                        decode_rows=decode_rows)]
 
     def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> PagedMetadata:
-        """The pass's complete :class:`~mlx_ferrum.layers.backends.PagedMetadata`: its
+        """The pass's complete :class:`~mlx_ferrum.layers.attention.PagedMetadata`: its
         numpy arrays moved to the device, and the per-layer arrays derived from them
-        (:func:`~mlx_ferrum.layers.backends.paged_metadata`). ``dtype`` (the activation
+        (:func:`~mlx_ferrum.layers.attention.paged_metadata`). ``dtype`` (the activation
         dtype) is unused by this layout."""
         f: PagedPassInputs = kv_pass.inputs
         store = self.store
@@ -244,7 +244,7 @@ class PagedPassBuilder:
 
 
 class ContiguousPassBuilder:
-    """The contiguous layout's passes and :class:`~mlx_ferrum.layers.backends.ContiguousMetadata`.
+    """The contiguous layout's passes and :class:`~mlx_ferrum.layers.attention.ContiguousMetadata`.
 
     Args:
         store: the runner's :class:`~mlx_ferrum.kv_cache.store.ContiguousKvStore`; every
@@ -275,7 +275,7 @@ class ContiguousPassBuilder:
         return passes
 
     def metadata(self, kv_pass: KvPass, dtype: mx.Dtype) -> ContiguousMetadata:
-        """The pass's :class:`~mlx_ferrum.layers.backends.ContiguousMetadata`: offsets on the
+        """The pass's :class:`~mlx_ferrum.layers.attention.ContiguousMetadata`: offsets on the
         device, the rows' caches, and the pad mask (in ``dtype``) for rows of different lengths."""
         f: ContiguousPassInputs = kv_pass.inputs
         return ContiguousMetadata(self.store.backend, mx.array(f.offsets), f.caches,

@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..kernels.exp2 import fusing as exp2_fusing
 from ..kernels.reference import SharedPrefix
+from ..kernels.reference import fusing as exp2_fusing
 from ..layers.attention import paged_metadata
 from .inputs import _pad_rows, _pad_table, device_input_ids, shape_bucket
 from .protocol import SeqWork
@@ -168,10 +168,10 @@ class CompiledDecodeStep:
         metadata arrays, and every pool array (``pool.arrays()``: K/V, or a quantized pool's
         codes, scales and biases) -> ``(logits [B, vocab], the written pool arrays)``.
 
-        The complete metadata (:func:`~mlx_ferrum.layers.backends.paged_metadata`: pool
+        The complete metadata (:func:`~mlx_ferrum.layers.attention.paged_metadata`: pool
         indices, decode indices, RoPE tables) is built here from the traced inputs, before
         the model runs, so every replay derives it from that step's arrays. The softmaxes'
-        ``2 ** x`` are traced as fusable arithmetic (:func:`~mlx_ferrum.kernels.exp2.fusing`)."""
+        ``2 ** x`` are traced as fusable arithmetic (:func:`~mlx_ferrum.kernels.reference.fusing`)."""
         with exp2_fusing():
             return self._decode_graph_body(input_ids, arrays, pool_arrays)
 

@@ -49,7 +49,7 @@ from ..kv_cache.factory import KvSpec, build_kv_store
 from ..kv_cache.block_tables import BatchBlocks, KvGeometry
 from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata
-from ..layers.linear import cache_transposed_weights
+from ..layers.dense import cache_transposed_weights
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
 from .attention_metadata import KvPass, pass_builder
 from .compiled_decode import MAX_DECODE_TRACES, CompiledDecodeStep
