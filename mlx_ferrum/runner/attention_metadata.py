@@ -34,8 +34,7 @@ from ..errors import ExecutorError
 from ..kernels.reference import SHARED_PREFIX_MIN_SEQS
 from ..kv_cache.block_tables import BatchBlocks
 from ..kv_cache.store import ContiguousKvStore, PagedKvStore
-from ..layers.attention import ContiguousMetadata, PagedMetadata, paged_metadata
-from ..layers.sdpa import contiguous_pad_mask
+from ..layers.attention import ContiguousMetadata, PagedMetadata, contiguous_pad_mask, paged_metadata
 
 
 @dataclass
