@@ -172,7 +172,7 @@ class Engine:
         self.launcher = StepLauncher(
             self.runner, self.scheduler, self.outputs, self._lock,
             finish=lambda *a, **k: self._finish(*a, **k), fail=lambda seqs, exc: self._fail_seqs(seqs, exc),
-            pend=lambda outs: self._pending.extend(outs), end_flight=lambda: self._end_flight(),
+            pend=lambda outs: self._pending.extend(outs),
             max_sequence_tokens=self.max_sequence_tokens(), decodable=self._decodable,
             prefix_cache=bool(getattr(self.block_manager, "prefix_cache", False)),
             proposer=self._proposer, policy=self._policy, grammar_backend=self.grammar_backend)
@@ -480,11 +480,38 @@ class Engine:
                 self._policy.record(request.request_id, rejected, 0, self.num_steps, num_requests)
         return proposals
 
+    def _forward(self, work: list[SeqWork], plan: Optional[SchedulerOutput]) -> tuple[mx.array, list]:
+        """The runner's forward pass over ``work`` (lazy, nothing evaluated), each in-flight
+        token taken from the step in flight on the device.
+
+        Returns ``(logits [R, V], state)`` as :meth:`ModelRunner.forward
+        <mlx_ferrum.runner.ModelRunner.forward>` does. Called without the lock: the runner
+        has its own, and requests aborted while it builds the pass are released after it
+        (:meth:`_end_flight`, called here whatever happens).
+
+        Raises:
+            whatever the runner raises; the runner restored every cache it touched, and a
+            ``BaseException`` (Ctrl-C) first gives the step's slots back to the scheduler
+            (the next step schedules the same tokens again). An ``Exception`` fails this
+            step's requests: the caller does that.
+        """
+        flight = self.launcher.inflight
+        try:
+            # the runner reads the slots the scheduler appended (plan.kv)
+            return self.runner.forward(work, flight.tokens if flight is not None else None,
+                                       plan.kv if plan is not None else None)
+        except BaseException:
+            if plan is not None:
+                with self._lock:
+                    self.scheduler.rollback(plan)
+            raise
+        finally:
+            self._end_flight()
+
     def _run_step(self, items: list, plan: Optional[SchedulerOutput], drafts: list, num_requests: int,
                   outputs: list[RequestOutput]) -> tuple[Optional[InFlight], list]:
-        """The run stage: drafts, the runner's work, then the forward pass
-        (:meth:`StepLauncher.run <mlx_ferrum.engine.launch.StepLauncher.run>`) and the lazy
-        sampling of the plain rows, queued with it (:meth:`StepLauncher.sample
+        """The run stage: drafts, the runner's work, then the forward pass (:meth:`_forward`)
+        and the lazy sampling of the plain rows, queued with it (:meth:`StepLauncher.sample
         <mlx_ferrum.engine.launch.StepLauncher.sample>`). Returns ``(flight, verified)`` as
         ``sample`` does (``(None, [])`` when nothing ran).
 
@@ -509,7 +536,7 @@ class Engine:
                 work = self._build_work(items, proposals)
             if work:
                 launching = True
-                logits, state = self.launcher.run(work, plan)  # run: the lazy forward pass
+                logits, state = self._forward(work, plan)  # run: the lazy forward pass
                 return self.launcher.sample(items, work, proposals, logits, state, outputs)  # queue sampling
             self._end_flight()
         except Exception as e:  # noqa: BLE001 - any failure of the pass fails this step only
@@ -521,7 +548,7 @@ class Engine:
             if not launching:
                 # Ctrl-C while the draft or the batch was built: the step never ran, so
                 # its slots go back and the next step schedules the same tokens again
-                # (StepLauncher.run does the same when the runner is interrupted)
+                # (_forward does the same when the runner is interrupted)
                 with self._lock:
                     self.scheduler.rollback(plan)
                 self._end_flight()

@@ -3,8 +3,8 @@
 Plain functions over the scheduler's items (:class:`~mlx_ferrum.engine.scheduler.ScheduledItem`)
 and :class:`~mlx_ferrum.engine.sequence.Sequence` s (the runner's work, prompt scores,
 batched sampling with its row-by-row fallback), and :class:`StepLauncher`, which runs
-them for :class:`~mlx_ferrum.engine.engine.Engine`: it holds the step in flight, runs
-the forward pass, queues the sampling, and reads the step back (ending requests
+them for :class:`~mlx_ferrum.engine.engine.Engine`: it holds the step in flight, queues
+the sampling of the forward pass the engine built, and reads the step back (ending requests
 through the engine's ``finish`` / ``fail``, which own the release of their slots). The pipelined
 step follows vLLM's async scheduling: a token still being computed is taken on the
 device (``SeqWork.prev_row``) and stands as :data:`~mlx_ferrum.engine.output_processor.IN_FLIGHT`
@@ -233,8 +233,6 @@ class StepLauncher:
         fail: ``fail(seqs, exc) -> [RequestOutput]`` ends requests with ``"error"``
             (finished ones skipped) and returns their final outputs.
         pend: ``pend(outputs)`` keeps outputs for the engine's next :meth:`step` to return.
-        end_flight: called once the runner is done with the step (releases what requests
-            aborted meanwhile held).
         max_sequence_tokens: most tokens one request may reach (``Engine.max_sequence_tokens``).
         decodable: ``[1, vocab]`` bool, the ids the tokenizer can decode (None: all).
         prefix_cache: True when the scheduler's block manager hashes blocks (each token
@@ -252,7 +250,7 @@ class StepLauncher:
     """
 
     def __init__(self, runner, scheduler, outputs, lock, finish: Callable, fail: Callable, pend: Callable,
-                 end_flight: Callable[[], None], max_sequence_tokens: int, decodable: Optional[mx.array],
+                 max_sequence_tokens: int, decodable: Optional[mx.array],
                  prefix_cache: bool, proposer=None, policy=None, grammar_backend: Optional[Callable] = None):
         self.runner = runner
         self.scheduler = scheduler
@@ -261,7 +259,6 @@ class StepLauncher:
         self.finish = finish
         self.fail = fail
         self.pend = pend
-        self.end_flight = end_flight
         self.max_sequence_tokens = max_sequence_tokens
         self.decodable = decodable
         self.prefix_cache = prefix_cache
@@ -306,41 +303,14 @@ class StepLauncher:
             mx.async_eval(queued)
         return mx.array(self.grammar_backend().fill_bitmask([s.grammar for s in seqs]))
 
-    def run(self, work: list[SeqWork], plan: Optional[SchedulerOutput]) -> tuple[mx.array, list]:
-        """The run stage: build this step's forward pass over ``work`` (lazy, nothing
-        evaluated), taking each in-flight token from the step in flight on the device.
-
-        Returns ``(logits [R, V], state)`` as :meth:`ModelRunner.forward
-        <mlx_ferrum.runner.ModelRunner.forward>` does. Called without the lock: the runner
-        has its own, and requests aborted while it builds the pass are released after it
-        (``end_flight``, called here whatever happens).
-
-        Raises:
-            whatever the runner raises; the runner restored every cache it touched, and a
-            ``BaseException`` (Ctrl-C) first gives the step's slots back to the scheduler
-            (the next step schedules the same tokens again). An ``Exception`` fails this
-            step's requests: the caller does that.
-        """
-        prev = self.inflight.tokens if self.inflight is not None else None
-        try:
-            # the runner reads the slots the scheduler appended (plan.kv)
-            return self.runner.forward(work, prev, plan.kv if plan is not None else None)
-        except BaseException:
-            if plan is not None:
-                with self.lock:
-                    self.scheduler.rollback(plan)
-            raise
-        finally:
-            self.end_flight()
-
     def sample(self, items: list, work: list[SeqWork], proposals: dict, logits: mx.array, state: list,
                outputs: list) -> tuple[Optional[InFlight], list]:
         """The sample stage's launch: advance each row by the tokens the pass computed,
         queue the prompt scores and the batched sampling of the plain rows, then
         ``mx.async_eval`` all of it with ``state``; nothing of this step is read back.
 
-        Kept apart from :meth:`run` at no cost to the pipelined step: both only build lazy
-        graphs, and the one ``mx.async_eval`` at the end still queues the pass and its
+        Kept apart from the run stage (the engine's call of the runner) at no cost to the
+        pipelined step: both only build lazy graphs, and the one ``mx.async_eval`` at the end still queues the pass and its
         sampling together (evaluating the pass first would split the step's device work
         in two and, on MLX's CPU backend, block the host for the pass).
 
@@ -348,7 +318,7 @@ class StepLauncher:
             items: the step's :class:`~mlx_ferrum.engine.scheduler.ScheduledItem` s, in
                 ``work`` order; ``proposals``: item index -> its draft
                 (:class:`~mlx_ferrum.engine.rejection_sampler.Proposal`).
-            logits, state: :meth:`run`'s result.
+            logits, state: the runner's ``forward`` result for ``work``.
             outputs: where the outputs of a step read back early go (see below).
 
         Returns ``(flight, verified)``: the :class:`InFlight` of the plain sampled rows
@@ -377,7 +347,7 @@ class StepLauncher:
             pending_rows = []
             for i, it in enumerate(items):
                 s = it.seq
-                if s.finished:  # aborted while the step was built: released by end_flight
+                if s.finished:  # aborted while the step was built: released by the engine's end of flight
                     continue
                 if i in proposals:
                     # the draft's K/V are kept or trimmed by verify
