@@ -95,7 +95,7 @@ def _meta(context_lens, query_lens, num_decode):
     starts = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
     return PagedMetadata(backend=PagedAttentionBackend(), pool=None, positions=None, context_lens=None, num_decode_seqs=num_decode,
                          layer_groups=[], groups=[], host_context_lens=list(context_lens),
-                         host_query_start_loc=starts, metal_kernels=False)
+                         host_query_start_loc=starts)
 
 
 def test_prefill_runs_group_only_fresh_prompts_of_equal_length():

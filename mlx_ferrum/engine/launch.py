@@ -30,7 +30,6 @@ from . import prompt_logprobs as _prompt_lp
 from .output_processor import IN_FLIGHT, RequestOutput, host_logprobs, make_output
 from .rejection_sampler import Proposal, token_logprobs, verify as verify_drafts
 from .sampling import sample
-from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
 

@@ -170,9 +170,6 @@ class PagedMetadata:
         groups: one :class:`PagedGroupTables` per layer group.
         rope_tables: ``(cos, sin)`` per ``Rope.table_key`` of the model's ropes, over
             ``positions``, shared by every layer.
-        metal_kernels: the runner's ``RuntimeConfig.metal_kernels``, kept for reading;
-            attention does not consult it (the backend chose its kernels from the same
-            setting when it was built).
         logits_indices, lora_slots: as :class:`NoCacheMetadata`.
     """
 
@@ -187,7 +184,6 @@ class PagedMetadata:
     host_context_lens: list = field(default_factory=list)
     host_query_start_loc: list = field(default_factory=list)
     rope_tables: dict = field(default_factory=dict)
-    metal_kernels: Optional[bool] = None
     logits_indices: Optional[mx.array] = None
     lora_slots: Optional[mx.array] = None
 
@@ -215,7 +211,6 @@ def paged_metadata(
     query_start_loc: Optional[mx.array] = None,
     host_context_lens: Optional[list] = None,
     host_query_start_loc: Optional[list] = None,
-    metal_kernels: Optional[bool] = None,
     shared_prefixes: Optional[list] = None,
 ) -> PagedMetadata:
     """A complete :class:`PagedMetadata`: the per-pass arrays every layer shares (pool
@@ -238,7 +233,7 @@ def paged_metadata(
         block_tables: per group, ``[num_rows, max_blocks]`` int32.
         ropes: the model's distinct table ropes (objects with ``table_key`` and
             ``table(positions)``; :class:`~mlx_ferrum.layers.rope.Rope`).
-        query_start_loc, host_context_lens, host_query_start_loc, metal_kernels: see
+        query_start_loc, host_context_lens, host_query_start_loc: see
             :class:`PagedMetadata`.
         shared_prefixes: per group, the decode rows'
             :class:`~mlx_ferrum.kernels.reference.SharedPrefix` (MLX arrays) or None
@@ -265,7 +260,7 @@ def paged_metadata(
         backend=backend, pool=pool, positions=positions, context_lens=context_lens, num_decode_seqs=nd,
         layer_groups=list(layer_groups), groups=groups, query_start_loc=query_start_loc,
         host_context_lens=list(host_context_lens or []), host_query_start_loc=list(host_query_start_loc or []),
-        rope_tables=rope_tables, metal_kernels=metal_kernels,
+        rope_tables=rope_tables,
     )
 
 
@@ -444,7 +439,6 @@ class PagedAttentionBackend(AttentionBackend):
         self.kernels = kernels.attention_kernels(metal_kernels)
 
     def shared_prefix(self, block_tables: np.ndarray, context_lens: np.ndarray, block_size: int,
-                      metal_kernels: Optional[bool] = None,
                       row_seqs: Optional[np.ndarray] = None) -> Optional[SharedPrefix]:
         """The host plan by which the reference decode attention reads the blocks that
         head many decode rows' tables once for all of them
@@ -455,8 +449,6 @@ class PagedAttentionBackend(AttentionBackend):
             block_tables: ``[num_decode_seqs, max_blocks]`` int32 of a full-attention group.
             context_lens: ``[num_decode_seqs]`` int32.
             block_size: tokens per block.
-            metal_kernels: the runner's ``RuntimeConfig.metal_kernels``; not consulted (the
-                backend's kernels were chosen from it when it was built).
             row_seqs: ``[num_decode_seqs]`` the sequence of each row (a verified draft
                 is several rows of one sequence), or None: one row per sequence.
         """

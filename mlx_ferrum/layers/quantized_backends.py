@@ -91,7 +91,7 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
 
     # write: the inherited one calls pool.write, which quantizes (and rotates keys)
 
-    def shared_prefix(self, block_tables, context_lens, block_size: int, metal_kernels=None, row_seqs=None) -> None:
+    def shared_prefix(self, block_tables, context_lens, block_size: int, row_seqs=None) -> None:
         """None: the quantized reference reads each row's codes (no shared-prefix read)."""
         return None
 

@@ -129,16 +129,14 @@ class PagedPassBuilder:
             backend, block size, layer groups and their windows are read).
         ropes: the model's table ropes (``table_key``, ``table(positions)``); one per
             distinct ``table_key`` is kept, and the metadata carries its ``(cos, sin)`` tables.
-        metal_kernels: the runner's ``RuntimeConfig.metal_kernels``.
     """
 
-    def __init__(self, store: PagedKvStore, ropes: Sequence = (), metal_kernels: Optional[bool] = None):
+    def __init__(self, store: PagedKvStore, ropes: Sequence = ()):
         self.store = store
         seen: dict = {}
         for rope in ropes:
             seen.setdefault(rope.table_key, rope)
         self.ropes = list(seen.values())
-        self.metal_kernels = metal_kernels
 
     def passes(self, items: Sequence[tuple[Hashable, Sequence[int]]], as_decode: Sequence[bool] = (),
                blocks: Optional[BatchBlocks] = None) -> list[KvPass]:
@@ -209,7 +207,7 @@ class PagedPassBuilder:
         if num_decode and int(row_item[num_decode - 1]) + 1 >= SHARED_PREFIX_MIN_SEQS:
             row_seqs = row_item[:num_decode] if len(row_item) != len(order) else None
             shared = [store.backend.shared_prefix(t[:num_decode], ctx_np[:num_decode], store.block_size,
-                                                  self.metal_kernels, row_seqs=row_seqs)
+                                                  row_seqs=row_seqs)
                       if window is None else None for t, window in zip(tables, store.group_windows)]
         inputs = PagedPassInputs(
             positions=positions.astype(np.int32),
@@ -237,7 +235,7 @@ class PagedPassBuilder:
             store.backend, store.pool, mx.array(f.positions), mx.array(f.context_lens), f.num_decode_seqs,
             store.layer_groups, [mx.array(x) for x in f.slot_mappings], [mx.array(x) for x in f.block_tables],
             ropes=self.ropes, query_start_loc=mx.array(f.query_start_loc), host_context_lens=f.host_context_lens,
-            host_query_start_loc=f.host_query_start_loc, metal_kernels=self.metal_kernels,
+            host_query_start_loc=f.host_query_start_loc,
             shared_prefixes=[None if x is None else x.to_device() for x in f.shared_prefixes],
         )
 
@@ -281,11 +279,11 @@ class ContiguousPassBuilder:
                                   contiguous_pad_mask(f.cache_lens_after, kv_pass.cols, dtype))
 
 
-def pass_builder(store: Union[PagedKvStore, ContiguousKvStore], ropes: Sequence = (),
-                 metal_kernels: Optional[bool] = None) -> Union[PagedPassBuilder, ContiguousPassBuilder]:
+def pass_builder(store: Union[PagedKvStore, ContiguousKvStore],
+                 ropes: Sequence = ()) -> Union[PagedPassBuilder, ContiguousPassBuilder]:
     """The builder for ``store``'s layout, picked once when the runner is built: a store
-    with a block geometry (paged) gets a :class:`PagedPassBuilder` over ``ropes`` and
-    ``metal_kernels``, one without a :class:`ContiguousPassBuilder`."""
+    with a block geometry (paged) gets a :class:`PagedPassBuilder` over ``ropes``, one
+    without a :class:`ContiguousPassBuilder`."""
     if store.geometry is not None:
-        return PagedPassBuilder(store, ropes, metal_kernels)
+        return PagedPassBuilder(store, ropes)
     return ContiguousPassBuilder(store)

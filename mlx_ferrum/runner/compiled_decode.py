@@ -4,7 +4,7 @@
 :class:`CompiledDecodeStep` is a part of :class:`~mlx_ferrum.runner.LlmRunner` (mixed
 into it): it reads the runner's store, pass builder, pool, LoRA registry and model call
 (``self.store``, ``self.passes``, ``self.pool``, ``self.kv_geometry``, ``self.lora``, ``self._call_model``,
-``self._scratch_block``, ``self._metal_kernels``, ``self._packed_tokens``,
+``self._scratch_block``, ``self._packed_tokens``,
 ``self._wait_for_pools``, ``self._compiled_decode``) and is used by the runner's
 forward pass for passes whose every row is a decode row. The pass's slots and block
 tables come from the block manager's owner and its arrays from the runner's pass builder
@@ -181,7 +181,7 @@ class CompiledDecodeStep:
         meta = paged_metadata(
             store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
             store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=self.passes.ropes,
-            metal_kernels=self._metal_kernels, shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
+            shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
         )
         meta.lora_slots = arrays.get("lora_slots")
         lora_weights = arrays.get("lora_weights")

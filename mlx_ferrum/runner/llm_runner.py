@@ -135,9 +135,7 @@ class LlmRunner(CompiledDecodeStep):
         spec = KvSpec(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.dtype, self.max_seq_len,
                       tuple(layer_windows(model)), self.config.kv_cache_dtype)
         self.store: KvStore = build_kv_store(spec, self.config, self.weight_bytes, manager)
-        # decided once per runner: an explicit RuntimeConfig(metal_kernels=...) wins over the environment
-        self._metal_kernels = bool(self.config.metal_kernels)
-        self.passes = pass_builder(self.store, table_ropes(model), self._metal_kernels)
+        self.passes = pass_builder(self.store, table_ropes(model))
         # before any step is traced: the projections' transposed weights become constants
         # of the compiled step rather than a Transpose node each
         cache_transposed_weights(model)
