@@ -16,8 +16,9 @@ One module per API, over one shared core:
 - :mod:`.protocol`: pydantic request and response models in OpenAI's shapes
   (tokenize/detokenize in vLLM's).
 - :mod:`.reasoning`, :mod:`.tool_parsers`: reasoning and tool-call syntaxes.
-- :mod:`.limits`: the per-request and per-server limits and the body-size middleware.
-- :mod:`.routing`: JSON bodies read off the event loop, the router each API builds on.
+- :mod:`.limits`: the per-request and per-server limits (values only).
+- :mod:`.routing`: a request's HTTP side: the body-size middleware, the API-key check,
+  JSON bodies read off the event loop, the router each API builds on.
 - :mod:`.app`: the FastAPI app (mounts the routers, errors, API key), the uvicorn
   runner and graceful shutdown; :mod:`.web_ui`: the chat page.
 
