@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..errors import NonFiniteLogitsError
 from ..runner import SeqWork
-from . import prompt_logprobs as _prompt_lp
+from . import sequence as _prompt_lp
 from .output_processor import IN_FLIGHT
 from .rejection_sampler import Proposal
 from .sampling import sample
