@@ -36,9 +36,9 @@ parameters (a Python scalar shared by all rows, or a length-``B`` sequence / mx 
 and returns a new ``[B, V]`` float32 array; filtered entries become ``-inf``. Ties at a
 top-k / top-p threshold are all kept.
 
-Why one file (about 770 lines): the parameters, the chain and the sampler are one
-path from logits to a token; the chain reads ``SamplingParams`` and the sampler runs
-the chain, so split apart they imported each other both ways.
+Why one file (about 770 lines): the parameters, the chain and the sampler are one path
+from logits to a token, and they call each other both ways: :func:`sample` runs the
+chain, and the chain asks each row's :class:`SamplingParams` whether it is greedy.
 """
 
 from __future__ import annotations

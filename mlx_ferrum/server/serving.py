@@ -38,10 +38,11 @@ goes through this module in order:
 6. ``usage`` (:meth:`OpenAIServing._usage`); errors are :class:`ServingError`, answered
    in OpenAI's shape.
 
-Why one file (about 950 lines): these steps are one translation, and they call each
-other both ways (the field checks and the chat plan read the serving object's limits,
-vocabulary and engine; the serving object submits what they plan), so split apart they
-import each other in a cycle, and one chat request would pass through every part anyway.
+Why one file (about 950 lines): these steps are one translation that every generating
+request runs in order, each written against :class:`OpenAIServing` (its limits,
+vocabulary, tokenizer and engine) and :class:`ServingError`; split into three files
+(the core, the sampling fields, the chat translation), one chat request passed through
+all three.
 
 The class takes its name from vLLM's shared serving base; the batching of ``n`` choices
 and the ``usage`` fields follow vLLM's ``serving_chat.py`` / ``serving_completion.py``.
@@ -84,6 +85,7 @@ __all__ = [
 ]
 
 
+# ================================================================== the shared core
 class ServingError(Exception):
     """An error answered in OpenAI's shape: ``status`` and ``{"error": {message, type, param, code}}``."""
 
@@ -653,7 +655,6 @@ class ChatPlan:
         return len(self.items[0][1])
 
 
-
 @dataclass
 class TurnOutput:
     """A finished reply, read: ``reasoning`` (None without a reasoning parser or when the
@@ -929,7 +930,6 @@ def template_message(m: p.ChatMessage, i: int) -> dict:
         if extra.get(key) is not None:
             msg[key] = extra[key]
     return msg
-
 
 
 def _content_text(content, where: str) -> str:
