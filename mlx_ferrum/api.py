@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from .config import RuntimeConfig
 from .engine.engine import Engine
-from .engine.prompt import Prompt
 from .engine.sampling import SamplingParams
+from .engine.sequence import Prompt
 from .errors import ConfigurationError, FerrumError, LoraError
 from .executor import LlmExecutor
 from .models.loader import check_tokenizer_vocabulary, load_model

@@ -15,7 +15,7 @@ import pytest
 
 from mlx_ferrum.server.reasoning import get_reasoning_parser
 from mlx_ferrum.server.tool_parsers import get_parser
-from mlx_ferrum.server.translation import ToolMode, TurnProcessor, merge_system
+from mlx_ferrum.server.serving import ToolMode, TurnProcessor, merge_system
 
 HARMONY = ("<|channel|>analysis<|message|>The user wants the weather.<|end|>"
            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
@@ -174,8 +174,7 @@ def test_messages_stream_pings_while_waiting_and_reports_a_refusal_as_an_error_e
     import asyncio
 
     from mlx_ferrum.server import anthropic_messages as am
-    from mlx_ferrum.server.serving import ServingError
-    from mlx_ferrum.server.translation import ChatPlan
+    from mlx_ferrum.server.serving import ChatPlan, ServingError
 
     class SlowServing:
         async def _submit(self, items, lora):

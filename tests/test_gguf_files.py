@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 import mlx_ferrum as mf  # noqa: E402
 from conftest import SHARED_MODELS  # noqa: E402
 from mlx_ferrum.errors import AmbiguousCheckpointError  # noqa: E402
-from mlx_ferrum.engine.prompt import encode_prompt  # noqa: E402
+from mlx_ferrum.engine.sequence import encode_prompt  # noqa: E402
 from mlx_ferrum.models import load_model  # noqa: E402
 from mlx_ferrum.tokenizer import Tokenizer  # noqa: E402
 

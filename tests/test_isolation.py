@@ -14,7 +14,7 @@ import mlx_ferrum as mf
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
 from mlx_ferrum.engine.async_engine import AsyncEngine
-from mlx_ferrum.engine.metrics import LatencyReservoir
+from mlx_ferrum.engine.output_processor import LatencyReservoir
 from mlx_ferrum.errors import NonFiniteLogitsError, RequestError
 from support.tiny_models import tiny_model
 

@@ -9,8 +9,7 @@ import pytest
 
 from mlx_ferrum.config import RuntimeConfig
 from mlx_ferrum.engine import Engine, SamplingParams
-from mlx_ferrum.engine.logits_processors import apply_logit_bias
-from mlx_ferrum.engine.sampling import SamplerState, sample
+from mlx_ferrum.engine.sampling import SamplerState, apply_logit_bias, sample
 from mlx_ferrum.errors import ExecutorError, SamplingParamsError
 from support.tiny_models import tiny_model
 

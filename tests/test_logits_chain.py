@@ -10,9 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ferrum.engine.logits_processors import process_logits
 from mlx_ferrum.engine.rejection_sampler import Proposal, distributions, verify
-from mlx_ferrum.engine.sampling import SamplerState, SamplingParams, sample
+from mlx_ferrum.engine.sampling import SamplerState, SamplingParams, process_logits, sample
 
 VOCAB = 64
 

@@ -8,14 +8,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ferrum.engine.logits_processors import (
+from mlx_ferrum.engine.sampling import (
+    SamplerState,
+    SamplingParams,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,
     apply_top_p,
+    sample,
 )
-from mlx_ferrum.engine.sampling import SamplerState, SamplingParams, sample
 from mlx_ferrum.errors import SamplingParamsError
 
 # ---------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def test_batched_gumbel_noise_equals_per_row_draws():
 def test_pending_tokens_count_in_every_penalty_as_if_they_were_in_the_history():
     """The pipelined step samples before the previous token reaches the host history; a
     pending id passed on the device must give exactly the result of the longer history."""
-    from mlx_ferrum.engine.logits_processors import apply_presence_frequency_penalty
+    from mlx_ferrum.engine.sampling import apply_presence_frequency_penalty
 
     logits = random_logits(3, 40, seed=5)
     history = [[1, 2, 2], [5], [7, 8]]

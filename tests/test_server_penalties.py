@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ferrum.engine.logits_processors import apply_presence_frequency_penalty
+from mlx_ferrum.engine.sampling import apply_presence_frequency_penalty
 from mlx_ferrum.engine.sampling import SamplerState, SamplingParams, sample
 from mlx_ferrum.errors import SamplingParamsError
 

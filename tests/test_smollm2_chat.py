@@ -60,7 +60,7 @@ def test_dtype_float32_casts_the_quantization_scales_and_biases(smollm):
 
 
 def test_the_prompt_ids_are_the_recorded_ones(smollm, cases):
-    from mlx_ferrum.engine.prompt import encode_prompt
+    from mlx_ferrum.engine.sequence import encode_prompt
 
     _, tok = smollm
     for case in cases:

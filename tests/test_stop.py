@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mlx_ferrum.engine.stop import StopStringMatcher, find_stop, partial_stop_length
+from mlx_ferrum.engine.sequence import StopStringMatcher, find_stop, partial_stop_length
 from mlx_ferrum.errors import SamplingParamsError
 from mlx_ferrum.tokenizer import Tokenizer
 
@@ -122,7 +122,7 @@ def test_stories_stops_across_token_boundaries(stories_path, stories_expected):
 
 
 def test_emit_token_orders_stop_ids_stop_strings_and_length(stories_path, stories_expected):
-    from mlx_ferrum.engine.stop import StopStringMatcher, emit_token
+    from mlx_ferrum.engine.sequence import StopStringMatcher, emit_token
     from mlx_ferrum.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(stories_path)

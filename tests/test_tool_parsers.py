@@ -6,8 +6,8 @@ import json
 import pytest
 
 from mlx_ferrum.server import protocol as p
+from mlx_ferrum.server.serving import template_message
 from mlx_ferrum.server.tool_parsers import detect_parser, forced_calls, get_parser, required_schema
-from mlx_ferrum.server.translation import template_message
 
 
 def _calls(calls):

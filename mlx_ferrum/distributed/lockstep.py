@@ -48,8 +48,8 @@ import numpy as np
 
 from ..config import RuntimeConfig
 from ..engine.engine import Engine, context_full_message
-from ..engine.prompt import Prompt, encode_prompt
 from ..engine.sampling import SamplingParams
+from ..engine.sequence import Prompt, encode_prompt
 from ..errors import (
     DistributedConfigurationError,
     DistributedError,

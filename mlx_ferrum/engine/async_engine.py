@@ -21,8 +21,8 @@ from typing import AsyncIterator, Optional
 from ..errors import EngineShutdownError, RequestError
 from .engine import Engine
 from .output_processor import RequestOutput
-from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
+from .sequence import Prompt, encode_prompt
 
 logger = logging.getLogger(__name__)
 

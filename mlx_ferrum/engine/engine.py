@@ -41,10 +41,9 @@ from ..models.loader import tokenizer_id_limit
 from ..lora import prefix_salt
 from .lora_admission import LoraAdmission
 from .output_processor import IN_FLIGHT as _IN_FLIGHT, OutputProcessor, RequestOutput, make_output
-from .prompt import Prompt, encode_prompt
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence, SequenceStatus
+from .sequence import Prompt, Sequence, SequenceStatus, encode_prompt
 from .rejection_sampler import Proposal
 from .speculative import SpeculationPolicy, SpeculativeRequest, make_proposer
 from .structured import GrammarBackend

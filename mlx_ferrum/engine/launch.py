@@ -26,11 +26,10 @@ import mlx.core as mx
 
 from ..errors import NonFiniteLogitsError
 from ..runner import SeqWork
-from . import prompt_logprobs as _prompt_lp
 from .output_processor import IN_FLIGHT, RequestOutput, host_logprobs, make_output
 from .rejection_sampler import Proposal, token_logprobs, verify as verify_drafts
 from .sampling import sample
-from .sequence import Sequence
+from .sequence import Sequence, chunk_scores, wants_prompt_rows
 
 
 @dataclass
@@ -126,7 +125,7 @@ def build_work(items: list, proposals: dict, flight_rows: dict) -> list[SeqWork]
             prev_row = flight_rows[s.request_id]
             tokens[-1] = 0
         work.append(SeqWork(s.request_id, tokens, return_logits=it.samples, prev_row=prev_row,
-                            all_logits=_prompt_lp.wants_prompt_rows(s, it.num_tokens), lora_slot=it.lora_slot))
+                            all_logits=wants_prompt_rows(s, it.num_tokens), lora_slot=it.lora_slot))
     return work
 
 
@@ -150,7 +149,7 @@ def score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -
     for i, (it, w) in enumerate(zip(items, work)):
         n = w.num_logit_rows
         if w.all_logits and i not in skip and it.seq.params.prompt_logprobs is not None:
-            chunk = _prompt_lp.chunk_scores(logits[r : r + n], it.seq.prompt_ids, it.seq.num_computed,
+            chunk = chunk_scores(logits[r : r + n], it.seq.prompt_ids, it.seq.num_computed,
                                             it.seq.params.prompt_logprobs)
             if chunk is not None:
                 it.seq.prompt_score_chunks.append(chunk)

@@ -2,26 +2,29 @@
 
 :class:`OutputProcessor` records a request's sampled tokens (per-request metrics,
 logprobs, streaming detokenization, the stop ids / stop strings / ``max_tokens`` /
-grammar checks of :func:`~mlx_ferrum.engine.stop.emit_token`), builds each
+grammar checks of :func:`~mlx_ferrum.engine.sequence.emit_token`), builds each
 :class:`RequestOutput`, keeps the engine-wide token and latency counters, and holds the
 per-request output boxes that :meth:`Engine.generate <mlx_ferrum.engine.engine.Engine.generate>`
 and :meth:`~mlx_ferrum.engine.engine.Engine.stream` callers wait on (whichever thread steps
 routes every output to its request's box). It never touches the scheduler or the KV
 caches: ending a request is the engine's (the stop reason is returned to it).
+
+The latency counters are bounded: a long-running server finishes millions of requests,
+so the engine keeps no list that grows with them. :class:`LatencyReservoir` keeps the
+exact count and mean plus a uniform random sample of at most ``capacity`` values
+(reservoir sampling, Vitter's Algorithm R, ACM TOMS 1985), from which percentiles are read.
 """
 
 from __future__ import annotations
 
 import collections
+import random
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..errors import RequestError
-from . import prompt_logprobs as _prompt_lp
-from .metrics import LatencyReservoir
-from .sequence import RequestMetrics, Sequence
-from .stop import emit_token
+from .sequence import RequestMetrics, Sequence, emit_token, materialize
 
 #: Placeholder in ``Sequence.output_ids`` for a token sampled but not yet read back.
 IN_FLIGHT = -1
@@ -96,7 +99,7 @@ def make_output(seq: Sequence, delta: str, new_ids: list[int]) -> RequestOutput:
         top_logprobs=list(seq.top_logprobs) if want_lp and seq.params.logprobs else None,
         error=seq.error,
         exception=seq.exception,
-        prompt_logprobs=_prompt_lp.materialize(seq) if seq.params.prompt_logprobs is not None else None,
+        prompt_logprobs=materialize(seq) if seq.params.prompt_logprobs is not None else None,
     )
 
 
@@ -117,12 +120,61 @@ def host_logprobs(result: tuple, host: dict) -> tuple:
     return lps[r], ((tops[0][r], tops[1][r]) if tops is not None else None)
 
 
+class LatencyReservoir:
+    """Count, mean and percentiles of a stream of latencies in seconds, in O(capacity) memory.
+
+    Args:
+        capacity: most values kept for percentiles (>= 1).
+        seed: seed of the replacement choices, so runs are reproducible.
+
+    Percentiles are exact while fewer than ``capacity`` values were added, and estimates
+    from a uniform sample afterwards.
+    """
+
+    def __init__(self, capacity: int = 4096, seed: int = 0):
+        if capacity < 1:
+            raise ValueError("a reservoir needs capacity >= 1")
+        self.capacity = capacity
+        self.count = 0
+        self.total = 0.0
+        self.samples: list[float] = []
+        self._random = random.Random(seed)
+
+    def add(self, value: float) -> None:
+        """Record one latency (seconds)."""
+        self.count += 1
+        self.total += value
+        if len(self.samples) < self.capacity:
+            self.samples.append(value)
+            return
+        j = self._random.randrange(self.count)
+        if j < self.capacity:
+            self.samples[j] = value
+
+    def extend(self, values: Iterable[float]) -> None:
+        """Record several latencies."""
+        for v in values:
+            self.add(v)
+
+    @property
+    def mean(self) -> float:
+        """Mean of every value added (0.0 when none)."""
+        return self.total / self.count if self.count else 0.0
+
+    def percentile(self, q: float) -> float:
+        """The ``q``-quantile (``q`` in [0, 1], nearest rank) of the kept sample; 0.0 when empty."""
+        if not self.samples:
+            return 0.0
+        ys = sorted(self.samples)
+        return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
+
+
 class OutputProcessor:
     """Turns sampled tokens into outputs, counts them, and routes outputs to waiting callers.
 
     Attributes:
         num_generated_tokens: tokens emitted over the engine's life.
-        ttft, itl: :class:`~mlx_ferrum.engine.metrics.LatencyReservoir` of finished
+        ttft, itl: :class:`LatencyReservoir` of finished
             requests' time to first token and inter-token latencies (seconds; bounded).
         boxes: request id -> deque of outputs not yet taken by its waiting caller.
 

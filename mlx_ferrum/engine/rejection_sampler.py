@@ -13,7 +13,7 @@ target model's distribution ``p_i`` after ``d_i``. :func:`verify` then:
   with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection draw from
   ``normalize(max(0, p_i - q_i))``; when all ``k`` are accepted draw a bonus token from
   ``p_k``. Each emitted token is then distributed exactly as under ``p``, the
-  distribution :func:`~mlx_ferrum.engine.logits_processors.process_logits` gives, the one
+  distribution :func:`~mlx_ferrum.engine.sampling.process_logits` gives, the one
   :func:`~mlx_ferrum.engine.sampling.sample` draws from. A deterministic proposal
   (n-gram) has ``q_i`` = a point mass on ``d_i``.
 """
@@ -26,8 +26,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .logits_processors import ProcessedLogits, process_logits
-from .sampling import SamplerState
+from .sampling import ProcessedLogits, SamplerState, process_logits
 
 __all__ = ["Proposal", "Verified", "verify", "token_logprobs", "distributions", "draw", "uniforms"]
 

@@ -33,9 +33,8 @@ from ..config import RuntimeConfig
 from ..errors import ConfigurationError, FerrumError
 from ..executor.llm_executor import LlmExecutor
 from ..runner import SeqWork
-from .logits_processors import process_logits
 from .rejection_sampler import Proposal, distributions, draw, uniforms
-from .sampling import SamplerState
+from .sampling import SamplerState, process_logits
 
 __all__ = [
     "SpeculationPolicy",

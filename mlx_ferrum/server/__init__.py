@@ -1,12 +1,12 @@
 """An OpenAI- and Anthropic-compatible HTTP server over :class:`~mlx_ferrum.engine.AsyncEngine`.
 
-One module per API, over one shared core and one chat translation:
+One module per API, over one shared core:
 
 - :mod:`.serving`: the shared core, :class:`OpenAIServing` (model names, limits, the
-  engine requests of a reply, queued-token account), ``ServingError`` and SSE helpers.
-- :mod:`.translation`: the one request-to-engine translation of every chat API (chat
-  template, tools, grammar) and its output processing (reasoning split, tool calls).
-- :mod:`.sampling`: OpenAI's and vLLM's sampling fields -> ``SamplingParams``.
+  engine requests of a reply, queued-token account), ``ServingError`` and SSE helpers,
+  and the one request-to-engine translation: OpenAI's and vLLM's sampling fields ->
+  ``SamplingParams``, every chat API's chat template, tools and grammar, and its output
+  processing (reasoning split, tool calls).
 - :mod:`.chat_completions`, :mod:`.completions`, :mod:`.responses`,
   :mod:`.anthropic_messages`, :mod:`.embeddings`: OpenAI's chat completions,
   completions, Responses and embeddings APIs and Anthropic's Messages API.
@@ -16,8 +16,9 @@ One module per API, over one shared core and one chat translation:
 - :mod:`.protocol`: pydantic request and response models in OpenAI's shapes
   (tokenize/detokenize in vLLM's).
 - :mod:`.reasoning`, :mod:`.tool_parsers`: reasoning and tool-call syntaxes.
-- :mod:`.limits`: the per-request and per-server limits and the body-size middleware.
-- :mod:`.routing`: JSON bodies read off the event loop, the router each API builds on.
+- :mod:`.limits`: the per-request and per-server limits (values only).
+- :mod:`.routing`: a request's HTTP side: the body-size middleware, the API-key check,
+  JSON bodies read off the event loop, the router each API builds on.
 - :mod:`.app`: the FastAPI app (mounts the routers, errors, API key), the uvicorn
   runner and graceful shutdown; :mod:`.web_ui`: the chat page.
 

@@ -2,7 +2,7 @@
 (what Claude Code speaks through ``ANTHROPIC_BASE_URL``).
 
 A request is translated into the shared chat request
-(:mod:`~mlx_ferrum.server.translation`) and runs through the same planning, engine
+(:func:`~mlx_ferrum.server.serving.prepare_chat`) and runs through the same planning, engine
 requests and output processing as ``/v1/chat/completions``; this module maps shapes:
 
 - ``system`` (a string or text blocks) -> one leading system message; ``messages`` with
@@ -42,9 +42,8 @@ from starlette.concurrency import run_in_threadpool
 from . import protocol as p
 from .limits import ServerLimits
 from .routing import ApiRouter
-from .serving import OpenAIServing, ServingError
-from .translation import (ChatPlan, TurnOutput, arguments_object, chat_prompt_ids, function_tool, prepare_chat, tool_mode,
-                          turn_processor)
+from .serving import (ChatPlan, OpenAIServing, ServingError, TurnOutput, arguments_object, chat_prompt_ids, function_tool,
+                      prepare_chat, tool_mode, turn_processor)
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "MessagesServing", "error_body", "messages_router", "ANTHROPIC_ERROR_TYPES",
            "ANTHROPIC_PREFIX"]

@@ -8,8 +8,9 @@ The app mounts one router per API, each from its module: ``POST /v1/chat/complet
 (:mod:`.models`), ``POST /tokenize`` and ``POST /detokenize`` (:mod:`.tokenization`),
 ``GET /health`` and ``GET /metrics`` (:mod:`.metrics`), and ``GET /``, the chat page
 (:mod:`.web_ui`), unless the server runs with ``--no-web-ui``. Here live only what spans
-them: the API-key check, the body-size limit
-(:class:`~mlx_ferrum.server.limits.BodySizeLimitMiddleware`, 413 over
+them: the API-key check and the body-size limit (both from :mod:`.routing`:
+:func:`~mlx_ferrum.server.routing.api_key_check`,
+:class:`~mlx_ferrum.server.routing.BodySizeLimitMiddleware`, 413 over
 ``--max-request-body-bytes``), and the error handlers: every error is answered in
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, except under
 ``/v1/messages``, where it takes Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from typing import Callable, Optional
 
 import uvicorn
@@ -36,11 +36,11 @@ from .anthropic_messages import ANTHROPIC_PREFIX, error_body, messages_router
 from .chat_completions import chat_completions_router
 from .completions import completions_router
 from .embeddings import embeddings_router
-from .limits import BodySizeLimitMiddleware, ServerLimits
+from .limits import ServerLimits
 from .metrics import ServerMetrics, monitoring_router
 from .models import models_router
 from .responses import responses_router
-from .routing import body_components, describe_validation_errors
+from .routing import BodySizeLimitMiddleware, api_key_check, body_components, describe_validation_errors
 from .serving import OpenAIServing, ServingError
 from .tokenization import tokenization_router
 from .web_ui import add_web_ui
@@ -101,19 +101,7 @@ def build_app(serving: OpenAIServing, metrics: Optional[ServerMetrics] = None, a
         logger.exception("request failed")
         return fail(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error", request=request)
 
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        # OpenAI's clients send "Authorization: Bearer", Anthropic's "x-api-key"
-        bearer = request.headers.get("authorization", "")
-        given = request.headers.get("x-api-key")
-        if given is not None and secrets.compare_digest(given.encode(), api_key.encode()):
-            return
-        if not secrets.compare_digest(bearer.encode(), f"Bearer {api_key}".encode()):
-            raise ServingError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                               "authentication_error")
-
-    guarded = [Depends(check_key)]
+    guarded = [Depends(api_key_check(api_key))]
     routers = [
         chat_completions_router(serving, limits, guarded),
         completions_router(serving, limits, guarded),

@@ -2,8 +2,9 @@
 
 The request (OpenAI's ``ChatCompletionRequest`` fields, with vLLM's extras: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``structured_outputs`` / ``guided_*``,
-``chat_template_kwargs``) goes through the one chat translation of :mod:`.translation`
-(the same as ``/v1/responses`` and ``/v1/messages``), its ``n`` engine requests through
+``chat_template_kwargs``) goes through the one chat translation of :mod:`.serving`
+(:func:`~mlx_ferrum.server.serving.prepare_chat`, the same as ``/v1/responses`` and
+``/v1/messages``), its ``n`` engine requests through
 :class:`~mlx_ferrum.server.serving.OpenAIServing`. The reply is a ``chat.completion`` or,
 with ``stream``, SSE ``chat.completion.chunk`` events ending in ``data: [DONE]``:
 ``reasoning_content`` deltas (vLLM's name) when a reasoning parser runs, ``tool_calls``
@@ -21,8 +22,8 @@ from ..engine import RequestOutput
 from . import protocol as p
 from .limits import ServerLimits
 from .routing import ApiRouter
-from .serving import Choice, OpenAIServing, chunk_head, json_text, scored, stream_error_event
-from .translation import ChatPlan, prepare_chat, turn_processor
+from .serving import (ChatPlan, Choice, OpenAIServing, chunk_head, json_text, prepare_chat, scored, stream_error_event,
+                      turn_processor)
 
 __all__ = ["ChatCompletionsServing", "chat_completions_router"]
 

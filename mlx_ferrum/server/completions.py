@@ -3,9 +3,9 @@
 ``prompt`` is a string, a list of strings, a list of token ids or a list of id lists
 (each a prompt, each with ``n`` choices); ``echo`` returns the prompt first, with its
 log-probabilities when ``logprobs`` is set, and ``echo`` with ``max_tokens: 0`` scores
-the prompt only. The sampling fields (OpenAI's plus vLLM's extras) go through
-:mod:`.sampling`, the engine requests through
-:class:`~mlx_ferrum.server.serving.OpenAIServing`. The reply is a ``text_completion``
+the prompt only. The sampling fields (OpenAI's plus vLLM's extras) and the engine
+requests go through :mod:`.serving` (:func:`~mlx_ferrum.server.serving.engine_requests`,
+:class:`~mlx_ferrum.server.serving.OpenAIServing`). The reply is a ``text_completion``
 or, with ``stream``, SSE chunks of the same object ending in ``data: [DONE]``. Shapes
 (``logprobs`` with ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``)
 follow OpenAI's API reference; ``n`` choices and ``usage`` follow vLLM's
@@ -24,8 +24,8 @@ from ..engine import RequestOutput
 from . import protocol as p
 from .limits import ServerLimits
 from .routing import ApiRouter
-from .sampling import TOP_LOGPROBS_MAX, check_unimplemented, constraint_fields, engine_requests, output_constraint
-from .serving import Choice, OpenAIServing, ServingError, chunk_head, json_text, scored, stream_error_event
+from .serving import (TOP_LOGPROBS_MAX, Choice, OpenAIServing, ServingError, check_unimplemented, chunk_head, constraint_fields,
+                      engine_requests, json_text, output_constraint, scored, stream_error_event)
 
 __all__ = ["CompletionsServing", "completions_router"]
 

@@ -1,24 +1,24 @@
-"""The server's per-request and per-server limits, and the ASGI middleware that bounds bodies.
+"""The server's per-request and per-server limits (values only: the CLI reads them for
+its flags without importing FastAPI).
 
 Every limit is checked before any work for the request starts, so one request can
 neither block the event loop nor fill the memory: a body over
-``max_request_body_bytes`` is refused (413) while it is read, before it is parsed; the
-counts (``n``, prompts, choices) are checked right after parsing, the prompt tokens
-while the prompts are tokenized (in a worker thread), and the queued tokens when the
-request's engine requests are submitted. Each refusal names the limit and the
-``mlx-ferrum serve`` flag that raises it.
+``max_request_body_bytes`` is refused (413) while it is read, before it is parsed
+(:class:`~mlx_ferrum.server.routing.BodySizeLimitMiddleware`); the JSON containers are
+counted before parsing, the counts (``n``, prompts, choices) checked right after, the
+prompt tokens while the prompts are tokenized (in a worker thread), and the queued
+tokens when the request's engine requests are submitted
+(:class:`~mlx_ferrum.server.serving.OpenAIServing`). Each refusal names the limit and
+the ``mlx-ferrum serve`` flag that raises it.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, fields
-from typing import Callable, Optional
 
 from ..errors import ConfigurationError
 
-__all__ = ["ServerLimits", "BodySizeLimitMiddleware", "count_json_containers", "flag_of"]
+__all__ = ["ServerLimits", "flag_of"]
 
 
 @dataclass(frozen=True)
@@ -64,111 +64,6 @@ class ServerLimits:
                 raise ConfigurationError(f"{flag_of(f.name)} {value!r} is invalid: use an int >= 1")
 
 
-#: a JSON string literal, escapes included (to count brackets outside strings)
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def count_json_containers(raw: bytes, bound: int) -> int:
-    """How many JSON arrays and objects ``raw`` holds, outside string literals.
-
-    Cheap when the raw bracket count is within ``bound`` (two ``bytes.count``); only
-    then does it strip the strings (a regex pass) to discount brackets inside text.
-    For malformed JSON the count is approximate; the parser reports the error.
-    """
-    count = raw.count(b"[") + raw.count(b"{")
-    if count <= bound:
-        return count
-    stripped = _JSON_STRING.sub(b'""', raw)
-    return stripped.count(b"[") + stripped.count(b"{")
-
-
 def flag_of(name: str) -> str:
     """The ``serve`` flag of the limit field ``name`` (e.g. ``--max-n``)."""
     return "--" + name.replace("_", "-")
-
-
-class BodySizeLimitMiddleware:
-    """Pure ASGI middleware: reads each HTTP request body, refusing it (413) once it passes
-    ``max_bytes``, then hands the app the buffered body.
-
-    A ``Content-Length`` over the limit is refused without buffering anything; a chunked
-    body is counted as it arrives. A refused body is still read to its end (and dropped)
-    up to ``drain_bytes`` more, so that a client that sends its whole body before
-    reading the answer gets the 413 instead of a reset connection.
-
-    Args:
-        app: the ASGI app.
-        max_bytes: largest body accepted (bytes).
-        anthropic_prefix: a path prefix whose refusals take Anthropic's error shape, or None.
-        on_refused: called once per refusal (e.g. to count it), or None.
-        drain_bytes: at most this many bytes of a refused body are read and dropped.
-    """
-
-    def __init__(self, app, max_bytes: int, on_refused: Optional[Callable[[], None]] = None, drain_bytes: int = 256 * 1024 * 1024,
-                 anthropic_prefix: Optional[str] = None):
-        self.app = app
-        #: paths under it (Anthropic's Messages API) get Anthropic's error shape
-        self.anthropic_prefix = anthropic_prefix
-        self.max_bytes = max_bytes
-        self.on_refused = on_refused
-        self.drain_bytes = drain_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = None
-        for key, value in scope.get("headers", ()):
-            if key == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = None
-        chunks: list[bytes] = []
-        total = 0
-        too_large = declared is not None and declared > self.max_bytes
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before sending its body: nobody to answer
-            body = message.get("body", b"")
-            total += len(body)
-            more = message.get("more_body", False)
-            if too_large or total > self.max_bytes:
-                too_large = True
-                if total > self.max_bytes + self.drain_bytes:
-                    break  # stop reading; the connection is closed after the answer
-                continue
-            chunks.append(body)
-        if too_large:
-            anthropic = self.anthropic_prefix is not None and scope.get("path", "").startswith(self.anthropic_prefix)
-            await self._refuse(send, declared if declared is not None else total, anthropic)
-            return
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: disconnect notices
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send, size: int, anthropic: bool = False) -> None:
-        if self.on_refused is not None:
-            self.on_refused()
-        message = (f"the request body (at least {size} bytes) exceeds the server's limit of {self.max_bytes} bytes "
-                   f"({flag_of('max_request_body_bytes')}): send a smaller request, or start the server with a larger "
-                   f"{flag_of('max_request_body_bytes')}")
-        if anthropic:
-            body = {"type": "error", "error": {"type": "request_too_large", "message": message}}
-        else:
-            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
-        payload = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})

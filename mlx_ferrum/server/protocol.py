@@ -6,7 +6,7 @@ and vLLM's ``entrypoints/openai/protocol.py`` for the extra sampling fields (``t
 ``min_p``, ``repetition_penalty``) and ``/tokenize``. Fields OpenAI does not define are
 ignored; OpenAI fields this server does not implement (``suffix``, ``best_of`` other
 than 1 or ``n``, ``functions``, ``function_call``, ``audio``, non-text ``modalities``) are parsed as
-any JSON value so that :mod:`mlx_ferrum.server.sampling` can refuse them by name.
+any JSON value so that :mod:`mlx_ferrum.server.serving` can refuse them by name.
 """
 
 from __future__ import annotations

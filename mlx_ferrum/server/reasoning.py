@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..engine.stop import partial_stop_length
+from ..engine.sequence import partial_stop_length
 from .tool_parsers import ToolCall
 
 __all__ = ["ReasoningSplit", "ReasoningParser", "REASONING_PARSERS", "get_reasoning_parser"]

@@ -1,7 +1,7 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (what Codex CLI speaks).
 
 A request is translated into the shared chat request
-(:mod:`~mlx_ferrum.server.translation`) and runs through the same planning, engine
+(:func:`~mlx_ferrum.server.serving.prepare_chat`) and runs through the same planning, engine
 requests and output processing as ``/v1/chat/completions``; this module only maps the
 shapes:
 
@@ -43,8 +43,8 @@ from pydantic import BaseModel, ConfigDict
 from . import protocol as p
 from .limits import ServerLimits
 from .routing import ApiRouter
-from .serving import OpenAIServing, ServingError
-from .translation import ChatPlan, TurnOutput, function_tool, merge_system, prepare_chat, turn_processor
+from .serving import (ChatPlan, OpenAIServing, ServingError, TurnOutput, function_tool, merge_system, prepare_chat,
+                      turn_processor)
 
 __all__ = ["ResponsesRequest", "ResponseStore", "ResponsesServing", "responses_router"]
 

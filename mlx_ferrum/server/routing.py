@@ -1,19 +1,24 @@
-"""What every route shares: reading a JSON body off the event loop, OpenAPI request-body
-schemas, the reply of a generating endpoint, and :class:`ApiRouter`, the router each API
-module builds its routes on.
+"""The HTTP side of every request, from its bytes to its reply: the body-size bound,
+the API-key check, reading a JSON body off the event loop, OpenAPI request-body schemas,
+the reply of a generating endpoint, and :class:`ApiRouter`, the router each API module
+builds its routes on.
 
-Request bodies must be JSON (``Content-Type: application/json``) and are counted
-(``--max-request-json-containers``), parsed and validated in a worker thread, so that a
-large request never delays ``/health`` or the streams of other requests. Validation
-errors name the field by its dotted path in the client's terms (OpenAI's ``param``). A
-reply runs until it is done or the client leaves: a departure cancels it, which aborts
-its engine requests.
+A body is read whole by :class:`BodySizeLimitMiddleware` (413 over
+``--max-request-body-bytes``, before anything parses it). Request bodies must be JSON
+(``Content-Type: application/json``) and are counted (``--max-request-json-containers``),
+parsed and validated in a worker thread, so that a large request never delays
+``/health`` or the streams of other requests. Validation errors name the field by its
+dotted path in the client's terms (OpenAI's ``param``). A reply runs until it is done or
+the client leaves: a departure cancels it, which aborts its engine requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+import json
+import re
+import secrets
+from typing import Callable, Optional
 
 import pydantic
 from fastapi import APIRouter, Request
@@ -21,12 +26,142 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from . import protocol as p
-from .limits import ServerLimits, count_json_containers, flag_of
+from .limits import ServerLimits, flag_of
 from .serving import ServingError
 
-__all__ = ["ApiRouter", "answer", "describe_validation_errors", "read_body", "json_body", "body_components"]
+__all__ = ["ApiRouter", "BodySizeLimitMiddleware", "api_key_check", "answer", "count_json_containers",
+           "describe_validation_errors", "read_body", "json_body", "body_components"]
 
 _DISCONNECT_POLL_S = 0.25
+
+
+class BodySizeLimitMiddleware:
+    """Pure ASGI middleware: reads each HTTP request body, refusing it (413) once it passes
+    ``max_bytes``, then hands the app the buffered body.
+
+    A ``Content-Length`` over the limit is refused without buffering anything; a chunked
+    body is counted as it arrives. A refused body is still read to its end (and dropped)
+    up to ``drain_bytes`` more, so that a client that sends its whole body before
+    reading the answer gets the 413 instead of a reset connection.
+
+    Args:
+        app: the ASGI app.
+        max_bytes: largest body accepted (bytes).
+        anthropic_prefix: a path prefix whose refusals take Anthropic's error shape, or None.
+        on_refused: called once per refusal (e.g. to count it), or None.
+        drain_bytes: at most this many bytes of a refused body are read and dropped.
+    """
+
+    def __init__(self, app, max_bytes: int, on_refused: Optional[Callable[[], None]] = None, drain_bytes: int = 256 * 1024 * 1024,
+                 anthropic_prefix: Optional[str] = None):
+        self.app = app
+        #: paths under it (Anthropic's Messages API) get Anthropic's error shape
+        self.anthropic_prefix = anthropic_prefix
+        self.max_bytes = max_bytes
+        self.on_refused = on_refused
+        self.drain_bytes = drain_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = None
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = None
+        chunks: list[bytes] = []
+        total = 0
+        too_large = declared is not None and declared > self.max_bytes
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nobody to answer
+            body = message.get("body", b"")
+            total += len(body)
+            more = message.get("more_body", False)
+            if too_large or total > self.max_bytes:
+                too_large = True
+                if total > self.max_bytes + self.drain_bytes:
+                    break  # stop reading; the connection is closed after the answer
+                continue
+            chunks.append(body)
+        if too_large:
+            anthropic = self.anthropic_prefix is not None and scope.get("path", "").startswith(self.anthropic_prefix)
+            await self._refuse(send, declared if declared is not None else total, anthropic)
+            return
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: int, anthropic: bool = False) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
+        message = (f"the request body (at least {size} bytes) exceeds the server's limit of {self.max_bytes} bytes "
+                   f"({flag_of('max_request_body_bytes')}): send a smaller request, or start the server with a larger "
+                   f"{flag_of('max_request_body_bytes')}")
+        if anthropic:
+            body = {"type": "error", "error": {"type": "request_too_large", "message": message}}
+        else:
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 413}}
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def api_key_check(api_key: Optional[str]) -> Callable:
+    """The FastAPI dependency that guards every API route: with ``api_key`` set, a
+    request needs ``Authorization: Bearer <api_key>`` (OpenAI's clients) or
+    ``x-api-key: <api_key>`` (Anthropic's); compared in constant time.
+
+    Raises:
+        ServingError: 401, from the returned dependency, for a missing or wrong key.
+    """
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        # OpenAI's clients send "Authorization: Bearer", Anthropic's "x-api-key"
+        bearer = request.headers.get("authorization", "")
+        given = request.headers.get("x-api-key")
+        if given is not None and secrets.compare_digest(given.encode(), api_key.encode()):
+            return
+        if not secrets.compare_digest(bearer.encode(), f"Bearer {api_key}".encode()):
+            raise ServingError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                               "authentication_error")
+
+    return check_key
+
+
+#: a JSON string literal, escapes included (to count brackets outside strings)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def count_json_containers(raw: bytes, bound: int) -> int:
+    """How many JSON arrays and objects ``raw`` holds, outside string literals.
+
+    Cheap when the raw bracket count is within ``bound`` (two ``bytes.count``); only
+    then does it strip the strings (a regex pass) to discount brackets inside text.
+    For malformed JSON the count is approximate; the parser reports the error.
+    """
+    count = raw.count(b"[") + raw.count(b"{")
+    if count <= bound:
+        return count
+    stripped = _JSON_STRING.sub(b'""', raw)
+    return stripped.count(b"[") + stripped.count(b"{")
 
 
 #: What a field that takes one of several shapes accepts, for errors about it (pydantic

@@ -4,7 +4,7 @@ ids through the served tokenizer and chat template, and the text of ids.
 Field names follow vLLM's (``prompt`` / ``messages``, ``add_special_tokens``,
 ``add_generation_prompt``; the reply's ``count``, ``max_model_len``, ``tokens``); chat
 messages render through the same template as ``/v1/chat/completions``
-(:func:`~mlx_ferrum.server.translation.chat_prompt_ids`).
+(:func:`~mlx_ferrum.server.serving.chat_prompt_ids`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from ..errors import FerrumError
 from . import protocol as p
 from .limits import ServerLimits
 from .routing import ApiRouter
-from .serving import OpenAIServing, ServingError
-from .translation import chat_prompt_ids
+from .serving import OpenAIServing, ServingError, chat_prompt_ids
 
 __all__ = ["tokenize", "detokenize", "tokenization_router"]
 
