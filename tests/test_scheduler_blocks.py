@@ -28,7 +28,7 @@ from mlx_ferrum.engine.sequence import Sequence, SequenceStatus
 from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvPool
 from mlx_ferrum.kv_cache.manager import UNKNOWN_TOKEN
 from mlx_ferrum.kv_cache.store import PagedKvStore
-from mlx_ferrum.runner.attention_metadata import PagedPassBuilder
+from mlx_ferrum.runner.inputs import PagedPassBuilder
 
 BS = 8
 

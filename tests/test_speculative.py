@@ -451,7 +451,7 @@ def test_a_draft_row_is_laid_out_as_decode_rows_with_causal_context_lengths():
     from mlx_ferrum.kv_cache import LayerGroupKvManager, PagedKvPool
     from mlx_ferrum.kv_cache.block_tables import BatchBlocks, append_row
     from mlx_ferrum.kv_cache.store import PagedKvStore
-    from mlx_ferrum.runner.attention_metadata import PagedPassBuilder
+    from mlx_ferrum.runner.inputs import PagedPassBuilder
 
     mgr = LayerGroupKvManager(32, 4, 16)
     store = PagedKvStore(mgr, PagedKvPool(1, 32, 1, 4, 8, mx.float32), bytes_per_token=64)

@@ -3,7 +3,7 @@
 
 A store holds the K/V arrays and the operations on them; how a pass lays out its rows
 and the attention metadata it gets are the runner's
-(:mod:`mlx_ferrum.runner.attention_metadata`), and the block accounting is the block
+(:mod:`mlx_ferrum.runner.inputs`), and the block accounting is the block
 manager's owner's (the scheduler). A store:
 
 - ``prepare(cache_ids, blocks)``: readies the storage a pass writes and returns an ``undo``

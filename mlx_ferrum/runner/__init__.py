@@ -5,9 +5,9 @@
   a batch) and :class:`ModelInfo`.
 - :mod:`.llm_runner`: :class:`LlmRunner`, the implementation: the model, the KV store
   (built once by :func:`mlx_ferrum.kv_cache.factory.build_kv_store`) and the forward
-  pass, in parts: :mod:`.inputs` (bucketed shapes, padded metadata arrays, token ids and
-  LoRA slots on the device), :mod:`.attention_metadata` (each pass's layout and typed
-  attention metadata, from the step's rows),
+  pass, in parts: :mod:`.inputs` (each pass's layout and typed attention metadata, from
+  the step's rows; bucketed shapes, padded metadata arrays, token ids and LoRA slots on
+  the device),
   :mod:`.compiled_decode` (the ``mx.compile``'d decode step) and :mod:`.model_facts`
   (dtype, rope tables and layer windows read off the loaded model).
 

@@ -8,7 +8,7 @@ into it): it reads the runner's store, pass builder, pool, LoRA registry and mod
 ``self._wait_for_pools``, ``self._compiled_decode``) and is used by the runner's
 forward pass for passes whose every row is a decode row. The pass's slots and block
 tables come from the block manager's owner and its arrays from the runner's pass builder
-(:mod:`.attention_metadata`), as for every pass; the step only pads them.
+(:mod:`.inputs`), as for every pass; the step only pads them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One runner holds one model and one KV store (built once by
 :func:`mlx_ferrum.kv_cache.factory.build_kv_store` from ``RuntimeConfig.kv_layout``,
 with its attention backend) and serves many sequences, each known by a ``cache_id``.
 It has ONE forward path: the store readies the storage a pass writes, and the runner's
-:mod:`.attention_metadata` part lays the pass out and builds its typed metadata (which
+:mod:`.inputs` part lays the pass out and builds its typed metadata (which
 carries the backend) before the model runs; the layouts differ only in their store,
 backend and pass builder:
 
@@ -51,9 +51,8 @@ from ..kv_cache.store import KvStore
 from ..layers.attention import AttentionMetadata
 from ..layers.dense import cache_transposed_weights
 from ..lora import LoraAdapter, LoraRegistry, prefix_salt, salt_token_ids
-from .attention_metadata import KvPass, pass_builder
 from .compiled_decode import MAX_DECODE_TRACES, CompiledDecodeStep
-from .inputs import device_input_ids, lora_token_slots, shape_bucket
+from .inputs import KvPass, device_input_ids, lora_token_slots, pass_builder, shape_bucket
 from .model_facts import layer_windows, model_dtype, table_ropes
 from .protocol import ModelInfo, SeqWork
 
@@ -85,7 +84,7 @@ class LlmRunner(CompiledDecodeStep):
         store: the KV store (:class:`PagedKvStore` or :class:`ContiguousKvStore`) with
             its attention backend (``store.backend``).
         passes: the pass builder of the store's layout
-            (:class:`~mlx_ferrum.runner.attention_metadata.PagedPassBuilder` or
+            (:class:`~mlx_ferrum.runner.inputs.PagedPassBuilder` or
             ``ContiguousPassBuilder``): each pass's layout and attention metadata.
         layout: ``store.layout``, for reports.
         kv_geometry: the paged pool's :class:`~mlx_ferrum.kv_cache.block_tables.KvGeometry`,
