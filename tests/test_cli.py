@@ -398,12 +398,12 @@ def test_generate_reports_a_request_that_failed_in_the_engine(stories_path, monk
     """A request the engine fails is an error (one line, exit 1), with or without
     speculation; the speculative path used to print its text and exit 0."""
     from mlx_ferrum import cli
-    from mlx_ferrum.engine.engine import Engine
+    from mlx_ferrum.engine.launch import StepLauncher
 
     def broken_emit(self, *args, **kwargs):
         raise RuntimeError("injected emission failure")
 
-    monkeypatch.setattr(Engine, "_emit", broken_emit)
+    monkeypatch.setattr(StepLauncher, "_emit", broken_emit)
     rc = cli.main(["generate", "--model", str(stories_path), "-p", "Once upon a time", "-m", "4", "--temp", "0",
                    *flags])
     assert rc == 1
