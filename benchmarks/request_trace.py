@@ -22,8 +22,12 @@ Each file is then classed:
   kernels layer (``mlx_ferrum/kernels/``, or the attention layer when no kernel file is
   entered); a file is added when it is on a thread's call stack at the moment a path file
   is entered (so the event loop's route handler joins through ``async_engine.py``, which
-  the stepping thread's stack links to the kernels). The results come back up through the
-  returns of these same files.
+  the stepping thread's stack links to the kernels). A stack is read as the route control
+  took through files with its detours erased: when a file appears on it twice (a callback
+  into a file already passed, such as the launch stage ending a request through the
+  engine), the files between the two are a detour, not a way down, and are dropped (the
+  loop-erased route; the report also prints the count with the detours kept). The results come back up through
+  the returns of these same files.
 * **helper**: everything else the request entered: services the path calls (tokenizing,
   sampling, stops, detokenizing, the reply's translation, config, errors ...).
 
@@ -86,6 +90,7 @@ class RequestTrace:
         edges: ``{(caller file, callee file): number of calls}``, in first-seen order.
         functions: for each file, the qualified names of the functions entered, in first-entered order.
         path_files: the files on the way to the kernels (see the module's docstring), in ``files`` order.
+        path_files_with_detours: the same with every stack read whole (callbacks' detours kept).
         helper_files: the other files, in ``files`` order.
     """
 
@@ -95,6 +100,7 @@ class RequestTrace:
     edges: dict[tuple[str, str], int] = field(default_factory=dict)
     functions: dict[str, list[str]] = field(default_factory=dict)
     path_files: list[str] = field(default_factory=list)
+    path_files_with_detours: list[str] = field(default_factory=list)
     helper_files: list[str] = field(default_factory=list)
     #: entries skipped because the idle engine makes them too (its stepping thread's polling)
     idle_entries: int = 0
@@ -185,19 +191,40 @@ class FileTracer:
         sys.settrace(previous)
 
 
+def loop_erased(stack: tuple) -> tuple:
+    """``stack`` (files, outermost first) with every detour removed: when a file appears
+    again, the files since its first appearance are dropped, e.g.
+    ``(engine, launch, engine, runner) -> (engine, runner)``."""
+    route: list = []
+    for f in stack:
+        if f in route:
+            del route[route.index(f) + 1:]
+        else:
+            route.append(f)
+    return tuple(route)
+
+
 def classify(trace: RequestTrace) -> None:
-    """Fill ``trace.path_files`` / ``helper_files`` (see the module's docstring)."""
+    """Fill ``trace.path_files`` / ``helper_files`` (see the module's docstring), and
+    ``path_files_with_detours``: the path when every stack is read whole."""
+    trace.path_files = path_files(trace, erase_loops=True)
+    trace.path_files_with_detours = path_files(trace, erase_loops=False)
+    trace.helper_files = [f for f in trace.files if f not in trace.path_files]
+
+
+def path_files(trace: RequestTrace, erase_loops: bool) -> list[str]:
+    """The path's files, in ``trace.files`` order, over loop-erased stacks or whole ones."""
     seed = {f for f in trace.files if f.startswith(KERNEL_PREFIXES)} or {f for f in trace.files if f in ATTENTION_FILES}
     path = set(seed)
+    stacks = {loop_erased(s) for s in trace.stacks} if erase_loops else trace.stacks
     grown = True
     while grown:
         grown = False
-        for stack in trace.stacks:
+        for stack in stacks:
             if stack[-1] in path and not path.issuperset(stack):
                 path.update(stack)
                 grown = True
-    trace.path_files = [f for f in trace.files if f in path]
-    trace.helper_files = [f for f in trace.files if f not in path]
+    return [f for f in trace.files if f in path]
 
 
 def find_stories() -> Optional[Path]:
@@ -343,6 +370,8 @@ def report(trace: RequestTrace, functions: bool = False) -> str:
         lines.append(f"{i:3d}. {kind} {f:48s} [{trace.threads[f]}]")
         if functions:
             lines.append("       " + ", ".join(trace.functions[f]))
+    lines.append(f"-- with the detours of callbacks kept (stacks read whole): "
+                 f"{len(trace.path_files_with_detours)} on the path")
     lines.append(f"-- {trace.idle_entries} entries skipped: the idle engine's thread makes them too")
     lines.append(f"-- hops: {len(trace.edges)} distinct (caller file -> callee file) edges "
                  f"between {len({f for e in trace.edges for f in e})} files; "

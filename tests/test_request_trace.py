@@ -55,3 +55,17 @@ def test_path_helpers_and_hops_are_consistent(traces, name):
     assert ("mlx_ferrum/engine/engine.py", "mlx_ferrum/runner/llm_runner.py") in trace.edges
     text = request_trace.report(trace, functions=True)
     assert f"{len(trace.files)} files" in text and f"{len(trace.edges)} distinct" in text
+
+
+def test_loop_erasure_drops_only_the_detour_of_a_callback():
+    erase = request_trace.loop_erased
+    assert erase(("a", "b", "c")) == ("a", "b", "c")
+    # the launch stage calls back into the engine, which then enters the runner
+    assert erase(("async", "engine", "launch", "engine", "runner")) == ("async", "engine", "runner")
+    assert erase(("a", "b", "c", "b", "d", "a", "e")) == ("a", "e")
+
+
+@pytest.mark.parametrize("name", ["non-streamed", "streamed"])
+def test_the_path_with_detours_kept_contains_the_loop_erased_path(traces, name):
+    trace = traces[name]
+    assert set(trace.path_files) <= set(trace.path_files_with_detours) <= set(trace.files)
