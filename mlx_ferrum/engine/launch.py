@@ -150,7 +150,7 @@ def score_prompts(items: list, work: list[SeqWork], logits: mx.array, skip=()) -
         n = w.num_logit_rows
         if w.all_logits and i not in skip and it.seq.params.prompt_logprobs is not None:
             chunk = chunk_scores(logits[r : r + n], it.seq.prompt_ids, it.seq.num_computed,
-                                            it.seq.params.prompt_logprobs)
+                                 it.seq.params.prompt_logprobs)
             if chunk is not None:
                 it.seq.prompt_score_chunks.append(chunk)
                 arrays.extend(chunk.arrays())
@@ -211,27 +211,28 @@ def sample_rows(take: mx.array, seqs: list[Sequence], pending: Optional[mx.array
 
 class StepLauncher:
     """The launch and read-back stage of :meth:`Engine.step <mlx_ferrum.engine.engine.Engine.step>`:
-    run the step's forward pass, queue its sampling, hold the step in flight, and read it
-    back (tokens, drafts verified, outputs emitted).
+    queue the sampling of the forward pass the engine built, hold the step in flight, and
+    read it back (tokens, drafts verified, outputs emitted).
 
     It owns the step in flight (:attr:`inflight`) and the counters of what it ran; the
     requests it ends go through the engine's ``finish`` / ``fail`` (which free their slots
     and caches at the right time), the outputs produced outside a caller's list through
-    ``pend``. Every method that reads or edits :attr:`inflight` or a sequence runs under
-    ``lock`` (the engine's): :meth:`run` takes it only around its rollback, because the
-    runner builds the pass under its own lock while other threads add and abort requests.
+    ``pend``. :attr:`inflight` is written only by the thread holding the engine's step
+    lock; everything that edits a sequence runs under ``lock`` (the engine's), because
+    other threads add and abort requests meanwhile.
 
     Args:
         runner: the engine's :class:`~mlx_ferrum.runner.ModelRunner`.
-        scheduler: the engine's :class:`~mlx_ferrum.engine.scheduler.Scheduler` (slots
-            given back, prefix-cache ids, drafts committed).
+        scheduler: the engine's :class:`~mlx_ferrum.engine.scheduler.Scheduler`
+            (prefix-cache ids, drafts committed and their rejected slots freed).
         outputs: the engine's :class:`~mlx_ferrum.engine.output_processor.OutputProcessor`.
         lock: the engine's lock (a ``threading.RLock``).
         finish: ``finish(seq, reason, error=None, exception=None)`` ends one request.
         fail: ``fail(seqs, exc) -> [RequestOutput]`` ends requests with ``"error"``
             (finished ones skipped) and returns their final outputs.
         pend: ``pend(outputs)`` keeps outputs for the engine's next :meth:`step` to return.
-        max_sequence_tokens: most tokens one request may reach (``Engine.max_sequence_tokens``).
+        max_sequence_tokens: most tokens one request may reach (``Engine.max_sequence_tokens``,
+            read once as the scheduler reads it: the runner's capacity does not change).
         decodable: ``[1, vocab]`` bool, the ids the tokenizer can decode (None: all).
         prefix_cache: True when the scheduler's block manager hashes blocks (each token
             read back is then reported through ``scheduler.set_token_ids``).
@@ -308,8 +309,8 @@ class StepLauncher:
         ``mx.async_eval`` all of it with ``state``; nothing of this step is read back.
 
         Kept apart from the run stage (the engine's call of the runner) at no cost to the
-        pipelined step: both only build lazy graphs, and the one ``mx.async_eval`` at the end still queues the pass and its
-        sampling together (evaluating the pass first would split the step's device work
+        pipelined step: both only build lazy graphs, and the one ``mx.async_eval`` at the
+        end still queues the pass and its sampling together (evaluating the pass first would split the step's device work
         in two and, on MLX's CPU backend, block the host for the pass).
 
         Args:
@@ -485,7 +486,7 @@ class StepLauncher:
 
         The one-step lag: a request that finishes here may already have its next token
         queued (a placeholder at the end of ``output_ids``); it is dropped with the rest
-        of the request when :meth:`_finish` frees its blocks, and a later resolve skips
+        of the request when the engine's ``finish`` frees its blocks, and a later resolve skips
         finished requests. Aborted or finished requests are skipped the same way.
 
         Isolation: NaN/Inf logits end their request with :class:`NonFiniteLogitsError`;
@@ -576,8 +577,9 @@ class StepLauncher:
         seqs = [s for s, _, _ in live]
         try:
             finite_rows = mx.all(mx.isfinite(mx.concatenate([row for _, row, _ in live], axis=0)), axis=-1)
-            results = verify_drafts([mask_undecodable(row, self.decodable) for _, row, _ in live], [p for _, _, p in live],
-                             [s.sampler for s in seqs], also=[finite_rows], allowed=masks)
+            results = verify_drafts([mask_undecodable(row, self.decodable) for _, row, _ in live],
+                                    [p for _, _, p in live], [s.sampler for s in seqs],
+                                    also=[finite_rows], allowed=masks)
             finite = finite_rows.tolist()
         except Exception as e:  # noqa: BLE001 - this step's drafts only
             return outs + self.fail(seqs, e)

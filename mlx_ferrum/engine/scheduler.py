@@ -237,10 +237,6 @@ class Scheduler:
         if self.block_manager is not None and out.kv is not None:
             undo_rows(self.block_manager, out.kv)
 
-    def block_metrics(self) -> dict:
-        """The block manager's metrics (``{}`` for the contiguous layout)."""
-        return self.block_manager.cache_metrics_snapshot() if self.block_manager is not None else {}
-
     # ------------------------------------------------------------ planning
     def _fits(self, seq: Sequence, n: int) -> bool:
         """True when ``n`` more tokens of ``seq`` fit beside the blocks this step already took."""

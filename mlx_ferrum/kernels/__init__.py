@@ -2,8 +2,9 @@
 chosen once per attention backend.
 
 :func:`attention_kernels` makes the choice when a paged attention backend is built
-(:class:`~mlx_ferrum.layers.attention.PagedAttentionBackend` calls it in its
-constructor): the Metal kernels (:mod:`mlx_ferrum.kernels.metal`) when Metal is
+(:class:`~mlx_ferrum.layers.attention.PagedAttentionBackend` and
+:class:`~mlx_ferrum.layers.quantized_backends.QuantizedPagedAttentionBackend` call it in
+their constructors): the Metal kernels (:mod:`mlx_ferrum.kernels.metal`) when Metal is
 available (or a test launcher is installed with
 :func:`mlx_ferrum.kernels.metal.use_launcher`) and ``FERRUM_METAL_KERNELS`` /
 ``RuntimeConfig.metal_kernels`` is not ``0``; else the reference

@@ -19,8 +19,8 @@ What travels. Ownership follows vLLM's block manager (Kwon et al., SOSP 2023) an
 nano-vllm: the *scheduler* owns the :class:`LayerGroupKvManager` (block tables,
 reference counts, prefix hashes) and allocates a step's slots while it schedules (the
 low-level executor adapter does, where there is no scheduler); the runner's
-:class:`~mlx_ferrum.kv_cache.store.PagedKvStore` holds only the pool arrays and reads
-the tables it is handed. Three things travel between them:
+:class:`~mlx_ferrum.kv_cache.store.PagedKvStore` holds only the pool arrays (it makes the
+copy-on-write copies it is handed) and its pass builder reads the slots and tables. Three things travel between them:
 
 - :class:`KvGeometry`: what the store reports about its pool (blocks, block size, layer
   groups and their windows), from which the owner builds its block manager

@@ -27,7 +27,8 @@ The attention backend is chosen here too, once per store, by layout and
 :class:`~mlx_ferrum.layers.quantized_backends.QuantizedPagedAttentionBackend` over the
 int8 / int4 storage of :mod:`mlx_ferrum.kv_cache.quantized` (int4 rotates keys); a
 paged backend picks its kernels (Metal or the pure-MLX reference) as it is built, from
-``config.metal_kernels``; the store puts it in every pass's metadata. Nothing above this module tests the layout string to decide how KV is
+``config.metal_kernels``; the runner's pass builder puts ``store.backend`` in every
+pass's metadata. Nothing above this module tests the layout string to decide how KV is
 stored or attended: the runner asks the store it was given.
 """
 
@@ -114,18 +115,6 @@ def pool_num_blocks(spec: KvSpec, config: RuntimeConfig, weight_bytes: int) -> i
         max_seq_len=spec.max_seq_len,
         block_bytes=spec.bytes_per_token * config.block_size,
     )
-
-
-def build_paged_manager(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> LayerGroupKvManager:
-    """The block manager for ``spec``: one block table per group of layers sharing a
-    window (one group when every layer has the same window or none).
-
-    Args:
-        spec: the model's KV shape (``layer_windows`` decides the groups).
-        config: ``block_size``, ``prefix_cache``.
-        num_blocks: blocks to manage.
-    """
-    return paged_geometry(spec, config, num_blocks).new_block_manager()
 
 
 def paged_geometry(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> KvGeometry:
@@ -231,5 +220,5 @@ def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
     return new_caches
 
 
-__all__: Sequence[str] = ["KvSpec", "build_kv_store", "build_paged_manager", "contiguous_cache_maker",
+__all__: Sequence[str] = ["KvSpec", "build_kv_store", "contiguous_cache_maker",
                           "paged_geometry", "pool_num_blocks"]

@@ -7,9 +7,9 @@ One layer group's tables: the paged store's manager is a
 Host-side bookkeeping only (vLLM's block manager; Kwon et al., SOSP 2023). Its owner
 changes it: in the engine the scheduler (it allocates a step's slots, frees preempted
 and finished sequences, shares cached prefixes), in the low-level API the
-:class:`~mlx_ferrum.executor.LlmExecutor` adapter. The runner's paged store only reads
-the ``slot_mapping`` and ``block_tables`` its owner hands over
-(:mod:`~mlx_ferrum.kv_cache.block_tables`). The pool arrays belong to the store: when an
+:class:`~mlx_ferrum.executor.LlmExecutor` adapter. The runner's pass builder
+(:mod:`mlx_ferrum.runner.inputs`) only reads the slots and block tables its owner hands
+over (:mod:`~mlx_ferrum.kv_cache.block_tables`). The pool arrays belong to the store: when an
 append must copy a shared block first (copy-on-write), the manager returns the
 ``(src, dst)`` block pairs and the store copies them before the step writes.
 

@@ -285,15 +285,6 @@ class QuantizedPagedKvPool:
             for i, b in zip(chosen, got):
                 lst[i][dst] = b
 
-    def dequantized_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of the blocks ``block_ids`` ``[n]`` of one layer, dequantized to float32:
-        each ``[n, num_kv_heads, block_size, head_dim]`` (keys still rotated when
-        ``rotate_keys``). For tests and inspection; attention gathers its own blocks."""
-        kc, vc, ks, vs, kb, vb = self.layer_arrays(layer)
-        pick = lambda a: None if a is None else a[block_ids]  # noqa: E731
-        return (dequantize_kv(pick(kc), pick(ks), pick(kb), self.kv_cache_dtype, self.head_dim),
-                dequantize_kv(pick(vc), pick(vs), pick(vb), self.kv_cache_dtype, self.head_dim))
-
 
 def _quantize_pair(k: mx.array, v: mx.array, kv_cache_dtype: str, rotate_keys: bool, head_dim: int) -> tuple:
     """``(k_codes, k_scales, k_biases, v_codes, v_scales, v_biases)`` of ``k`` (rotated first

@@ -248,7 +248,9 @@ def _nothing() -> None:
 class PagedKvStore:
     """The paged layout's storage: a :class:`PagedKvPool` (or a
     :class:`~mlx_ferrum.kv_cache.quantized.QuantizedPagedKvPool`) read and written by one
-    attention backend at the slots and block tables it is handed.
+    attention backend at the slots and block tables the runner's pass builder
+    (:mod:`mlx_ferrum.runner.inputs`) reads from the block manager's owner; the store
+    makes the copy-on-write copies it is handed.
 
     It allocates nothing and holds no block table: the block manager
     (:class:`LayerGroupKvManager`) belongs to the scheduler (or to the low-level

@@ -356,8 +356,8 @@ class LlmRunner(CompiledDecodeStep):
         scheduler's slots; contiguous: one per token count).
 
         A pipeline stage (``model.pipeline_stage``, :mod:`mlx_ferrum.distributed.pipeline`)
-        that can overlap splits the step into micro-batches, each placed by the store on
-        its own, and sums the passes' logits across ranks only once all are built, so
+        that can overlap splits the step into micro-batches, each readied by the store and
+        laid out by the pass builder on its own, and sums the passes' logits across ranks only once all are built, so
         the stages work on different micro-batches at the same time."""
         stage = getattr(self.model, "pipeline_stage", None)
         overlap = stage is not None and stage.overlaps
