@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import statistics
 import sys
 import time
@@ -269,7 +270,8 @@ def bench_shared_prefix_step(model, tokenizer, requests: int, context: int, repe
 
 
 def bench_fresh_prefill(model, tokenizer, context: int, repeats: int) -> list[list]:
-    import mlx_ferrum.layers.attention as attention_module
+    # the module, not the package's ``attention`` function of the same name
+    attention_module = importlib.import_module("mlx_ferrum.layers.attention")
     engine = mf.Engine(model, tokenizer, mf.RuntimeConfig(kv_layout="paged", prefix_cache=False))
     rng = np.random.default_rng(6)
     params = mf.SamplingParams(max_tokens=1, temperature=0.0)
