@@ -688,6 +688,17 @@ def _uniform_rows(keys: mx.array, vocab: int) -> mx.array:
     return mx.vmap(lambda key: mx.random.uniform(shape=(vocab,), key=key))(keys)
 
 
+def top_logprobs(logp: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The ``k`` most likely tokens of each row of ``logp`` ``[rows, vocab]`` (log-probabilities,
+    float), most likely first: ``(ids [rows, k] int32, logprobs [rows, k])``, for
+    ``1 <= k <= vocab``. A partial sort (``argpartition``, then an ``argsort`` of the ``k``
+    chosen), as OpenAI's ``top_logprobs`` ranks them."""
+    part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+    part_lp = mx.take_along_axis(logp, part, axis=-1)
+    order = mx.argsort(-part_lp, axis=-1)
+    return mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(part_lp, order, axis=-1)
+
+
 def sample(
     logits: mx.array, states: Sequence[SamplerState], record: bool = True, pending: Optional[mx.array] = None,
     allowed: Optional[mx.array] = None,
@@ -752,11 +763,7 @@ def sample(
         result.logprobs = mx.take_along_axis(logp, tokens.reshape(batch, 1), axis=-1).reshape(batch)
         k = min(max(asked), vocab)
         if k > 0:
-            part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
-            part_lp = mx.take_along_axis(logp, part, axis=-1)
-            order = mx.argsort(-part_lp, axis=-1)
-            result.top_ids = mx.take_along_axis(part, order, axis=-1)
-            result.top_logprobs = mx.take_along_axis(part_lp, order, axis=-1)
+            result.top_ids, result.top_logprobs = top_logprobs(logp, k)
     if record:
         for state, tok in zip(states, tokens.tolist()):
             state.append(tok)

@@ -43,7 +43,7 @@ from typing import Optional, Sequence as Seq, Union
 import mlx.core as mx
 
 from ..errors import RequestError, SamplingParamsError
-from .sampling import SamplerState, SamplingParams
+from .sampling import SamplerState, SamplingParams, top_logprobs
 
 __all__ = ["Prompt", "encode_prompt", "SequenceStatus", "RequestMetrics", "Sequence",
            "StopCheck", "StopStringMatcher", "emit_token", "find_stop", "partial_stop_length",
@@ -458,11 +458,7 @@ def chunk_scores(rows: mx.array, prompt_ids: Seq[int], start_pos: int, k: int) -
     chunk = PromptScoreChunk(start=start_pos + 1, token_ids=targets, logprobs=chosen)
     k = min(k, logp.shape[-1])
     if k > 0:
-        part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
-        part_lp = mx.take_along_axis(logp, part, axis=-1)
-        order = mx.argsort(-part_lp, axis=-1)
-        chunk.top_ids = mx.take_along_axis(part, order, axis=-1)
-        chunk.top_logprobs = mx.take_along_axis(part_lp, order, axis=-1)
+        chunk.top_ids, chunk.top_logprobs = top_logprobs(logp, k)
     return chunk
 
 
