@@ -325,10 +325,19 @@ def test_serve_on_two_ranks_answers_like_one_process_and_stops_on_ctrl_c(stories
         expected = Engine(model, tokenizer).generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0))
         assert text == expected[0].text
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            pytest.fail(f"the ranks did not stop within 30 s of Ctrl-C; their stderr:\n{stderr[-4000:]}")
         time.sleep(1)
         left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
         assert not left, f"ranks still running after Ctrl-C: {left}"
+        # mlx.launch names every rank that exited non-zero: a follower leaving at the first
+        # Ctrl-C (code 130) strands rank 0 in its next broadcast (code 3, or a hang)
+        failed = [line for line in stderr.splitlines() if "Node with rank" in line]
+        assert not failed, f"a rank did not stop cleanly on Ctrl-C: {failed}\n{stderr[-4000:]}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -34,10 +34,12 @@ same on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -72,6 +74,31 @@ HEARTBEAT_S = 1.0
 CLOSE_TIMEOUT_S = 5.0
 
 _request_numbers = iter(range(1, 1 << 62))
+
+
+@contextlib.contextmanager
+def _interrupt_waits_for_driver(rank: int):
+    """While following rank 0 in the main thread: the first SIGINT is logged and
+    otherwise ignored, the second raises ``KeyboardInterrupt`` (see ``follow``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupts = 0
+
+    def on_interrupt(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts > 1:
+            raise KeyboardInterrupt
+        sys.stderr.write(f"rank {rank}: Ctrl-C: waiting for rank 0 to finish and stop the group "
+                         "(Ctrl-C again to leave now)\n")
+        sys.stderr.flush()
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_lockstep_config(config: RuntimeConfig) -> None:
@@ -358,11 +385,21 @@ class LockstepEngine(Engine):
     def follow(self) -> int:
         """Ranks other than 0: run the steps rank 0 sends until it sends ``stop``.
 
+        Ctrl-C in a terminal reaches every rank of the job at once. Rank 0 decides when
+        the run ends (a server first finishes the requests in flight, then broadcasts
+        ``stop``), so a follower that left at the first Ctrl-C would strand rank 0 in its
+        next broadcast with half its group gone, the in-flight requests lost. A follower
+        therefore waits for ``stop`` after the first Ctrl-C and leaves at the second.
+
         Returns:
             The number of engine steps run.
+
+        Raises:
+            KeyboardInterrupt: a second Ctrl-C arrived before rank 0's ``stop``.
         """
-        while not self.stopped:
-            self.step()
+        with _interrupt_waits_for_driver(self.parallel.rank):
+            while not self.stopped:
+                self.step()
         self._close_watchdog()
         return self.num_steps
 
