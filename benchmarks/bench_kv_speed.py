@@ -65,8 +65,11 @@ class Side:
 
         capacity = context + steps_total + 8
         blocks = count * -(-capacity // block_size) + 8
+        # "int4-codes": int4 without its float window (codes only)
+        dtype, _, variant = kv_cache_dtype.partition("-")
+        extra = {"kv_float_window": 0} if variant == "codes" else {}
         cfg = mf.RuntimeConfig(kv_layout=layout, block_size=block_size, max_num_blocks=blocks, kv_capacity=capacity,
-                               kv_cache_dtype=kv_cache_dtype)
+                               kv_cache_dtype=dtype, **extra)
         self.name = kv_cache_dtype
         self.executor = mf.LlmExecutor(model, cfg)
         self.ids = [f"s{i}" for i in range(count)]
@@ -142,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens per sequence before decoding")
     ap.add_argument("--requests", default="1,32", help="concurrent decoding sequences, comma-separated")
     ap.add_argument("--layouts", default="paged,contiguous")
-    ap.add_argument("--dtypes", default="auto,int8,int4")
+    ap.add_argument("--dtypes", default="auto,int8,int4",
+                    help="sides: auto, int8, int4 (with its float window), int4-codes (codes only)")
     ap.add_argument("--steps", type=int, default=2, help="fewest decode steps per side per round")
     ap.add_argument("--max-steps", type=int, default=64, help="most decode steps per side per round")
     ap.add_argument("--min-block-s", type=float, default=0.4,

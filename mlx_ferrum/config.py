@@ -157,6 +157,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "max_lora_rank": ("FERRUM_MAX_LORA_RANK", _parse_int, 64),
     "max_cpu_loras": ("FERRUM_MAX_CPU_LORAS", _parse_int, None),
     "kv_cache_dtype": ("FERRUM_KV_CACHE_DTYPE", _parse_kv_cache_dtype, "auto"),
+    "kv_float_window": ("FERRUM_KV_FLOAT_WINDOW", _parse_int, 64),
     "tensor_parallel_size": ("FERRUM_TENSOR_PARALLEL_SIZE", _parse_int, 1),
     "pipeline_parallel_size": ("FERRUM_PIPELINE_PARALLEL_SIZE", _parse_int, 1),
     "distributed_backend": ("FERRUM_DISTRIBUTED_BACKEND", _parse_backend, "any"),
@@ -197,6 +198,8 @@ FIELD_HELP: dict[str, str] = {
     "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted",
     "kv_cache_dtype": "KV cache storage: 'auto' (the model dtype), 'int8' or 'int4' (group-wise quantized, "
     "float16 scales; int4 rotates keys by a Walsh-Hadamard transform)",
+    "kv_float_window": "with --kv-cache-dtype int4, each query's last N keys and values (and its sequence's "
+    "first 4) are attended in float16 beside the codes (KIVI's full-precision residual; 0: codes only)",
     "tensor_parallel_size": "ranks each layer is split across (tensor parallelism; run under mlx.launch)",
     "pipeline_parallel_size": "ranks the layers are split across (pipeline parallelism; run under mlx.launch)",
     "distributed_backend": "mx.distributed backend: any, ring, jaccl, mpi or nccl",
@@ -344,6 +347,10 @@ class RuntimeConfig:
     - ``kv_cache_dtype`` (``FERRUM_KV_CACHE_DTYPE``, ``"auto"``): how K and V are stored: ``"auto"``
       (the model dtype), ``"int8"`` or ``"int4"`` (group-wise quantized along ``head_dim``, float16
       scales; keys are Walsh-Hadamard rotated). vLLM's name.
+    - ``kv_float_window`` (``FERRUM_KV_FLOAT_WINDOW``, 64): with int4 KV, each query reads
+      its last this-many positions and its sequence's first 4 from a float16 copy kept per
+      running sequence, in one softmax with the codes of all other positions
+      (:mod:`mlx_ferrum.kernels.float_window`); 0 reads codes only. int8 keeps none.
     - ``tensor_parallel_size`` (``FERRUM_TENSOR_PARALLEL_SIZE``, 1): ranks each layer's heads
       and MLP columns are split across (vLLM's name). Above 1 the process must be one rank
       of an ``mlx.launch`` group (see :mod:`mlx_ferrum.distributed`).
@@ -398,6 +405,7 @@ class RuntimeConfig:
     max_lora_rank: Optional[int] = None
     max_cpu_loras: Optional[int] = None
     kv_cache_dtype: Optional[str] = None
+    kv_float_window: Optional[int] = None
     tensor_parallel_size: Optional[int] = None
     pipeline_parallel_size: Optional[int] = None
     distributed_backend: Optional[str] = None
@@ -514,6 +522,9 @@ class RuntimeConfig:
             raise ConfigurationError(
                 f"{n('kv_cache_dtype')}={self.kv_cache_dtype!r} is not valid: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        v = self.kv_float_window
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigurationError(f"{n('kv_float_window')}={v!r} is not valid: use 0 or a positive number of tokens")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_timeout", "pipeline_micro_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -33,10 +33,20 @@ WINDOW = 8
 
 
 class StoredKvOracle(NoCacheAttentionBackend):
-    """Causal attention over K/V as a quantized cache stores them (no cache involved)."""
+    """Causal attention over K/V as a quantized cache stores them (no cache involved).
 
-    def __init__(self, kind: str):
+    With ``float_window`` (int4's float window), the query at position ``t`` reads the keys
+    and values at positions ``t - float_window + 1 .. t`` and ``0 .. 3`` (those at or after
+    ``window_start``) as float16 copies, every other position as stored codes, in one
+    softmax: written here from that definition alone (masks over the two key sets side
+    by side), not from the runtime's ring of entries. ``window_start`` models a prefix-cache
+    hit of that many tokens: the queries of the shared tokens ran in the sequence that
+    computed them (window start 0), the later ones in the sequence that reused them.
+    """
+
+    def __init__(self, kind: str, float_window: int = 0, window_start: int = 0):
         self.kind, self.rotated = kind, True  # keys are rotated in both formats
+        self.float_window, self.window_start = float_window, window_start
 
     def _stored(self, x, rotated):
         d = x.shape[-1]
@@ -48,12 +58,39 @@ class StoredKvOracle(NoCacheAttentionBackend):
     def attend(self, layer, q, k, v, meta, scale, window=None, sinks=None):
         if self.rotated:
             q = rotate(q, q.shape[-1])
-        return super().attend(layer, q, self._stored(k, self.rotated), self._stored(v, False), meta, scale,
-                              window, sinks)
+        keys, values = self._stored(k, self.rotated), self._stored(v, False)
+        if not self.float_window:
+            return super().attend(layer, q, keys, values, meta, scale, window, sinks)
+        length = q.shape[2]
+        t = mx.arange(length)[:, None]
+        p = mx.arange(length)[None, :]
+        start = mx.where(t >= self.window_start, self.window_start, 0)
+        in_float = (p >= start) & ((p > t - self.float_window) | (p < 4))
+        seen = p <= t
+        if window is not None:
+            seen = seen & (p > t - window)
+        allowed = mx.concatenate([seen & ~in_float, seen & in_float], axis=1)
+        mask = mx.where(allowed, 0.0, float("-inf")).astype(q.dtype)
+        float_keys = (rotate(k, k.shape[-1]) if self.rotated else k).astype(mx.float16).astype(q.dtype)
+        float_values = v.astype(mx.float16).astype(q.dtype)
+        extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        return mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([keys, float_keys], axis=2), mx.concatenate([values, float_values], axis=2),
+            scale=scale, mask=mask, **extra)
 
 
-def oracle_last_logits(model, ids, kind):
-    return np.array(model(mx.array([ids]), NoCacheMetadata(backend=StoredKvOracle(kind)))[0, -1])
+#: the float window the int4 tests run with: shorter than their sequences, so that every
+#: query reads some positions from codes and some from floats
+FLOAT_WINDOW = 4
+
+
+def float_window_of(kind: str) -> int:
+    return FLOAT_WINDOW if kind == "int4" else 0
+
+
+def oracle_last_logits(model, ids, kind, window_start=0, float_window=None):
+    oracle = StoredKvOracle(kind, float_window_of(kind) if float_window is None else float_window, window_start)
+    return np.array(model(mx.array([ids]), NoCacheMetadata(backend=oracle))[0, -1])
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +112,7 @@ def gemma3(tmp_path_factory):
 
 def config(layout, kind, compiled=False, **kw):
     base = dict(kv_layout=layout, block_size=8, max_num_blocks=128, kv_capacity=128, enforce_eager=not compiled,
-                kv_cache_dtype=kind)
+                kv_cache_dtype=kind, kv_float_window=float_window_of(kind))
     base.update(kw)
     return RuntimeConfig(**base)
 
@@ -137,18 +174,18 @@ def test_layer_groups_and_windows_read_only_their_own_blocks(gemma3, kind):
 def test_attention_calls_equal_the_oracle_on_the_same_inputs(gemma3, kind, monkeypatch):
     """Every attention call of a paged prefill (fresh full layers, windowed sliding layers
     read back from the pool) equals the oracle on the call's own q/k/v."""
-    oracle = StoredKvOracle(kind)
+    oracle = StoredKvOracle(kind, float_window_of(kind))
     errors = []
-    attend = QuantizedPagedAttentionBackend.attend
+    attend = QuantizedPagedAttentionBackend.packed_attention
 
-    def checked(self, layer, q, k, v, meta, scale, window=None, sinks=None):
-        out = attend(self, layer, q, k, v, meta, scale, window, sinks)
+    def checked(self, q, k, v, meta, layer, scale, window=None, sinks=None):
+        out = attend(self, q, k, v, meta, layer, scale, window, sinks)
         as_batch = lambda x: x.transpose(1, 0, 2)[None]  # noqa: E731
         ref = oracle.attend(layer, as_batch(q), as_batch(k), as_batch(v), None, scale, window, sinks)
         errors.append((window, float(mx.abs(out - ref[0].transpose(1, 0, 2)).max())))
         return out
 
-    monkeypatch.setattr(QuantizedPagedAttentionBackend, "attend", checked)
+    monkeypatch.setattr(QuantizedPagedAttentionBackend, "packed_attention", checked)
     runner = LlmExecutor(gemma3, config("paged", kind))  # the low-level API: it owns its block manager
     runner.run([SeqWork("x", prompts_for(gemma3, [19], seed=3)[0])])
     assert {w for w, _ in errors} == {None, WINDOW}
@@ -160,7 +197,8 @@ def test_attention_calls_equal_the_oracle_on_the_same_inputs(gemma3, kind, monke
 def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llama, kind):
     """Where the Metal kernels are enabled (the CPU harness stands in for Metal), decode and
     short prefill rows run the quantized kernels (codes dequantized in registers, int4
-    queries rotated before the launch), and the logits equal the oracle over the stored K/V."""
+    queries rotated before the launch), and the logits equal the oracle over the stored K/V.
+    Codes only (``kv_float_window=0``): int4's float window runs the pure-MLX path."""
     from mlx_ferrum.kernels import metal
     from support import metal_harness as mh
 
@@ -169,15 +207,17 @@ def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llam
     prompts = prompts_for(llama, [6, 6, 11], seed=2)
     before = mh.LAUNCHES.copy()
     with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("random",)):
-        runner = LlmExecutor(llama, config("paged", kind, compiled=False, metal_kernels=True))  # the low-level API: it owns its block manager
+        runner = LlmExecutor(llama, config("paged", kind, compiled=False, metal_kernels=True,
+                                           kv_float_window=0))  # the low-level API: it owns its block manager
         out = runner.run([SeqWork(str(i), p) for i, p in enumerate(prompts)])
         step = runner.run([SeqWork(str(i), [1]) for i in range(3)])
     assert mh.LAUNCHES["paged_attention_decode"] > before["paged_attention_decode"]
     assert mh.LAUNCHES["paged_prefill_attention"] > before["paged_prefill_attention"]
     for p, o, s in zip(prompts, out, step):
-        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind), atol=1e-4, rtol=1e-4)
-        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], kind), atol=1e-4,
+        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind, float_window=0), atol=1e-4,
                                    rtol=1e-4)
+        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], kind, float_window=0),
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_the_store_holds_quantized_storage_and_the_backend_of_its_dtype(llama):
@@ -212,7 +252,7 @@ def test_int4_refuses_an_odd_head_dim():
 
 def engine_config(layout, kind, **kw):
     base = dict(kv_layout=layout, block_size=8, max_num_blocks=256, max_num_seqs=16, prefill_chunk_size=512,
-                kv_cache_dtype=kind)
+                kv_cache_dtype=kind, kv_float_window=float_window_of(kind))
     base.update(kw)
     return RuntimeConfig(**base)
 
@@ -261,13 +301,15 @@ def test_preemption_and_recompute_change_no_output(llama, kind):
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
-def test_speculative_rollback_on_a_quantized_cache_keeps_greedy_output(llama, layout):
-    """n-gram drafts are verified and the rejected ones trimmed from the int8 cache: the
-    greedy output equals decoding without speculation on the same cache dtype."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculative_rollback_on_a_quantized_cache_keeps_greedy_output(llama, layout, kind):
+    """n-gram drafts are verified and the rejected ones trimmed from the quantized cache
+    (int4: its float window too, whose ring has room for a draft's tokens): the greedy
+    output equals decoding without speculation on the same cache dtype."""
     story = prompts_for(llama, [10], seed=4)[0]
     prompts = [story * 3, story[:5] * 4]
-    plain, _ = generate(llama, engine_config(layout, "int8"), prompts, max_tokens=16)
-    spec, stats = generate(llama, engine_config(layout, "int8", speculative="ngram", prompt_lookup_min=1,
+    plain, _ = generate(llama, engine_config(layout, kind), prompts, max_tokens=16)
+    spec, stats = generate(llama, engine_config(layout, kind, speculative="ngram", prompt_lookup_min=1,
                                                 num_speculative_tokens=3, speculative_disable_by_batch_size=1 << 20),
                            prompts, max_tokens=16)
     assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"], "no draft was rejected"
@@ -318,8 +360,26 @@ def test_stats_and_metrics_report_the_bytes_as_stored(llama, layout):
         if layout == "paged":
             pool = engine.runner.pool
             assert kv["allocated_bytes"] == sum(int(a.nbytes) for a in pool.arrays())
-            assert kv["bytes_per_token"] * pool.num_blocks * pool.block_size == kv["allocated_bytes"]
+            windows = sum(int(a.nbytes) for a in getattr(pool, "k_window", []) + getattr(pool, "v_window", []))
+            assert kv["float_window_bytes"] == windows and (windows > 0) == (kind == "int4")
+            assert kv["bytes_per_token"] * pool.num_blocks * pool.block_size + windows == kv["allocated_bytes"]
         text = ServerMetrics(engine).render().decode()
         assert f'mlx_ferrum:kv_cache_bytes_per_token{{kv_cache_dtype="{kind}"}} {float(per_token[kind])}' in text
         assert "mlx_ferrum:kv_cache_allocated_bytes" in text and "mlx_ferrum:kv_cache_used_bytes" in text
     assert per_token["int4"] < per_token["int8"] < per_token["auto"]
+
+
+def test_a_prefix_cache_hit_reads_the_shared_tokens_from_codes_with_a_float_window(llama):
+    """int4 with a float window: a sequence whose first 16 tokens came from the prefix cache
+    holds no float copies of them, so its queries read those positions from the codes
+    (its window starts at the hit); every later position is read as for a fresh prompt.
+    The logits equal the oracle with that window start, and differ from a fresh prefill's."""
+    prompt = prompts_for(llama, [21], seed=13)[0]
+    runner = LlmExecutor(llama, config("paged", "int4", prefix_cache=True))
+    fresh = runner.run([SeqWork("first", prompt)])[0]
+    runner.claim_prefix("second", prompt, 16)
+    hit = runner.run([SeqWork("second", prompt[16:])])[0]
+    np.testing.assert_allclose(np.array(fresh[-1]), oracle_last_logits(llama, prompt, "int4"), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.array(hit[-1]), oracle_last_logits(llama, prompt, "int4", window_start=16),
+                               atol=1e-4, rtol=1e-4)
+    assert float(mx.abs(hit[-1] - fresh[-1]).max()) > 1e-4, "the first 4 tokens should have come from floats"

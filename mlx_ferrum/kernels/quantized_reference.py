@@ -53,6 +53,8 @@ import numpy as np
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import ConfigurationError
+from .float_window import FIRST_TOKENS, FloatRows, entry_positions
+from .float_window import prefill_attention as float_prefill_attention
 from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index, softmax_base2, varlen_prefill_over_blocks
 
 #: The largest group size along ``head_dim`` (head_dim 64, 128, 256 use it).
@@ -293,6 +295,9 @@ def attention_over_codes(
     valid: Optional[mx.array],
     scale: float,
     sinks: Optional[mx.array] = None,
+    float_keys: Optional[mx.array] = None,
+    float_values: Optional[mx.array] = None,
+    float_valid: Optional[mx.array] = None,
 ) -> mx.array:
     """One query per sequence over that sequence's quantized K/V, computed from the codes:
     no dequantized copy of K or V is built.
@@ -308,6 +313,11 @@ def attention_over_codes(
         valid: ``[num_seqs, T]`` bool, the key positions each query may see, or None (all).
         scale: softmax scale.
         sinks: ``[num_heads]`` attention-sink logits, or None.
+        float_keys, float_values: ``[num_seqs, num_kv_heads, F, head_dim]`` float entries
+            attended in the same softmax as the codes (the float window,
+            :mod:`~mlx_ferrum.kernels.float_window`; keys in the codes' basis), or None.
+        float_valid: ``[num_seqs, F]`` bool, the float entries each query sees (the
+            positions they hold must be masked out of ``valid``).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype.
@@ -355,7 +365,16 @@ def attention_over_codes(
         scores = part if scores is None else scores + part
     if valid is not None:
         scores = mx.where(valid[:, None, None, :], scores, _NEG_INF)
+    num_codes = scores.shape[-1]
+    if float_keys is not None:
+        float_scores = qg @ float_keys.astype(f32).swapaxes(-1, -2)  # [S, KVH, g, F]
+        float_scores = mx.where(float_valid[:, None, None, :], float_scores, _NEG_INF)
+        scores = mx.concatenate([scores, float_scores], axis=-1)
     p, denom = softmax_base2(scores, sinks, kvh, g)
+    float_out = None
+    if float_keys is not None:
+        float_out = p[..., num_codes:] @ float_values.astype(f32)  # [S, KVH, g, D]
+        p = p[..., :num_codes]
     v_s = per_token(v_scales)
     v_b = per_token(v_biases) if affine else None
     outs = []
@@ -371,6 +390,8 @@ def attention_over_codes(
             out = weighted @ codes  # [S, KVH, g, G]
         outs.append(out)
     out = outs[0] if groups == 1 else mx.concatenate(outs, axis=-1)
+    if float_out is not None:
+        out = out + float_out
     return (out / denom).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
@@ -391,6 +412,7 @@ def quantized_paged_attention_decode(
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
     index: Optional[DecodeIndex] = None,
+    float_rows: Optional[FloatRows] = None,
 ) -> mx.array:
     """:func:`~mlx_ferrum.kernels.reference.paged_attention_decode` over a quantized pool.
 
@@ -405,6 +427,9 @@ def quantized_paged_attention_decode(
             the float reference (``index``: :func:`decode_index`, shared by the layers).
         keys_rotated: the pool's keys were rotated before quantization (int4 with
             ``rotate_keys``): the queries are rotated here by the same matrix.
+        float_rows: the rows' float window (:class:`~mlx_ferrum.kernels.float_window.FloatRows`),
+            attended in the same softmax as the codes; the positions it covers are
+            masked out of the codes. None: codes only.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in q's dtype.
@@ -429,16 +454,31 @@ def quantized_paged_attention_decode(
         rows = block_rows(block_tables[:, first:last], kvh)
         lo, hi = start - first * bs, n - first * bs
         live = lambda a: None if a is None else pick(a, rows)[:, :, lo:hi]  # noqa: E731
+        valid, floats = None, {}
+        if float_rows is not None:
+            from_float, entries_valid = float_rows.masks(context_lens - 1, mx.arange(start, n)[None], window)
+            valid = ~from_float
+            floats = _float_args(float_rows, entries_valid)
         return attention_over_codes(q, live(k_codes), live(v_codes), live(k_scales), live(v_scales),
-                                    live(k_biases), live(v_biases), None, scale, sinks)
+                                    live(k_biases), live(v_biases), valid, scale, sinks, **floats)
     if index is None:
         index = decode_index(block_tables, context_lens, kvh, bs)
     valid = index.valid
     if window is not None:
         valid = valid & (mx.arange(nb * bs)[None] >= context_lens[:, None] - window)
+    floats = {}
+    if float_rows is not None:
+        from_float, entries_valid = float_rows.masks(context_lens - 1, mx.arange(nb * bs)[None], window)
+        valid = valid & ~from_float
+        floats = _float_args(float_rows, entries_valid)
     rows = index.rows
     return attention_over_codes(q, pick(k_codes, rows), pick(v_codes, rows), pick(k_scales, rows),
-                                pick(v_scales, rows), pick(k_biases, rows), pick(v_biases, rows), valid, scale, sinks)
+                                pick(v_scales, rows), pick(k_biases, rows), pick(v_biases, rows), valid, scale, sinks,
+                                **floats)
+
+
+def _float_args(float_rows: FloatRows, entries_valid: mx.array) -> dict:
+    return {"float_keys": float_rows.keys, "float_values": float_rows.values, "float_valid": entries_valid}
 
 
 def quantized_paged_prefill_attention(
@@ -487,6 +527,79 @@ def quantized_paged_prefill_attention(
                 gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype))
 
     return varlen_prefill_over_blocks(q, gather, k_codes.shape[2], block_tables, ctx, starts, scale, window, sinks)
+
+
+def quantized_paged_prefill_with_float(
+    q: mx.array,
+    k_codes: mx.array,
+    v_codes: mx.array,
+    k_scales: mx.array,
+    v_scales: mx.array,
+    k_biases: Optional[mx.array],
+    v_biases: Optional[mx.array],
+    block_tables: mx.array,
+    host_context_lens: Sequence[int],
+    host_query_start_loc: Sequence[int],
+    scale: float,
+    float_rows: Sequence[tuple],
+    float_window: int,
+    entries: int,
+    *,
+    keys_rotated: bool = False,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """:func:`quantized_paged_prefill_attention` with each sequence's float window: every
+    query reads its last ``float_window`` positions and its sequence's first tokens from
+    float K/V, all other positions from the codes, in one softmax
+    (:func:`~mlx_ferrum.kernels.float_window.prefill_attention`, one call per sequence).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` packed, un-rotated queries.
+        k_codes ... v_biases: one layer's pool (after this pass's writes).
+        block_tables: ``[num_seqs, max_blocks]`` int32.
+        host_context_lens, host_query_start_loc: per sequence, tokens stored after the
+            pass and the offsets of its queries in ``q``.
+        float_rows: per sequence ``(ring_keys, ring_values, new_keys, new_values,
+            window_start)``: its ring entries as they were BEFORE this pass's writes
+            (``[entries, num_kv_heads, head_dim]``, keys in the pool's basis), this pass's
+            own K/V ``[n, num_kv_heads, head_dim]`` (keys in the pool's basis), and its first
+            position with a float entry (int).
+        float_window: the float window in tokens; entries: ring entries per sequence.
+        keys_rotated, window, sinks: as in :func:`quantized_paged_prefill_attention`.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in q's dtype.
+    """
+    head_dim = q.shape[-1]
+    if keys_rotated:
+        q = rotate(q, head_dim)
+    bs = k_codes.shape[2]
+    ring = entries - FIRST_TOKENS
+    outs = []
+    for i, (ring_keys, ring_values, new_keys, new_values, window_start) in enumerate(float_rows):
+        q0, q1 = host_query_start_loc[i], host_query_start_loc[i + 1]
+        if q1 == q0:
+            continue
+        clen = int(host_context_lens[i])
+        start = clen - (q1 - q0)
+        first = max(0, start - window + 1) // bs if window is not None else 0
+        table = block_tables[i, first : -(-clen // bs)]
+        keys = gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype)[None, :, : clen - first * bs]
+        values = gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype)[None, :, : clen - first * bs]
+        float_keys = mx.concatenate([ring_keys, new_keys], axis=0).swapaxes(0, 1)[None]
+        float_values = mx.concatenate([ring_values, new_values], axis=0).swapaxes(0, 1)[None]
+        positions = mx.concatenate([entry_positions(mx.array([start - 1], dtype=mx.int32), entries)[0],
+                                    mx.arange(start, clen, dtype=mx.int32)])
+        out = float_prefill_attention(
+            q[q0:q1].swapaxes(0, 1)[None], keys, values, float_keys, float_values, positions,
+            mx.arange(start, clen, dtype=mx.int32), window_start, float_window, start - ring, scale,
+            key_start=first * bs, sliding_window=window, sinks=sinks,
+        )
+        outs.append(out[0].swapaxes(0, 1))
+    if not outs:
+        return mx.zeros_like(q)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
 def quantized_contiguous_attention(

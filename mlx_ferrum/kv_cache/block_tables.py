@@ -64,12 +64,19 @@ class LayerGroupKvManager:
             default, one full-attention layer, gives one group (every layer of a model
             without windows can share it).
         prefix_cache: share full blocks across sequences by hash chain, per group.
+        window_slots: float-window slots of a quantized pool
+            (:mod:`~mlx_ferrum.kernels.float_window`): each sequence takes one while it
+            holds blocks (0: the pool keeps no float window).
 
     Attributes:
         groups: one :class:`PagedKvCacheManager` per group (``sliding_window`` set for
             the sliding groups, so they free blocks outside their window).
         layer_groups: ``layer_groups[layer]`` is the layer's group index.
         group_windows: the window of each group.
+        windows: cache id -> ``[window slot, window start]``: the sequence's float-window
+            slot (-1 when all were taken: its attention then reads codes only) and its
+            first position with a float entry (the positions before it came from the
+            prefix cache or a fork, as codes).
 
     Raises (from its methods): as :class:`PagedKvCacheManager`; an append that does
     not fit in every group changes nothing.
@@ -82,8 +89,12 @@ class LayerGroupKvManager:
         max_blocks_per_seq: int,
         layer_windows: Sequence[Optional[int]] = (None,),
         prefix_cache: bool = False,
+        window_slots: int = 0,
     ):
         self.group_windows, self.layer_groups = layer_group_windows(layer_windows)
+        self.window_slots = window_slots
+        self._free_window_slots = list(range(window_slots - 1, -1, -1))
+        self.windows: dict[Hashable, list[int]] = {}
         self.groups = [
             PagedKvCacheManager(num_blocks, block_size, max_blocks_per_seq, prefix_cache, sliding_window=w)
             for w in self.group_windows
@@ -128,9 +139,17 @@ class LayerGroupKvManager:
         return self.groups[0].has(cache_id)
 
     def create(self, cache_id: Hashable) -> None:
-        """Start an empty sequence in every group (KvCacheError: it exists)."""
+        """Start an empty sequence in every group (KvCacheError: it exists); it takes a
+        free float-window slot when the pool has them."""
         for g in self.groups:
             g.create(cache_id)
+        if self.window_slots:
+            self.windows[cache_id] = [self._free_window_slots.pop() if self._free_window_slots else -1, 0]
+
+    def window_of(self, cache_id: Hashable) -> tuple[int, int]:
+        """``(window slot, window start)`` of ``cache_id`` (``(-1, 0)`` without float windows)."""
+        w = self.windows.get(cache_id)
+        return (w[0], w[1]) if w is not None else (-1, 0)
 
     def num_tokens(self, cache_id: Hashable) -> int:
         """Tokens stored for ``cache_id`` (the same in every group)."""
@@ -192,16 +211,26 @@ class LayerGroupKvManager:
             g.check_truncate(cache_id, new_len)
         for g in self.groups:
             g.truncate(cache_id, new_len)
+        w = self.windows.get(cache_id)
+        if w is not None:
+            w[1] = min(w[1], new_len)  # the positions from new_len on are written anew
 
     def release(self, cache_id: Hashable) -> None:
         """Free every block of ``cache_id`` in every group (UnknownCacheError: unknown id)."""
         for g in self.groups:
             g.release(cache_id)
+        w = self.windows.pop(cache_id, None)
+        if w is not None and w[0] >= 0:
+            self._free_window_slots.append(w[0])
 
     def fork(self, cache_id: Hashable, new_cache_id: Hashable) -> None:
         """Share all of ``cache_id``'s blocks with ``new_cache_id`` in every group (copy-on-write)."""
         for g in self.groups:
             g.fork(cache_id, new_cache_id)
+        if self.window_slots:
+            # the shared tokens come as codes: the copy's float entries start after them
+            slot = self._free_window_slots.pop() if self._free_window_slots else -1
+            self.windows[new_cache_id] = [slot, self.num_tokens(new_cache_id)]
 
     def longest_cached_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens :meth:`match_prefix` would reuse: the shortest group's cached prefix
@@ -222,6 +251,9 @@ class LayerGroupKvManager:
         for g, hit in zip(self.groups, hits):
             if hit > common:
                 g.truncate(cache_id, common)
+        w = self.windows.get(cache_id)
+        if w is not None:
+            w[1] = common  # the reused tokens come as codes
         return common
 
     def bytes_held(self, bytes_per_token_per_layer: int) -> int:
@@ -262,6 +294,7 @@ class KvGeometry:
         layer_windows: each layer's sliding window (None: full attention); layers are
             grouped by window (:func:`layer_group_windows`).
         prefix_cache: whether full blocks are shared by hash chain.
+        window_slots: float-window slots of a quantized pool (0: none).
     """
 
     num_blocks: int
@@ -269,6 +302,7 @@ class KvGeometry:
     max_blocks_per_seq: int
     layer_windows: tuple = (None,)
     prefix_cache: bool = False
+    window_slots: int = 0
 
     @classmethod
     def of(cls, manager: LayerGroupKvManager, num_layers: Optional[int] = None) -> "KvGeometry":
@@ -278,12 +312,13 @@ class KvGeometry:
         else:
             windows = tuple(manager.group_windows[g] for g in manager.layer_groups)
         return cls(manager.num_blocks, manager.block_size, manager.max_blocks_per_seq, windows,
-                   manager.prefix_cache)
+                   manager.prefix_cache, manager.window_slots)
 
     def new_block_manager(self) -> LayerGroupKvManager:
         """A fresh, empty :class:`LayerGroupKvManager` over this geometry (host lists only)."""
         return LayerGroupKvManager(self.num_blocks, self.block_size, self.max_blocks_per_seq,
-                                   list(self.layer_windows) or [None], prefix_cache=self.prefix_cache)
+                                   list(self.layer_windows) or [None], prefix_cache=self.prefix_cache,
+                                   window_slots=self.window_slots)
 
 
 @dataclass
@@ -298,11 +333,15 @@ class RowBlocks:
             (:data:`~mlx_ferrum.kv_cache.manager.FREED_BLOCK` for blocks freed outside a
             sliding window). These are the manager's own lists: read them, never change
             them; they stay valid until the owner's next allocation.
+        window_slot, window_start: the sequence's float-window slot and first position
+            with a float entry (:attr:`LayerGroupKvManager.windows`; -1 and 0 without).
     """
 
     start: int
     slots: list
     block_tables: list
+    window_slot: int = -1
+    window_start: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -367,6 +406,8 @@ def append_row(manager: LayerGroupKvManager, batch: BatchBlocks, cache_id: Hasha
             row = RowBlocks(start, [results[0].slots], [seq.block_ids])
         else:
             row = RowBlocks(start, [r.slots for r in results], [g.seqs[cache_id].block_ids for g in groups])
+        if manager.window_slots:
+            row.window_slot, row.window_start = manager.window_of(cache_id)
         batch.rows[cache_id] = row
     else:
         for slots, r in zip(row.slots, results):

@@ -41,14 +41,28 @@ import mlx.core as mx
 
 from ..config import RuntimeConfig
 from ..errors import ExecutorError
-from .contiguous import ContiguousKvCache
 from ..kernels.quantized_reference import check_kv_cache_dtype
 from ..layers.attention import ContiguousAttentionBackend, PagedAttentionBackend
-from ..layers.quantized_backends import QuantizedContiguousAttentionBackend, QuantizedPagedAttentionBackend
+from ..layers.quantized_backends import (
+    QuantizedContiguousAttentionBackend,
+    QuantizedPagedAttentionBackend,
+)
 from .block_tables import KvGeometry, LayerGroupKvManager
-from .quantized import QuantizedContiguousKvCache, QuantizedPagedKvPool, check_quantized_pool_fits
+from .contiguous import ContiguousKvCache
+from .quantized import (
+    QuantizedContiguousKvCache,
+    QuantizedPagedKvPool,
+    check_quantized_pool_fits,
+)
 from .quantized import bytes_per_token as quantized_bytes_per_token
-from .store import ContiguousKvStore, KvStore, PagedKvPool, PagedKvStore, check_pool_fits, default_num_blocks
+from .store import (
+    ContiguousKvStore,
+    KvStore,
+    PagedKvPool,
+    PagedKvStore,
+    check_pool_fits,
+    default_num_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -123,7 +137,27 @@ def paged_geometry(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> KvGe
     blocks per table, the model's layer windows, ``config.prefix_cache``."""
     bs = config.block_size
     return KvGeometry(num_blocks, bs, -(-spec.max_seq_len // bs), tuple(spec.layer_windows) or (None,),
-                      bool(config.prefix_cache))
+                      bool(config.prefix_cache), float_window_slots(spec, config))
+
+
+def float_window(spec: KvSpec, config: RuntimeConfig) -> int:
+    """Tokens of the float window the store keeps: ``config.kv_float_window`` for int4 KV,
+    else 0 (int8 codes lose too little to need one)."""
+    return int(config.kv_float_window or 0) if spec.kv_cache_dtype == "int4" else 0
+
+
+def float_window_slots(spec: KvSpec, config: RuntimeConfig) -> int:
+    """Float-window slots: one per sequence an engine step may run (``max_num_seqs``) and
+    one for a finished sequence whose blocks the pipelined step releases a step late. A
+    sequence that finds none free runs on codes alone (slower to none: every slot costs
+    about 1.6 MiB on SmolLM2, the budget of a 4,096-token sequence's share)."""
+    return int(config.max_num_seqs) + 1 if float_window(spec, config) else 0
+
+
+def float_window_lookahead(config: RuntimeConfig) -> int:
+    """Tokens past its first that one sequence may write in a pass whose decode rows read
+    the float window after the write: a speculative draft of ``num_speculative_tokens``."""
+    return int(config.num_speculative_tokens) if config.speculative else 0
 
 
 def build_kv_store(
@@ -187,7 +221,9 @@ def build_kv_store(
     # decode step write to (the manager never hands it out)
     if spec.quantized:
         pool = QuantizedPagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
-                                    spec.head_dim, spec.kv_cache_dtype, rotate_keys=rotate_keys)
+                                    spec.head_dim, spec.kv_cache_dtype, rotate_keys=rotate_keys,
+                                    float_window=float_window(spec, config), window_slots=geometry.window_slots,
+                                    lookahead=float_window_lookahead(config))
         backend = QuantizedPagedAttentionBackend(spec.kv_cache_dtype, pool.rotate_keys,
                                                  metal_kernels=bool(config.metal_kernels))
     else:
@@ -208,7 +244,9 @@ def contiguous_cache_maker(spec: KvSpec, config: RuntimeConfig):
         if spec.quantized:
             return [
                 QuantizedContiguousKvCache(spec.num_kv_heads, spec.head_dim, spec.dtype, spec.max_seq_len,
-                                           spec.kv_cache_dtype, config.kv_cache_step, preallocate)
+                                           spec.kv_cache_dtype, config.kv_cache_step, preallocate,
+                                           float_window=float_window(spec, config),
+                                           lookahead=float_window_lookahead(config))
                 for _ in range(spec.num_layers)
             ]
         return [

@@ -35,6 +35,8 @@ import mlx.core as mx
 from .. import config as config_module
 from ..config import check_memory
 from ..errors import ConfigurationError, KvCacheError, KvCacheExhaustedError
+from ..kernels.float_window import FIRST_TOKENS as FLOAT_FIRST_TOKENS
+from ..kernels.float_window import ring_entries
 from ..kernels.quantized_reference import (
     KV_CACHE_DTYPES,
     KV_GROUP_SIZE,
@@ -120,10 +122,19 @@ class QuantizedPagedKvPool:
         rotate_keys: rotate keys by the Walsh-Hadamard matrix before quantizing them
             (None: True). Attention must then rotate queries
             (``keys_rotated=self.rotate_keys`` in the quantized reference).
+        float_window: tokens of each query's recent K/V read in float beside the codes
+            (:mod:`~mlx_ferrum.kernels.float_window`; 0: none).
+        window_slots: sequences that can hold a float window at once.
+        lookahead: the most tokens past its first that one sequence writes in a pass whose
+            decode rows read the window after the write (a speculative draft).
 
     Attributes:
         k_codes, v_codes, k_scales, v_scales, k_biases, v_biases: lists, one array per
             layer (the bias lists are empty for int8); shapes in the module docstring.
+        k_window, v_window: lists, one array per layer (empty without a float window):
+            ``[window_slots + 1, entries, num_kv_heads, head_dim]`` float16, keys in the
+            codes' basis; the last slot is scratch (tokens no window keeps are written there).
+        entries: float entries per sequence (:func:`~mlx_ferrum.kernels.float_window.ring_entries`).
 
     Raises:
         ConfigurationError: an unknown ``kv_cache_dtype``, "auto", or int4 with an odd head_dim.
@@ -131,10 +142,14 @@ class QuantizedPagedKvPool:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 kv_cache_dtype: str, rotate_keys: Optional[bool] = None):
+                 kv_cache_dtype: str, rotate_keys: Optional[bool] = None, float_window: int = 0,
+                 window_slots: int = 0, lookahead: int = 0):
         check_kv_cache_dtype(kv_cache_dtype, head_dim)
         if kv_cache_dtype == "auto":
             raise ConfigurationError("QuantizedPagedKvPool stores int8 or int4: use PagedKvPool for kv_cache_dtype='auto'")
+        self.float_window = float_window if window_slots > 0 else 0
+        self.window_slots = window_slots if self.float_window else 0
+        self.entries = ring_entries(float_window, lookahead) if self.float_window else 0
         check_quantized_pool_fits(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_cache_dtype)
         self.num_layers = num_layers
         self.shape = (num_blocks, num_kv_heads, block_size, head_dim)
@@ -149,21 +164,26 @@ class QuantizedPagedKvPool:
         with_bias = kv_cache_dtype == "int4"
         self.k_biases = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)] if with_bias else []
         self.v_biases = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)] if with_bias else []
+        window_shape = (self.window_slots + 1, self.entries, num_kv_heads, head_dim)
+        self.k_window = [mx.zeros(window_shape, mx.float16) for _ in range(num_layers)] if self.float_window else []
+        self.v_window = [mx.zeros(window_shape, mx.float16) for _ in range(num_layers)] if self.float_window else []
         mx.eval(self.arrays())
 
     # -- the arrays, flat, for a compiled step's inputs and outputs --------------------------------
 
     def _lists(self) -> list[list]:
-        return [self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.k_biases, self.v_biases]
+        return [self.k_codes, self.v_codes, self.k_scales, self.v_scales, self.k_biases, self.v_biases,
+                self.k_window, self.v_window]
 
     def arrays(self) -> list[mx.array]:
         """Every array, flat, in a fixed order: k_codes, v_codes, k_scales, v_scales,
-        k_biases, v_biases (each all layers; the bias lists are empty for int8)."""
+        k_biases, v_biases, k_window, v_window (each all layers; the bias lists are empty
+        for int8, the window lists without a float window)."""
         return [a for lst in self._lists() for a in lst]
 
     def _split(self, arrays: list) -> list[list]:
         n = self.num_layers
-        counts = [n, n, n, n, len(self.k_biases), len(self.v_biases)]
+        counts = [n, n, n, n, len(self.k_biases), len(self.v_biases), len(self.k_window), len(self.v_window)]
         if len(arrays) != sum(counts):
             raise KvCacheError(f"a quantized pool view needs {sum(counts)} arrays (got {len(arrays)})")
         out, at = [], 0
@@ -184,8 +204,9 @@ class QuantizedPagedKvPool:
         view = object.__new__(QuantizedPagedKvPool)
         view.num_layers, view.shape = self.num_layers, self.shape
         view.kv_cache_dtype, view.rotate_keys = self.kv_cache_dtype, self.rotate_keys
+        view.float_window, view.window_slots, view.entries = self.float_window, self.window_slots, self.entries
         (view.k_codes, view.v_codes, view.k_scales, view.v_scales,
-         view.k_biases, view.v_biases) = self._split(list(arrays))
+         view.k_biases, view.v_biases, view.k_window, view.v_window) = self._split(list(arrays))
         return view
 
     def set_arrays(self, arrays: list) -> None:
@@ -195,7 +216,7 @@ class QuantizedPagedKvPool:
             KvCacheError: the number of arrays does not match this pool's.
         """
         (self.k_codes, self.v_codes, self.k_scales, self.v_scales,
-         self.k_biases, self.v_biases) = self._split(list(arrays))
+         self.k_biases, self.v_biases, self.k_window, self.v_window) = self._split(list(arrays))
 
     def layer_arrays(self, layer: int) -> tuple:
         """``(k_codes, v_codes, k_scales, v_scales, k_biases, v_biases)`` of one layer, in the
@@ -228,14 +249,20 @@ class QuantizedPagedKvPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every allocated array (codes, scales, biases; all layers, K and V)."""
+        """Bytes of every allocated array (codes, scales, biases, float windows; all layers, K and V)."""
         return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def float_window_bytes(self) -> int:
+        """Bytes of the float windows (all slots and layers, K and V); 0 without."""
+        return sum(a.nbytes for a in self.k_window + self.v_window)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token slot costs across all layers, scales and biases included,
-        measured from the allocated arrays (``nbytes / (num_blocks * block_size)``)."""
-        return self.nbytes // (self.num_blocks * self.block_size)
+        measured from the allocated arrays (``(nbytes - float_window_bytes) / (num_blocks
+        * block_size)``: the float windows are per running sequence, not per token)."""
+        return (self.nbytes - self.float_window_bytes) // (self.num_blocks * self.block_size)
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -244,7 +271,8 @@ class QuantizedPagedKvPool:
         they address codes, scales and biases alike (the last axis is left whole)."""
         return slot_indices(slot_mapping, self.shape[1], self.shape[2])
 
-    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array, indices=None) -> None:
+    def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array, indices=None,
+              window_index: Optional[tuple] = None) -> None:
         """Quantize and store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (post-RoPE,
         any float dtype) at ``slot_mapping`` ``[num_tokens]`` int32 of layer ``layer``.
 
@@ -253,11 +281,17 @@ class QuantizedPagedKvPool:
 
         Args:
             indices: :meth:`slot_indices` of ``slot_mapping``, to reuse across layers.
+            window_index: ``(window slots [num_tokens], entries [num_tokens])`` int32, where
+                each token's float copy goes (the scratch slot for tokens no window
+                keeps); None writes no float copy.
         """
         if indices is None:
             indices = self.slot_indices(slot_mapping)
         if self.rotate_keys:
             k = rotate(k, self.head_dim)
+        if window_index is not None and self.float_window:
+            self.k_window[layer][window_index] = k.astype(mx.float16)
+            self.v_window[layer][window_index] = v.astype(mx.float16)
         kc, ks, kb = quantize_kv(k, self.kv_cache_dtype)
         vc, vs, vb = quantize_kv(v, self.kv_cache_dtype)
         self.k_codes[layer][indices] = kc
@@ -276,7 +310,7 @@ class QuantizedPagedKvPool:
         src = mx.array([s for s, _ in copies], dtype=mx.int32)
         dst = mx.array([d for _, d in copies], dtype=mx.int32)
         chosen = range(self.num_layers) if layers is None else layers
-        lists = [lst for lst in self._lists() if lst]
+        lists = [lst for lst in self._lists()[:6] if lst]  # blocks: not the float windows
         blocks = [[lst[i][src] for i in chosen] for lst in lists]
         # evaluate the gathers first: a pending read of a pool would make the scatter
         # below copy the whole pool instead of updating it in place
@@ -342,12 +376,18 @@ class QuantizedContiguousKvCache:
         step: growth step in tokens.
         preallocate: allocate ``max_capacity`` tokens at once.
         rotate_keys: as in :class:`QuantizedPagedKvPool` (None: True).
+        float_window, lookahead: as in :class:`QuantizedPagedKvPool` (0: no float window).
 
     Attributes:
         k_codes, v_codes: ``[1, num_kv_heads, capacity, C]``; k_scales, v_scales (and for
             int4 k_biases, v_biases; else None): ``[1, num_kv_heads, capacity, head_dim // G]``
             float16; all None until the first write.
         len, capacity: tokens stored, and tokens the buffers hold without growing.
+        k_window, v_window: ``[1, num_kv_heads, entries, head_dim]`` float16, the float
+            window's ring (:mod:`~mlx_ferrum.kernels.float_window`; keys in the codes'
+            basis), None without a float window or before the first write.
+        window_start: the first position with a float entry (a fork's copied tokens
+            come as codes).
 
     Raises:
         ConfigurationError: an unknown ``kv_cache_dtype``, "auto", or int4 with an odd head_dim.
@@ -355,7 +395,8 @@ class QuantizedContiguousKvCache:
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, max_capacity: int, kv_cache_dtype: str,
-                 step: int = 256, preallocate: bool = False, rotate_keys: Optional[bool] = None):
+                 step: int = 256, preallocate: bool = False, rotate_keys: Optional[bool] = None,
+                 float_window: int = 0, lookahead: int = 0):
         check_kv_cache_dtype(kv_cache_dtype, head_dim)
         if kv_cache_dtype == "auto":
             raise ConfigurationError(
@@ -368,6 +409,10 @@ class QuantizedContiguousKvCache:
         self.capacity = 0
         self.k_codes = self.v_codes = self.k_scales = self.v_scales = None
         self.k_biases = self.v_biases = None
+        self.float_window = float_window
+        self.entries = ring_entries(float_window, lookahead) if float_window else 0
+        self.k_window = self.v_window = None
+        self.window_start = 0
         if preallocate:
             self._grow_to(max_capacity)
 
@@ -433,6 +478,8 @@ class QuantizedContiguousKvCache:
             kc, ks, kb, vc, vs, vb = _decode_quantizer(self.kv_cache_dtype, self.rotate_keys, self.head_dim)(k, v)
         else:
             kc, ks, kb, vc, vs, vb = _quantize_pair(k, v, self.kv_cache_dtype, self.rotate_keys, self.head_dim)
+        if self.float_window:
+            self._write_window(k, v)
         self.k_codes[:, :, self.len : end] = kc
         self.v_codes[:, :, self.len : end] = vc
         self.k_scales[:, :, self.len : end] = ks
@@ -441,6 +488,36 @@ class QuantizedContiguousKvCache:
             self.k_biases[:, :, self.len : end] = kb
             self.v_biases[:, :, self.len : end] = vb
         self.len = end
+
+    def _write_window(self, k: mx.array, v: mx.array) -> None:
+        """Keep the float copies of the new tokens the window may read: the first tokens
+        and the last ``entries - FIRST_TOKENS`` positions (older ones of a long chunk
+        would be overwritten by newer ones in the same scatter)."""
+        if self.k_window is None:
+            shape = (1, self.num_kv_heads, self.entries, self.head_dim)
+            self.k_window, self.v_window = mx.zeros(shape, mx.float16), mx.zeros(shape, mx.float16)
+        n, end = k.shape[2], self.len + k.shape[2]
+        ring = self.entries - FLOAT_FIRST_TOKENS
+        kept = [p for p in range(self.len, end) if p < FLOAT_FIRST_TOKENS or p > end - 1 - ring]
+        if not kept:
+            return
+        entries = mx.array([p if p < FLOAT_FIRST_TOKENS else FLOAT_FIRST_TOKENS + (p - FLOAT_FIRST_TOKENS) % ring
+                            for p in kept], dtype=mx.int32)
+        rows = kept if len(kept) < n else None
+        if self.rotate_keys:
+            k = rotate(k, self.head_dim)
+        if rows is not None:
+            picked = mx.array([p - self.len for p in rows], dtype=mx.int32)
+            k, v = k[:, :, picked], v[:, :, picked]
+        self.k_window[:, :, entries] = k.astype(mx.float16)
+        self.v_window[:, :, entries] = v.astype(mx.float16)
+
+    def window_snapshot(self) -> Optional[tuple[mx.array, mx.array]]:
+        """``(k_window, v_window)`` as they are now, unaffected by later writes (a prefill
+        pass reads its sequence's entries from before its own write), or None."""
+        if self.k_window is None:
+            return None
+        return self.k_window[:, :, :], self.v_window[:, :, :]
 
     def fetch(self, start: int = 0) -> tuple[mx.array, mx.array]:
         """Stored tokens ``start .. len - 1``, dequantized to the model dtype:
@@ -494,6 +571,7 @@ class QuantizedContiguousKvCache:
         for name in self._names():
             getattr(self, name)[:, :, : other.len] = getattr(other, name)[:, :, : other.len]
         self.len = other.len
+        self.window_start = other.len  # the copied tokens come as codes
 
     def truncate(self, new_len: int) -> None:
         """Forget tokens from ``new_len`` on (their slots are overwritten by later appends).
@@ -504,8 +582,11 @@ class QuantizedContiguousKvCache:
         if not 0 <= new_len <= self.len:
             raise KvCacheError(f"cannot truncate a KV cache of {self.len} tokens to {new_len}")
         self.len = new_len
+        self.window_start = min(self.window_start, new_len)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all buffers (capacity, not just ``len``), scales and biases included."""
-        return sum(a.nbytes for a in self.arrays())
+        """Bytes held by all buffers (capacity, not just ``len``), scales, biases and the
+        float window included."""
+        window = 0 if self.k_window is None else self.k_window.nbytes + self.v_window.nbytes
+        return sum(a.nbytes for a in self.arrays()) + window

@@ -361,12 +361,14 @@ class PagedKvStore:
     def metrics(self, block_manager: Optional[LayerGroupKvManager] = None) -> dict:
         """``block_manager``'s block metrics (when given), and the bytes as stored:
         ``kv_cache_dtype``, ``bytes_per_token`` (K+V of one token over all layers,
-        quantized scales and biases included), ``allocated_bytes`` (the whole pool) and
-        ``used_bytes`` (the blocks in use)."""
+        quantized scales and biases included), ``allocated_bytes`` (the whole pool, float
+        windows included), ``used_bytes`` (the blocks in use) and ``float_window_bytes``
+        (an int4 pool's float windows, one slot per running sequence; 0 without)."""
         blocks = block_manager.cache_metrics_snapshot() if block_manager is not None else {}
         return {**blocks, "kv_cache_dtype": self.backend.kv_cache_dtype,
                 "bytes_per_token": self.bytes_per_token, "allocated_bytes": self.allocated_bytes(),
-                "used_bytes": self.used_bytes(block_manager)}
+                "used_bytes": self.used_bytes(block_manager),
+                "float_window_bytes": getattr(self.pool, "float_window_bytes", 0)}
 
 
 class ContiguousKvStore:

@@ -151,6 +151,36 @@ class PagedGroupTables:
 
 
 @dataclass
+class FloatWindowMetadata:
+    """Where a pass over a quantized pool with a float window writes and reads the float
+    entries (:mod:`~mlx_ferrum.kernels.float_window`).
+
+    Attributes:
+        write_index: ``(window slots [T], entries [T])`` int32 per packed token: where its
+            float copy goes (the pool's scratch slot for tokens no window keeps).
+        decode_slots, decode_last, decode_starts: ``[num_decode_seqs]`` int32 per decode
+            row: its sequence's window slot, the last position the pass writes for that
+            sequence, and the sequence's first position with a float entry
+            (:data:`NO_FLOAT_WINDOW` for a sequence without a slot).
+        prefill_slots, prefill_starts: the same two per prefill row, as Python ints.
+        window: the float window in tokens; entries: ring entries per sequence.
+    """
+
+    write_index: tuple
+    decode_slots: mx.array
+    decode_last: mx.array
+    decode_starts: mx.array
+    prefill_slots: list
+    prefill_starts: list
+    window: int
+    entries: int
+
+
+#: the window start of a sequence without a float-window slot: no position is read from floats
+NO_FLOAT_WINDOW = 1 << 30
+
+
+@dataclass
 class PagedMetadata:
     """A packed pass over the paged pool (:class:`PagedAttentionBackend`), complete before
     the model runs (:func:`paged_metadata`): no layer adds to it.
@@ -171,6 +201,7 @@ class PagedMetadata:
         rope_tables: ``(cos, sin)`` per ``Rope.table_key`` of the model's ropes, over
             ``positions``, shared by every layer.
         logits_indices, lora_slots: as :class:`NoCacheMetadata`.
+        float_window: a quantized pool's :class:`FloatWindowMetadata`, or None.
     """
 
     backend: "AttentionBackend"
@@ -186,6 +217,7 @@ class PagedMetadata:
     rope_tables: dict = field(default_factory=dict)
     logits_indices: Optional[mx.array] = None
     lora_slots: Optional[mx.array] = None
+    float_window: Optional[FloatWindowMetadata] = None
 
     @property
     def slot_mapping(self) -> mx.array:
@@ -212,6 +244,7 @@ def paged_metadata(
     host_context_lens: Optional[list] = None,
     host_query_start_loc: Optional[list] = None,
     shared_prefixes: Optional[list] = None,
+    float_window: Optional[FloatWindowMetadata] = None,
 ) -> PagedMetadata:
     """A complete :class:`PagedMetadata`: the per-pass arrays every layer shares (pool
     index arrays, the decode index of the backend's kernels, RoPE tables) are derived
@@ -238,6 +271,7 @@ def paged_metadata(
         shared_prefixes: per group, the decode rows'
             :class:`~mlx_ferrum.kernels.reference.SharedPrefix` (MLX arrays) or None
             (:meth:`PagedAttentionBackend.shared_prefix`); None: none anywhere.
+        float_window: a quantized pool's :class:`FloatWindowMetadata`, or None.
     """
     nd = num_decode_seqs
     num_kv_heads, block_size = pool.shape[1], pool.shape[2]
@@ -260,7 +294,7 @@ def paged_metadata(
         backend=backend, pool=pool, positions=positions, context_lens=context_lens, num_decode_seqs=nd,
         layer_groups=list(layer_groups), groups=groups, query_start_loc=query_start_loc,
         host_context_lens=list(host_context_lens or []), host_query_start_loc=list(host_query_start_loc or []),
-        rope_tables=rope_tables,
+        rope_tables=rope_tables, float_window=float_window,
     )
 
 

@@ -20,6 +20,14 @@ round trip, which equals what the pool holds. So a prompt's output is the same w
 its prefix came from the prefix cache, an earlier chunk or this pass, and a batch
 gives what its requests give one at a time.
 
+With int4's float window (:mod:`mlx_ferrum.kernels.float_window`) each query also reads
+its last ``window`` positions and its sequence's first tokens from float16 copies, in the
+same softmax as the codes of the others; the pass's own tokens are taken as those copies
+hold them, so a prompt read in one pass, in chunks or token by token gives the same, and
+so does a batch. A prefix-cache hit brings codes without copies: its shared positions
+are read from the codes (the sequence's ``window_start``). This attention runs the
+pure-MLX path (the Metal kernels do not take the copies yet).
+
 :class:`QuantizedPagedAttentionBackend` runs the Metal decode and prefill kernels over the
 quantized blocks where the Metal path is on (codes dequantized in registers, queries rotated
 before the launch), else the quantized reference: the choice of
@@ -28,15 +36,28 @@ before the launch), else the quantized reference: the choice of
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from typing import Optional
+
+import mlx.core as mx
 
 from .. import kernels
 from ..errors import ConfigurationError
-from ..kernels.quantized_reference import attention_over_codes, check_kv_cache_dtype, dequantize_kv, quantize_kv, rotate
-from .attention import ContiguousAttentionBackend, PagedAttentionBackend, PagedGroupTables
-
+from ..kernels.float_window import FIRST_TOKENS, FloatRows, entry_positions
+from ..kernels.float_window import prefill_attention as float_prefill_attention
+from ..kernels.quantized_reference import (
+    attention_over_codes,
+    check_kv_cache_dtype,
+    dequantize_kv,
+    quantize_kv,
+    quantized_paged_attention_decode,
+    quantized_paged_prefill_with_float,
+    rotate,
+)
+from .attention import (
+    ContiguousAttentionBackend,
+    PagedAttentionBackend,
+    PagedGroupTables,
+)
 
 #: A contiguous decode step reads each row's slots in spans of this many tokens (the
 #: slots past a row's length are masked): the compiled attention keeps one shape for
@@ -89,7 +110,65 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         self.rotate_keys = bool(rotate_keys)
         self.kernels = kernels.attention_kernels(metal_kernels, kv_cache_dtype)
 
-    # write: the inherited one calls pool.write, which quantizes (and rotates keys)
+    def write(self, layer: int, k: mx.array, v: mx.array, meta) -> None:
+        """Quantize and store packed ``k``, ``v`` ``[T, KVH, D]`` at the slots of the layer's
+        group (``pool.write`` quantizes and rotates keys), and their float copies where the
+        pass's float window keeps them."""
+        tables = meta.groups[meta.layer_groups[layer]]
+        window_index = meta.float_window.write_index if meta.float_window is not None else None
+        meta.pool.write(layer, tables.slot_mapping, k, v, indices=tables.slot_index, window_index=window_index)
+
+    def packed_attention(self, q, k, v, meta, layer, scale, window=None, sinks=None) -> mx.array:
+        """Write, then attend; with a float window (:mod:`~mlx_ferrum.kernels.float_window`)
+        every row attends to its float entries and its codes in one softmax.
+
+        Prefill rows read their sequence's entries as they were before this pass's write
+        (gathered first: MLX's in-place update leaves arrays built earlier as they were)
+        together with the pass's own K/V, so a chunk longer than the ring loses none of
+        the positions its queries need. Decode rows read the entries after the write,
+        which also holds the earlier rows of a draft laid out as decode rows.
+        """
+        fw = meta.float_window
+        if fw is None:
+            return super().packed_attention(q, k, v, meta, layer, scale, window, sinks)
+        pool = meta.pool
+        nd = meta.num_decode_seqs
+        num_rows = len(meta.host_context_lens) if meta.host_context_lens else meta.context_lens.shape[0]
+        before = None
+        if nd < num_rows:
+            slots = mx.array(fw.prefill_slots, dtype=mx.int32)
+            before = (pool.k_window[layer][slots], pool.v_window[layer][slots])
+        self.write(layer, k, v, meta)
+        tables = meta.groups[meta.layer_groups[layer]]
+        parts = []
+        if nd:
+            rows = FloatRows(pool.k_window[layer][fw.decode_slots].swapaxes(1, 2),
+                             pool.v_window[layer][fw.decode_slots].swapaxes(1, 2),
+                             fw.decode_last, fw.decode_starts, fw.window, fw.entries)
+            parts.append(quantized_paged_attention_decode(
+                q[:nd], *pool.layer_arrays(layer), tables.block_tables[:nd], meta.context_lens[:nd], scale,
+                keys_rotated=self.rotate_keys, host_context_lens=meta.host_context_lens[:nd] or None,
+                window=window, sinks=sinks, index=None if self.kernels.metal else tables.decode_index,
+                float_rows=rows,
+            ))
+        if before is not None:
+            starts = meta.host_query_start_loc
+            r0 = starts[nd]
+            # the pass's own tokens as their entries hold them (float16), so that a prompt
+            # gives the same whether it is read in one pass, in chunks or token by token
+            keys = (rotate(k, k.shape[-1]) if self.rotate_keys else k).astype(mx.float16)
+            values = v.astype(mx.float16)
+            float_rows = [
+                (before[0][i], before[1][i], keys[starts[nd + i] : starts[nd + i + 1]],
+                 values[starts[nd + i] : starts[nd + i + 1]], fw.prefill_starts[i])
+                for i in range(num_rows - nd)
+            ]
+            parts.append(quantized_paged_prefill_with_float(
+                q[r0:], *pool.layer_arrays(layer), tables.block_tables[nd:], meta.host_context_lens[nd:],
+                [x - r0 for x in starts[nd:]], scale, float_rows, fw.window, fw.entries,
+                keys_rotated=self.rotate_keys, window=window, sinks=sinks,
+            ))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
     def shared_prefix(self, block_tables, context_lens, block_size: int, row_seqs=None) -> None:
         """None: the quantized reference reads each row's codes (no shared-prefix read)."""
@@ -163,6 +242,42 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         in the rotated basis when the cache rotates them); prefill passes read this."""
         return meta.caches[row][layer].fetch()
 
+    def attention(self, q, k, v, meta, layer, scale, window=None, sinks=None) -> mx.array:
+        """Write, then attend; a prefill pass over caches with a float window attends row
+        by row to the codes and the float entries in one softmax, the entries read as they
+        were before this pass's write together with the pass's own K/V (as the paged
+        layout does)."""
+        caches = [meta.caches[i][layer] for i in range(q.shape[0])]
+        if q.shape[2] == 1 or not caches[0].float_window:
+            return super().attention(q, k, v, meta, layer, scale, window, sinks)
+        before = [c.window_snapshot() for c in caches]
+        starts = [c.len for c in caches]
+        self.write(layer, k, v, meta)
+        head_dim = q.shape[-1]
+        queries = rotate(q, head_dim) if self.rotate_keys else q
+        # the pass's own tokens as the entries hold them (float16), as in the paged layout
+        keys_basis = (rotate(k, head_dim) if self.rotate_keys else k).astype(mx.float16)
+        values_basis = v.astype(mx.float16)
+        outs = []
+        for i, cache in enumerate(caches):
+            start, length = starts[i], q.shape[2]
+            keys, values = cache.fetch()
+            new_keys, new_values = keys_basis[i : i + 1], values_basis[i : i + 1]
+            if before[i] is None:
+                float_keys, float_values = new_keys, new_values
+                positions = mx.arange(start, start + length, dtype=mx.int32)
+            else:
+                float_keys = mx.concatenate([before[i][0].astype(new_keys.dtype), new_keys], axis=2)
+                float_values = mx.concatenate([before[i][1].astype(new_values.dtype), new_values], axis=2)
+                positions = mx.concatenate([entry_positions(mx.array([start - 1], dtype=mx.int32), cache.entries)[0],
+                                            mx.arange(start, start + length, dtype=mx.int32)])
+            outs.append(float_prefill_attention(
+                queries[i : i + 1], keys, values, float_keys, float_values, positions,
+                mx.arange(start, start + length, dtype=mx.int32), cache.window_start, cache.float_window,
+                start - (cache.entries - FIRST_TOKENS), scale, sliding_window=window, sinks=sinks,
+            ))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
     def attend(self, layer, q, k, v, meta, scale, window=None, sinks=None) -> mx.array:
         """:meth:`ContiguousAttentionBackend.attend` with the queries rotated to the keys' basis.
 
@@ -208,32 +323,53 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         else:
             heads = [arrays]  # concatenated rows: contiguous already
         context = mx.array([[n - first] for n in lens], dtype=mx.int32)  # row lengths, from slot `first`
-        attend = self._compiled_attention(scale, window, q.shape, heads, sinks)
-        return attend(q[:, :, 0, :], heads, context, sinks)[:, :, None, :]
+        floats = None
+        if caches[0].float_window:
+            # the float window, read after this step's write: [B, KVH, entries, D] and each
+            # row's last position and window start
+            floats = [mx.concatenate([c.k_window for c in caches], axis=0) if len(caches) > 1 else caches[0].k_window,
+                      mx.concatenate([c.v_window for c in caches], axis=0) if len(caches) > 1 else caches[0].v_window,
+                      mx.array([n - 1 for n in lens], dtype=mx.int32),
+                      mx.array([c.window_start for c in caches], dtype=mx.int32),
+                      mx.array(first, dtype=mx.int32)]
+        attend = self._compiled_attention(scale, window, q.shape, heads, sinks, caches[0])
+        return attend(q[:, :, 0, :], heads, context, sinks, floats)[:, :, None, :]
 
-    def _compiled_attention(self, scale: float, window, shape: tuple, heads: list, sinks):
+    def _compiled_attention(self, scale: float, window, shape: tuple, heads: list, sinks, cache):
         """``mx.compile`` of the queries' rotation (when the keys are rotated) and
         :func:`attention_over_codes` with its mask for this scale and window (fused
         elementwise chains instead of op-by-op dispatch in an uncompiled contiguous
         step), over ``heads``: lists of stored arrays, each for a consecutive
         part of the KV heads (the query heads split alike). Its traces are dropped once
         :data:`MAX_DECODE_TRACES` input shapes were seen, so a long run holds a bounded number."""
-        key = (scale, window, sinks is None)
+        float_window, entries = cache.float_window, cache.entries
+        key = (scale, window, sinks is None, float_window, entries)
         rotate_keys = self.rotate_keys
         entry = self._compiled.get(key)
         shapes = (tuple(shape), len(heads), tuple(heads[0][0].shape))
         if entry is None or (shapes not in entry[1] and len(entry[1]) >= MAX_DECODE_TRACES):
 
-            def attend(q, heads, context, sinks):
+            def attend(q, heads, context, sinks, floats):
                 if rotate_keys:
                     q = rotate(q, q.shape[-1])
                 positions = mx.arange(heads[0][0].shape[2])[None, :]
                 valid = positions < context
                 if window is not None:
                     valid = valid & (positions >= context - window)
+                float_parts = [{}] * len(heads)
+                if floats is not None:
+                    float_keys, float_values, last, starts, first = floats
+                    rows = FloatRows(float_keys, float_values, last, starts, float_window, entries)
+                    from_float, entries_valid = rows.masks(last, positions + first, window)
+                    valid = valid & ~from_float
+                    kv_per = float_keys.shape[1] // len(heads)  # KV heads per part
+                    float_parts = [{"float_keys": float_keys[:, i * kv_per : (i + 1) * kv_per],
+                                    "float_values": float_values[:, i * kv_per : (i + 1) * kv_per],
+                                    "float_valid": entries_valid} for i in range(len(heads))]
                 per = q.shape[1] // len(heads)  # query heads per part
                 outs = [attention_over_codes(q[:, i * per : (i + 1) * per], *arrays, valid, scale,
-                                             None if sinks is None else sinks[i * per : (i + 1) * per])
+                                             None if sinks is None else sinks[i * per : (i + 1) * per],
+                                             **float_parts[i])
                         for i, arrays in enumerate(heads)]
                 return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 

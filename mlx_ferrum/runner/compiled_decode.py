@@ -22,8 +22,14 @@ import numpy as np
 
 from ..kernels.reference import SharedPrefix
 from ..kernels.reference import fusing as exp2_fusing
-from ..layers.attention import paged_metadata
-from .inputs import _pad_rows, _pad_table, device_input_ids, shape_bucket
+from ..layers.attention import NO_FLOAT_WINDOW, paged_metadata
+from .inputs import (
+    _pad_rows,
+    _pad_table,
+    device_input_ids,
+    float_window_metadata,
+    shape_bucket,
+)
 from .protocol import SeqWork
 
 logger = logging.getLogger("mlx_ferrum.runner.llm_runner")
@@ -107,6 +113,17 @@ class CompiledDecodeStep:
                     starts = _pad_rows(plan.tail_starts, rows, int(plan.tail_starts.max()))
                     arrays["shared_prefixes"][str(g)] = [mx.array(plan.table), mx.array(tails), mx.array(starts)]
                     shared_shape += ((g, plan.table.shape[0], tails.shape[1]),)
+        if f.float_window is not None:
+            # pad rows write the scratch window slot and read nothing from floats
+            scratch = self.pool.window_slots
+            fw = f.float_window
+            arrays["float_window"] = {
+                "write_slots": mx.array(_pad_rows(fw["write_slots"], rows, scratch)),
+                "write_entries": mx.array(_pad_rows(fw["write_entries"], rows, 0)),
+                "decode_slots": mx.array(_pad_rows(fw["decode_slots"], rows, scratch)),
+                "decode_last": mx.array(_pad_rows(fw["decode_last"], rows, 0)),
+                "decode_starts": mx.array(_pad_rows(fw["decode_starts"], rows, NO_FLOAT_WINDOW)),
+            }
         if self.lora is not None and any(work[i].lora_slot >= 0 for i in kv_pass.items):
             # one decode row per token: a draft laid out as several rows repeats its slot
             slots = np.full(rows, self.lora.none_slot, dtype=np.int32)
@@ -182,6 +199,7 @@ class CompiledDecodeStep:
             store.backend, pool, arrays["positions"], arrays["context_lens"], input_ids.shape[0],
             store.layer_groups, arrays["slot_mappings"], arrays["block_tables"], ropes=self.passes.ropes,
             shared_prefixes=_shared_prefixes(arrays, len(arrays["block_tables"])),
+            float_window=float_window_metadata(arrays["float_window"], pool) if "float_window" in arrays else None,
         )
         meta.lora_slots = arrays.get("lora_slots")
         lora_weights = arrays.get("lora_weights")

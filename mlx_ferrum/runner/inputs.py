@@ -36,10 +36,18 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ExecutorError
+from ..kernels.float_window import FIRST_TOKENS
 from ..kernels.reference import SHARED_PREFIX_MIN_SEQS
 from ..kv_cache.block_tables import BatchBlocks
 from ..kv_cache.store import ContiguousKvStore, PagedKvStore
-from ..layers.attention import ContiguousMetadata, PagedMetadata, contiguous_pad_mask, paged_metadata
+from ..layers.attention import (
+    NO_FLOAT_WINDOW,
+    ContiguousMetadata,
+    FloatWindowMetadata,
+    PagedMetadata,
+    contiguous_pad_mask,
+    paged_metadata,
+)
 from .protocol import SeqWork
 
 
@@ -58,6 +66,11 @@ class PagedPassInputs:
         shared_prefixes: per layer group, the decode rows'
             :class:`~mlx_ferrum.kernels.reference.SharedPrefix` (numpy) or None
             (the backend's ``shared_prefix``); an empty list when no group has one.
+        float_window: a pool with a float window: ``write_slots``, ``write_entries``
+            (``[T]``), ``decode_slots``, ``decode_last``, ``decode_starts``
+            (``[num_decode_seqs]``) int32 numpy, and ``prefill_slots``,
+            ``prefill_starts`` (lists); see
+            :class:`~mlx_ferrum.layers.attention.FloatWindowMetadata`. None otherwise.
     """
 
     positions: np.ndarray
@@ -69,6 +82,7 @@ class PagedPassInputs:
     slot_mappings: list
     block_tables: list
     shared_prefixes: list = field(default_factory=list)
+    float_window: Optional[dict] = None
 
 
 @dataclass
@@ -226,6 +240,8 @@ class PagedPassBuilder:
             block_tables=tables,
             shared_prefixes=shared if any(x is not None for x in shared) else [],
         )
+        if getattr(store.pool, "float_window", 0):
+            inputs.float_window = float_window_inputs(store.pool, rows, positions, lens, row_item, num_decode)
         decode_rows = num_decode if num_decode == int(item_qsl[-1]) else 0
         return [KvPass(order, 1, int(item_qsl[-1]), item_qsl[:-1].tolist(), inputs, packed=True,
                        decode_rows=decode_rows)]
@@ -243,7 +259,56 @@ class PagedPassBuilder:
             ropes=self.ropes, query_start_loc=mx.array(f.query_start_loc), host_context_lens=f.host_context_lens,
             host_query_start_loc=f.host_query_start_loc,
             shared_prefixes=[None if x is None else x.to_device() for x in f.shared_prefixes],
+            float_window=None if f.float_window is None else float_window_metadata(f.float_window, store.pool),
         )
+
+
+def float_window_inputs(pool, rows: list, positions: np.ndarray, lens: np.ndarray, row_item: np.ndarray,
+                        num_decode: int) -> dict:
+    """A pass's float-window arrays (see :attr:`PagedPassInputs.float_window`) from its
+    items' rows (``rows``, pass order), the packed tokens' ``positions``, the items'
+    token counts ``lens`` and each attention row's item ``row_item``.
+
+    A token's float copy is kept when it is one of its sequence's first tokens or one of
+    the last ``entries - FIRST_TOKENS`` positions this pass writes for it (older ones
+    would be overwritten in the same scatter); the others, and every token of a
+    sequence without a slot, go to the pool's scratch slot.
+    """
+    scratch = pool.window_slots
+    ring = pool.entries - FIRST_TOKENS
+    slot = np.fromiter((r.window_slot for r in rows), dtype=np.int64, count=len(rows))
+    start = np.fromiter((r.window_start for r in rows), dtype=np.int64, count=len(rows))
+    start = np.where(slot >= 0, start, NO_FLOAT_WINDOW)
+    slot = np.where(slot >= 0, slot, scratch)
+    last = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows)) + lens - 1
+    token_item = np.repeat(np.arange(len(rows)), lens)
+    keep = (start[token_item] < NO_FLOAT_WINDOW) & (
+        (positions < FIRST_TOKENS) | (positions > last[token_item] - ring))
+    entries = np.where(positions < FIRST_TOKENS, positions, FIRST_TOKENS + (positions - FIRST_TOKENS) % ring)
+    decode_items = row_item[:num_decode]
+    prefill_items = row_item[num_decode:]
+    return {
+        "write_slots": np.where(keep, slot[token_item], scratch).astype(np.int32),
+        "write_entries": np.where(keep, entries, 0).astype(np.int32),
+        "decode_slots": slot[decode_items].astype(np.int32),
+        "decode_last": last[decode_items].astype(np.int32),
+        "decode_starts": start[decode_items].astype(np.int32),
+        "prefill_slots": slot[prefill_items].tolist(),
+        "prefill_starts": start[prefill_items].tolist(),
+    }
+
+
+def float_window_metadata(arrays: dict, pool) -> FloatWindowMetadata:
+    """:class:`~mlx_ferrum.layers.attention.FloatWindowMetadata` from
+    :func:`float_window_inputs`' arrays (numpy, or device arrays in a compiled step)."""
+    device = lambda x: x if isinstance(x, mx.array) else mx.array(x)  # noqa: E731
+    return FloatWindowMetadata(
+        write_index=(device(arrays["write_slots"]), device(arrays["write_entries"])),
+        decode_slots=device(arrays["decode_slots"]), decode_last=device(arrays["decode_last"]),
+        decode_starts=device(arrays["decode_starts"]),
+        prefill_slots=list(arrays.get("prefill_slots", [])), prefill_starts=list(arrays.get("prefill_starts", [])),
+        window=pool.float_window, entries=pool.entries,
+    )
 
 
 class ContiguousPassBuilder:
