@@ -12,8 +12,9 @@ Checked per layout (paged and contiguous):
 
 - mean KL(float32 KV || quantized KV) of the next-token distributions, float64
   log-softmax of the returned logits, and top-1 agreement with the float32-KV argmax;
-- int8: greedy replies to the recorded chats (``greedy_chat.json``, transformers in
-  float32) identical in at least 6 of 8 (that share of the chats the file holds);
+- int8 and int4 (with its float window): greedy replies to the recorded chats
+  (``greedy_chat.json``, transformers in float32) identical in at least 6 of 8 (that
+  share of the chats the file holds);
 - the paged pool's bytes per token, measured from the allocated arrays, against a
   float16 pool's.
 
@@ -118,14 +119,15 @@ def test_quantized_kv_kl_and_top1_on_real_text(smollm_float32, text_ids, float32
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
-def test_int8_greedy_replies_match_the_recordings(smollm_float32, layout):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_greedy_replies_match_the_recordings(smollm_float32, layout, kind):
     from mlx_ferrum.engine import Engine
     from mlx_ferrum.engine.sampling import SamplingParams
 
     model, tokenizer = smollm_float32
     record = json.loads((smollm_path() / "greedy_chat.json").read_text())
     cases = record["cases"]
-    config = RuntimeConfig(kv_layout=layout, kv_cache_dtype="int8", max_num_seqs=len(cases), prefix_cache=False)
+    config = RuntimeConfig(kv_layout=layout, kv_cache_dtype=kind, max_num_seqs=len(cases), prefix_cache=False)
     engine = Engine(model, tokenizer, config)
     params = SamplingParams(max_tokens=record["n_new"], temperature=0.0)
     results = engine.generate([c["prompt_ids"] for c in cases], params)
@@ -135,11 +137,11 @@ def test_int8_greedy_replies_match_the_recordings(smollm_float32, layout):
         got = [t for t in result.token_ids if t != 2]
         want = [t for t in case["greedy_transformers"] if t != 2]
         same += got == want
-    print(f"{layout} int8: {same} of {len(cases)} greedy replies identical to the recordings")
+    print(f"{layout} {kind}: {same} of {len(cases)} greedy replies identical to the recordings")
     # the target is 6 of 8 (a near-tie may flip); the shared file records fewer chats, so
     # the same share, rounded up, of what it holds
     need = math.ceil(6 / 8 * len(cases))
-    assert same >= need, f"int8 KV ({layout}): only {same} of {len(cases)} greedy replies match the recordings"
+    assert same >= need, f"{kind} KV ({layout}): only {same} of {len(cases)} greedy replies match the recordings"
 
 
 def _allocated_bytes(make) -> int:

@@ -12,6 +12,7 @@ compiled step over the quantized pool, prefix sharing, preemption and rollback.
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -39,14 +40,17 @@ class StoredKvOracle(NoCacheAttentionBackend):
     and values at positions ``t - float_window + 1 .. t`` and ``0 .. 3`` (those at or after
     ``window_start``) as float16 copies, every other position as stored codes, in one
     softmax: written here from that definition alone (masks over the two key sets side
-    by side), not from the runtime's ring of entries. ``window_start`` models a prefix-cache
-    hit of that many tokens: the queries of the shared tokens ran in the sequence that
-    computed them (window start 0), the later ones in the sequence that reused them.
+    by side), not from the runtime's ring of entries. ``window_start`` applies to the
+    queries from position ``window_from`` on (default: ``window_start``), the earlier
+    ones having run with 0: a prefix-cache hit of ``window_start`` tokens (the shared
+    tokens' queries ran in the sequence that computed them), or a cache cut back after
+    ``window_from`` tokens.
     """
 
-    def __init__(self, kind: str, float_window: int = 0, window_start: int = 0):
+    def __init__(self, kind: str, float_window: int = 0, window_start: int = 0, window_from: Optional[int] = None):
         self.kind, self.rotated = kind, True  # keys are rotated in both formats
         self.float_window, self.window_start = float_window, window_start
+        self.window_from = window_start if window_from is None else window_from
 
     def _stored(self, x, rotated):
         d = x.shape[-1]
@@ -64,7 +68,7 @@ class StoredKvOracle(NoCacheAttentionBackend):
         length = q.shape[2]
         t = mx.arange(length)[:, None]
         p = mx.arange(length)[None, :]
-        start = mx.where(t >= self.window_start, self.window_start, 0)
+        start = mx.where(t >= self.window_from, self.window_start, 0)
         in_float = (p >= start) & ((p > t - self.float_window) | (p < 4))
         seen = p <= t
         if window is not None:
@@ -88,8 +92,9 @@ def float_window_of(kind: str) -> int:
     return FLOAT_WINDOW if kind == "int4" else 0
 
 
-def oracle_last_logits(model, ids, kind, window_start=0, float_window=None):
-    oracle = StoredKvOracle(kind, float_window_of(kind) if float_window is None else float_window, window_start)
+def oracle_last_logits(model, ids, kind, window_start=0, float_window=None, window_from=None):
+    oracle = StoredKvOracle(kind, float_window_of(kind) if float_window is None else float_window, window_start,
+                            window_from)
     return np.array(model(mx.array([ids]), NoCacheMetadata(backend=oracle))[0, -1])
 
 
@@ -383,3 +388,22 @@ def test_a_prefix_cache_hit_reads_the_shared_tokens_from_codes_with_a_float_wind
     np.testing.assert_allclose(np.array(hit[-1]), oracle_last_logits(llama, prompt, "int4", window_start=16),
                                atol=1e-4, rtol=1e-4)
     assert float(mx.abs(hit[-1] - fresh[-1]).max()) > 1e-4, "the first 4 tokens should have come from floats"
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_cache_cut_back_reads_no_float_entry_the_dropped_tokens_overwrote(llama, layout, cut):
+    """int4, float window 4, no lookahead (no speculation): 20 tokens, then ``cut``
+    more, cut back to 20, then one token. A cut of one token overwrote nothing a later
+    query reads; a longer one overwrote the ring entries of positions 16 .. 18, so the
+    window then starts at 23 - 4 = 19 and the next query reads what lies before from the
+    codes, as the oracle does from that definition."""
+    prompt, extra = prompts_for(llama, [20, 4], seed=17)
+    runner = LlmExecutor(llama, config(layout, "int4"))
+    runner.run([SeqWork("s", prompt)])
+    runner.run([SeqWork("s", extra[:cut], all_logits=True)])
+    runner.trim_cache("s", 20)
+    got = runner.run([SeqWork("s", [extra[3]])])[0]
+    start = 19 if cut > 1 else 0
+    want = oracle_last_logits(llama, prompt + [extra[3]], "int4", window_start=start, window_from=20)
+    np.testing.assert_allclose(np.array(got[-1]), want, atol=1e-4, rtol=1e-4)

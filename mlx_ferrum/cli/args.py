@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import _FALSE, _TRUE, DISTRIBUTED_BACKENDS, FIELD_HELP, KV_CACHE_DTYPES, RuntimeConfig
+from ..config import (
+    _FALSE,
+    _TRUE,
+    DISTRIBUTED_BACKENDS,
+    FIELD_HELP,
+    KV_CACHE_DTYPES,
+    RuntimeConfig,
+)
 from ..errors import ConfigurationError
 
 
@@ -63,6 +70,21 @@ def positive_int(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number: give an integer >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give an integer >= 1")
+    return value
+
+
+def non_negative_int(raw: str) -> int:
+    """A whole number >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or below 0.
+    """
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number: give an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give an integer >= 0")
     return value
 
 
@@ -154,6 +176,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged", action="store_true", help="use the paged KV cache (same as FERRUM_METAL_PAGED_KV=1)")
     p.add_argument("--kv-cache-dtype", default=None, type=str.lower, choices=KV_CACHE_DTYPES,
                    help=f"{FIELD_HELP['kv_cache_dtype']} (default: $FERRUM_KV_CACHE_DTYPE, else auto)")
+    p.add_argument("--kv-float-window", default=None, type=non_negative_int, metavar="N",
+                   help=f"{FIELD_HELP['kv_float_window']} (default: $FERRUM_KV_FLOAT_WINDOW, else 64)")
     add_parallel_args(p)
 
 

@@ -71,7 +71,7 @@ def make_prompts(vocab_size: int, concurrency: int, prompt_tokens: int, seed: in
 
 
 def bench_config(concurrency: int, prompt_tokens: int, max_tokens: int, block_size: Optional[int] = None,
-                 kv_cache_dtype: Optional[str] = None) -> RuntimeConfig:
+                 kv_cache_dtype: Optional[str] = None, kv_float_window: Optional[int] = None) -> RuntimeConfig:
     """The engine configuration of a benchmark run: paged layout, ``max_num_seqs =
     concurrency``, and (unless ``FERRUM_KV_MAX_BLOCKS`` is set) a pool with exactly the
     blocks every request needs at its longest plus 8, so no request is preempted and
@@ -81,7 +81,7 @@ def bench_config(concurrency: int, prompt_tokens: int, max_tokens: int, block_si
         ConfigurationError: a ``FERRUM_*`` variable is malformed.
     """
     cfg = RuntimeConfig(kv_layout="paged", max_num_seqs=concurrency, block_size=block_size,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, kv_float_window=kv_float_window)
     if cfg.max_num_blocks is None:
         per_seq = -(-(prompt_tokens + max_tokens) // cfg.block_size)
         cfg.max_num_blocks = concurrency * per_seq + 8
@@ -347,7 +347,9 @@ def cmd_bench(args: Any) -> int:
         )
     err = sys.stderr
     kv_cache_dtype = getattr(args, "kv_cache_dtype", None)
-    bench_config(1, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)  # fails before the model loads
+    kv_float_window = getattr(args, "kv_float_window", None)
+    # fails before the model loads
+    bench_config(1, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype, kv_float_window=kv_float_window)
     from ..distributed import init_group
 
     sizes = {name: getattr(args, name) for name in ("tensor_parallel_size", "pipeline_parallel_size",
@@ -359,7 +361,7 @@ def cmd_bench(args: Any) -> int:
         for c in levels:
             follow_bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, group,
                                 config=bench_config(c, args.prompt_tokens, args.max_tokens,
-                                                    kv_cache_dtype=kv_cache_dtype))
+                                                    kv_cache_dtype=kv_cache_dtype, kv_float_window=kv_float_window))
         return 0
     a = model.args
     print(
@@ -373,7 +375,8 @@ def cmd_bench(args: Any) -> int:
     results = []
     for c in levels:
         print(f"  concurrency {c}: mlx_ferrum ...", file=err, flush=True)
-        config = bench_config(c, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype)
+        config = bench_config(c, args.prompt_tokens, args.max_tokens, kv_cache_dtype=kv_cache_dtype,
+                              kv_float_window=kv_float_window)
         results.append(bench_engine(model, tokenizer, c, args.prompt_tokens, args.max_tokens, config=config,
                                     parallel=group))
     print(format_table(TABLE_HEADERS, table_rows(results)))

@@ -11,7 +11,6 @@ from typing import Optional
 from ..config import RuntimeConfig
 from .args import load_model, positive_int, runtime_config, unit_interval
 
-
 #: The flags a model's ``generation_config.json`` may set a default for (vLLM's keys), as
 #: ``(args attribute, SamplingParams field)``.
 _MODEL_DEFAULT_FLAGS = (("temp", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
@@ -139,6 +138,8 @@ def command_config(args) -> RuntimeConfig:
         overrides["kv_layout"] = "paged"
     if getattr(args, "kv_cache_dtype", None) is not None:
         overrides["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "kv_float_window", None) is not None:
+        overrides["kv_float_window"] = args.kv_float_window
     if getattr(args, "speculative", None):
         overrides["speculative"] = args.speculative
     for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_min_acceptance",

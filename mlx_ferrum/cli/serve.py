@@ -15,8 +15,21 @@ import sys
 
 from ..config import DISTRIBUTED_BACKENDS, FIELD_HELP, KV_CACHE_DTYPES, RuntimeConfig
 from ..errors import ChatTemplateError, ConfigurationError
-from .args import (DTYPES, HelpFormatter, add_gguf_arg, api_key, boolean, fraction, load_model, lora_module,
-                   port_number, positive_int, runtime_config, unit_interval)
+from .args import (
+    DTYPES,
+    HelpFormatter,
+    add_gguf_arg,
+    api_key,
+    boolean,
+    fraction,
+    load_model,
+    lora_module,
+    non_negative_int,
+    port_number,
+    positive_int,
+    runtime_config,
+    unit_interval,
+)
 
 #: ``serve``'s default ``max_num_prefill_seqs`` (the Python API has no cap, as vLLM's
 #: offline and online entry points differ in their batching defaults): on the chat
@@ -94,7 +107,7 @@ def _runtime_flag_type(parse, name: str = ""):
     if parse is _parse_float:
         return unit_interval if name == "speculative_min_acceptance" else fraction
     if parse is _parse_int:
-        return positive_int
+        return non_negative_int if name == "kv_float_window" else positive_int
     return None
 
 
@@ -131,7 +144,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
             "--" + f.name.replace("_", "-"), dest=f.name, default=None, **bare,
             type=int if f.name == "block_size" else (str.lower if f.name in ("kv_layout", "kv_cache_dtype") else kind),
             choices=choices.get(f.name),
-            metavar={boolean: "{1,0}", positive_int: "N", fraction: "F", unit_interval: "F"}.get(kind)
+            metavar={boolean: "{1,0}", positive_int: "N", non_negative_int: "N", fraction: "F",
+                     unit_interval: "F"}.get(kind)
             if f.name not in choices else None,
             help=f"{FIELD_HELP[f.name]} (default: ${var}, else {default})",
         )

@@ -67,6 +67,8 @@ class LayerGroupKvManager:
         window_slots: float-window slots of a quantized pool
             (:mod:`~mlx_ferrum.kernels.float_window`): each sequence takes one while it
             holds blocks (0: the pool keeps no float window).
+        float_window, window_lookahead: the pool's float window and lookahead in tokens
+            (a cut longer than ``window_lookahead + 1`` tokens moves the window start).
 
     Attributes:
         groups: one :class:`PagedKvCacheManager` per group (``sliding_window`` set for
@@ -90,9 +92,12 @@ class LayerGroupKvManager:
         layer_windows: Sequence[Optional[int]] = (None,),
         prefix_cache: bool = False,
         window_slots: int = 0,
+        float_window: int = 0,
+        window_lookahead: int = 0,
     ):
         self.group_windows, self.layer_groups = layer_group_windows(layer_windows)
         self.window_slots = window_slots
+        self.float_window, self.window_lookahead = float_window, window_lookahead
         self._free_window_slots = list(range(window_slots - 1, -1, -1))
         self.windows: dict[Hashable, list[int]] = {}
         self.groups = [
@@ -209,11 +214,12 @@ class LayerGroupKvManager:
         """
         for g in self.groups:
             g.check_truncate(cache_id, new_len)
+        old_len = self.num_tokens(cache_id)
         for g in self.groups:
             g.truncate(cache_id, new_len)
         w = self.windows.get(cache_id)
         if w is not None:
-            w[1] = min(w[1], new_len)  # the positions from new_len on are written anew
+            w[1] = window_start_after_cut(w[1], old_len, new_len, self.float_window, self.window_lookahead)
 
     def release(self, cache_id: Hashable) -> None:
         """Free every block of ``cache_id`` in every group (UnknownCacheError: unknown id)."""
@@ -281,6 +287,23 @@ class LayerGroupKvManager:
             g.check_invariants()
 
 
+def window_start_after_cut(window_start: int, old_len: int, new_len: int, float_window: int, lookahead: int) -> int:
+    """A sequence's first position with a trusted float entry once it is cut from
+    ``old_len`` to ``new_len`` tokens.
+
+    The positions from ``new_len`` on are written anew before any query reads them. But
+    the dropped positions overwrote the ring entries of the positions ``ring`` before
+    them (``ring = float_window + lookahead``): a cut of at most ``lookahead + 1`` tokens
+    (a rejected draft) only overwrote positions no later query's window reaches; a longer
+    one may have, so the window then starts past them and those positions are read from
+    the codes.
+    """
+    start = min(window_start, new_len)
+    if old_len - new_len > lookahead + 1:
+        start = max(start, min(old_len - (float_window + lookahead), new_len))
+    return start
+
+
 # ---------------------------------------------------------------------------- what a pass reads
 @dataclass(frozen=True)
 class KvGeometry:
@@ -295,6 +318,7 @@ class KvGeometry:
             grouped by window (:func:`layer_group_windows`).
         prefix_cache: whether full blocks are shared by hash chain.
         window_slots: float-window slots of a quantized pool (0: none).
+        float_window, window_lookahead: that pool's float window and lookahead in tokens.
     """
 
     num_blocks: int
@@ -303,6 +327,8 @@ class KvGeometry:
     layer_windows: tuple = (None,)
     prefix_cache: bool = False
     window_slots: int = 0
+    float_window: int = 0
+    window_lookahead: int = 0
 
     @classmethod
     def of(cls, manager: LayerGroupKvManager, num_layers: Optional[int] = None) -> "KvGeometry":
@@ -312,13 +338,14 @@ class KvGeometry:
         else:
             windows = tuple(manager.group_windows[g] for g in manager.layer_groups)
         return cls(manager.num_blocks, manager.block_size, manager.max_blocks_per_seq, windows,
-                   manager.prefix_cache, manager.window_slots)
+                   manager.prefix_cache, manager.window_slots, manager.float_window, manager.window_lookahead)
 
     def new_block_manager(self) -> LayerGroupKvManager:
         """A fresh, empty :class:`LayerGroupKvManager` over this geometry (host lists only)."""
         return LayerGroupKvManager(self.num_blocks, self.block_size, self.max_blocks_per_seq,
                                    list(self.layer_windows) or [None], prefix_cache=self.prefix_cache,
-                                   window_slots=self.window_slots)
+                                   window_slots=self.window_slots, float_window=self.float_window,
+                                   window_lookahead=self.window_lookahead)
 
 
 @dataclass

@@ -137,7 +137,8 @@ def paged_geometry(spec: KvSpec, config: RuntimeConfig, num_blocks: int) -> KvGe
     blocks per table, the model's layer windows, ``config.prefix_cache``."""
     bs = config.block_size
     return KvGeometry(num_blocks, bs, -(-spec.max_seq_len // bs), tuple(spec.layer_windows) or (None,),
-                      bool(config.prefix_cache), float_window_slots(spec, config))
+                      bool(config.prefix_cache), float_window_slots(spec, config), float_window(spec, config),
+                      float_window_lookahead(config) if float_window(spec, config) else 0)
 
 
 def float_window(spec: KvSpec, config: RuntimeConfig) -> int:
@@ -222,8 +223,8 @@ def build_kv_store(
     if spec.quantized:
         pool = QuantizedPagedKvPool(spec.num_layers, geometry.num_blocks + 1, spec.num_kv_heads, geometry.block_size,
                                     spec.head_dim, spec.kv_cache_dtype, rotate_keys=rotate_keys,
-                                    float_window=float_window(spec, config), window_slots=geometry.window_slots,
-                                    lookahead=float_window_lookahead(config))
+                                    float_window=geometry.float_window, window_slots=geometry.window_slots,
+                                    lookahead=geometry.window_lookahead)
         backend = QuantizedPagedAttentionBackend(spec.kv_cache_dtype, pool.rotate_keys,
                                                  metal_kernels=bool(config.metal_kernels))
     else:

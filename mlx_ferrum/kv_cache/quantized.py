@@ -48,6 +48,7 @@ from ..kernels.quantized_reference import (
     rotate,
 )
 from ..kernels.reference import slot_indices
+from .block_tables import window_start_after_cut
 from .store import HOST_BYTES_PER_BLOCK
 
 __all__ = [
@@ -165,6 +166,12 @@ class QuantizedPagedKvPool:
         self.k_biases = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)] if with_bias else []
         self.v_biases = [mx.zeros(scales_shape, mx.float16) for _ in range(num_layers)] if with_bias else []
         window_shape = (self.window_slots + 1, self.entries, num_kv_heads, head_dim)
+        if self.float_window:
+            check_memory(
+                2 * num_layers * (self.window_slots + 1) * self.entries * num_kv_heads * head_dim * 2,
+                f"the float windows of {self.window_slots} sequences ({self.entries} float16 tokens each)",
+                "lower --max-num-seqs / FERRUM_PAGED_MAX_SEQS, or set --kv-float-window 0",
+            )
         self.k_window = [mx.zeros(window_shape, mx.float16) for _ in range(num_layers)] if self.float_window else []
         self.v_window = [mx.zeros(window_shape, mx.float16) for _ in range(num_layers)] if self.float_window else []
         mx.eval(self.arrays())
@@ -581,8 +588,11 @@ class QuantizedContiguousKvCache:
         """
         if not 0 <= new_len <= self.len:
             raise KvCacheError(f"cannot truncate a KV cache of {self.len} tokens to {new_len}")
+        if self.float_window:
+            lookahead = self.entries - FLOAT_FIRST_TOKENS - self.float_window
+            self.window_start = window_start_after_cut(self.window_start, self.len, new_len, self.float_window,
+                                                       lookahead)
         self.len = new_len
-        self.window_start = min(self.window_start, new_len)
 
     @property
     def nbytes(self) -> int:
