@@ -93,3 +93,32 @@ def test_the_manager_gives_each_sequence_a_window_slot_and_takes_it_back():
     manager.release("d")
     manager.release("e")
     assert sorted(manager._free_window_slots) == [0, 1] and not manager.windows
+
+
+@pytest.mark.parametrize("tile", [1, 3, 7])
+@pytest.mark.parametrize("start,window_start,sliding_window", [(0, 0, None), (9, 0, None), (9, 8, None),
+                                                                (2, 0, None), (13, 0, 6)])
+def test_prefill_in_tiles_equals_one_call_over_every_key(tile, start, window_start, sliding_window):
+    """The tiles read fewer codes and copies, never one a query needs: the same output
+    as one call over every key (the tiles' slicing is all that differs)."""
+    from mlx_ferrum.kernels.float_window import prefill_attention, prefill_attention_in_tiles
+
+    rng = np.random.default_rng(start * 7 + tile)
+    window, entries, length = 4, ring_entries(4, 1), 11
+    heads, kv_heads, dim = 4, 2, 8
+    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q = arr(1, heads, length, dim)
+    keys, values = arr(1, kv_heads, start + length, dim), arr(1, kv_heads, start + length, dim)
+    ring_keys, ring_values = arr(1, kv_heads, entries, dim), arr(1, kv_heads, entries, dim)
+    ring_positions = entry_positions(mx.array([start - 1], dtype=mx.int32), entries)[0]
+    new_keys, new_values = arr(1, kv_heads, length, dim), arr(1, kv_heads, length, dim)
+    oldest = start - (entries - FIRST_TOKENS)
+    tiled = prefill_attention_in_tiles(q, keys, values, ring_keys, ring_values, ring_positions, new_keys, new_values,
+                                       start, window_start, window, oldest, 0.3, sliding_window=sliding_window,
+                                       tile=tile)
+    whole = prefill_attention(q, keys, values, mx.concatenate([ring_keys, new_keys], axis=2),
+                              mx.concatenate([ring_values, new_values], axis=2),
+                              mx.concatenate([ring_positions, mx.arange(start, start + length, dtype=mx.int32)]),
+                              mx.arange(start, start + length, dtype=mx.int32), window_start, window, oldest, 0.3,
+                              sliding_window=sliding_window)
+    np.testing.assert_allclose(np.array(tiled), np.array(whole), atol=1e-5, rtol=1e-5)

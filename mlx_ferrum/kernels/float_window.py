@@ -32,10 +32,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .reference import _masked_attention
+
 #: positions at the start of every sequence kept in float (attention sinks)
 FIRST_TOKENS = 4
-
-_NEG_INF = float("-inf")
 
 
 def ring_entries(window: int, lookahead: int = 0) -> int:
@@ -112,8 +112,8 @@ def prefill_attention(
     sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Causal attention of one sequence's queries over its dequantized codes and its
-    float entries, in one softmax (``mx.fast.scaled_dot_product_attention`` with an
-    additive mask over the two key sets side by side).
+    float entries, in one softmax (the masked attention of the prefill references over
+    the two key sets side by side).
 
     Args:
         q: ``[1, num_heads, L, head_dim]`` queries in the keys' basis.
@@ -142,11 +142,81 @@ def prefill_attention(
         code_ok = code_ok & (kpos > qpos - sliding_window)
         float_ok = float_ok & (fpos > qpos - sliding_window)
     allowed = mx.concatenate([code_ok, float_ok], axis=1)
-    mask = mx.where(allowed, mx.array(0.0, q.dtype), mx.array(_NEG_INF, q.dtype))
     all_keys = mx.concatenate([keys.astype(q.dtype), float_keys.astype(q.dtype)], axis=2)
     all_values = mx.concatenate([values.astype(q.dtype), float_values.astype(q.dtype)], axis=2)
-    extra = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
-    return mx.fast.scaled_dot_product_attention(q, all_keys, all_values, scale=scale, mask=mask, **extra)
+    # the prefill references' masked attention: a base-2 softmax on MLX's CPU backend
+    # (where the fused call is an unfused composition computing exp), the fused kernel elsewhere
+    return _masked_attention(q, all_keys, all_values, allowed[None, None], scale, sinks)
+
+
+#: queries per call of :func:`prefill_attention_in_tiles`: each tile reads only the codes
+#: and the float copies its queries need, so a chunk's scores grow as the causal
+#: triangle, not as the chunk against itself twice
+PREFILL_QUERY_TILE = 128
+
+
+def prefill_attention_in_tiles(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    ring_keys: mx.array,
+    ring_values: mx.array,
+    ring_positions: mx.array,
+    new_keys: mx.array,
+    new_values: mx.array,
+    start: int,
+    window_start: int,
+    window: int,
+    oldest: int,
+    scale: float,
+    *,
+    sliding_window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+    tile: Optional[int] = None,
+) -> mx.array:
+    """:func:`prefill_attention` of one sequence's ``L`` new queries (positions ``start ..
+    start + L - 1``), in tiles of ``tile`` queries (default :data:`PREFILL_QUERY_TILE`).
+
+    Args:
+        q: ``[1, num_heads, L, head_dim]`` queries in the keys' basis.
+        keys, values: ``[1, num_kv_heads, start + L, head_dim]`` the dequantized codes of
+            positions ``0 .. start + L - 1``.
+        ring_keys, ring_values: ``[1, num_kv_heads, entries, head_dim]`` the sequence's
+            float entries as they were before this pass, at ``ring_positions`` ``[entries]``
+            int32 (-1: none).
+        new_keys, new_values: ``[1, num_kv_heads, L, head_dim]`` this pass's own float copies.
+        start, window_start, window, oldest, scale, sliding_window, sinks: as in
+            :func:`prefill_attention`.
+
+    Returns:
+        ``[1, num_heads, L, head_dim]`` in q's dtype: the same as one call over every key.
+
+    Per tile of queries ``first .. last``, the codes read are those of positions up to
+    the last one any of its queries reads from the codes (``last - window``, or below
+    ``window_start`` / ``oldest``), and the float copies of this pass those of the tile's
+    windows and the first tokens; the ring's entries are always read (a few dozen).
+    """
+    length = q.shape[2]
+    tile = tile or PREFILL_QUERY_TILE
+    outs = []
+    for i0 in range(0, length, tile):
+        i1 = min(length, i0 + tile)
+        first, last = start + i0, start + i1 - 1
+        code_end = min(last + 1, max(last - window + 1, min(max(window_start, oldest), last + 1)))
+        code_begin = 0 if sliding_window is None else max(0, min(code_end, first - sliding_window + 1))
+        head = max(0, min(FIRST_TOKENS - start, i1))  # this pass's own first tokens
+        lo = max(head, first - window + 1 - start)
+        picked = list(range(head)) + list(range(lo, i1))
+        index = mx.array(picked, dtype=mx.int32)
+        float_keys = mx.concatenate([ring_keys, new_keys[:, :, index]], axis=2)
+        float_values = mx.concatenate([ring_values, new_values[:, :, index]], axis=2)
+        positions = mx.concatenate([ring_positions.astype(mx.int32), index + start])
+        outs.append(prefill_attention(
+            q[:, :, i0:i1], keys[:, :, code_begin:code_end], values[:, :, code_begin:code_end], float_keys,
+            float_values, positions, mx.arange(first, last + 1, dtype=mx.int32), window_start, window, oldest,
+            scale, key_start=code_begin, sliding_window=sliding_window, sinks=sinks,
+        ))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 @dataclass
@@ -161,6 +231,8 @@ class FloatRows:
         window_start: ``[S]`` int32, each sequence's first position with a float entry.
         window: the float window in tokens.
         entries: ring entries per sequence (:func:`ring_entries`).
+        memo: a dict shared by the layers of one pass, where :meth:`masks` keeps what it
+            built under the caller's key (every layer of a group reads the same keys), or None.
     """
 
     keys: mx.array
@@ -169,13 +241,20 @@ class FloatRows:
     window_start: mx.array
     window: int
     entries: int
+    memo: Optional[dict] = None
 
-    def masks(self, query_pos: mx.array, key_pos: mx.array,
-              sliding_window: Optional[int] = None) -> tuple[mx.array, mx.array]:
+    def masks(self, query_pos: mx.array, key_pos: mx.array, sliding_window: Optional[int] = None,
+              memo_key=None) -> tuple[mx.array, mx.array]:
         """``(from_float [S, T], entries_valid [S, F])``: which of the keys at ``key_pos``
         (``[S, T]`` or ``[1, T]``) each row's query at ``query_pos`` ``[S]`` reads from
         the float entries, and which entries it attends to (within the model's
-        ``sliding_window`` when the layer has one)."""
+        ``sliding_window`` when the layer has one). With ``memo_key`` (naming the query and
+        key positions) the masks are built once per pass and reused."""
+        if memo_key is not None and self.memo is not None:
+            key = (memo_key, sliding_window)
+            if key not in self.memo:
+                self.memo[key] = self.masks(query_pos, key_pos, sliding_window)
+            return self.memo[key]
         t = query_pos.astype(mx.int32)[:, None]
         start = self.window_start.astype(mx.int32)[:, None]
         last = self.last.astype(mx.int32)[:, None]

@@ -53,9 +53,21 @@ import numpy as np
 
 from ..config import KV_CACHE_DTYPES
 from ..errors import ConfigurationError
-from .float_window import FIRST_TOKENS, FloatRows, entry_positions
-from .float_window import prefill_attention as float_prefill_attention
-from .reference import _LOG2_E, _NEG_INF, DecodeIndex, block_rows, decode_index, softmax_base2, varlen_prefill_over_blocks
+from .float_window import (
+    FIRST_TOKENS,
+    FloatRows,
+    entry_positions,
+    prefill_attention_in_tiles,
+)
+from .reference import (
+    _LOG2_E,
+    _NEG_INF,
+    DecodeIndex,
+    block_rows,
+    decode_index,
+    softmax_base2,
+    varlen_prefill_over_blocks,
+)
 
 #: The largest group size along ``head_dim`` (head_dim 64, 128, 256 use it).
 KV_GROUP_SIZE = 64
@@ -456,7 +468,8 @@ def quantized_paged_attention_decode(
         live = lambda a: None if a is None else pick(a, rows)[:, :, lo:hi]  # noqa: E731
         valid, floats = None, {}
         if float_rows is not None:
-            from_float, entries_valid = float_rows.masks(context_lens - 1, mx.arange(start, n)[None], window)
+            from_float, entries_valid = float_rows.masks(context_lens - 1, mx.arange(start, n)[None], window,
+                                                         memo_key=("live", start, n))
             valid = ~from_float
             floats = _float_args(float_rows, entries_valid)
         return attention_over_codes(q, live(k_codes), live(v_codes), live(k_scales), live(v_scales),
@@ -468,7 +481,8 @@ def quantized_paged_attention_decode(
         valid = valid & (mx.arange(nb * bs)[None] >= context_lens[:, None] - window)
     floats = {}
     if float_rows is not None:
-        from_float, entries_valid = float_rows.masks(context_lens - 1, mx.arange(nb * bs)[None], window)
+        from_float, entries_valid = float_rows.masks(context_lens - 1, mx.arange(nb * bs)[None], window,
+                                                     memo_key=("blocks", nb * bs))
         valid = valid & ~from_float
         floats = _float_args(float_rows, entries_valid)
     rows = index.rows
@@ -587,14 +601,17 @@ def quantized_paged_prefill_with_float(
         table = block_tables[i, first : -(-clen // bs)]
         keys = gather_dequantized(k_codes, k_scales, k_biases, table, head_dim, q.dtype)[None, :, : clen - first * bs]
         values = gather_dequantized(v_codes, v_scales, v_biases, table, head_dim, q.dtype)[None, :, : clen - first * bs]
-        float_keys = mx.concatenate([ring_keys, new_keys], axis=0).swapaxes(0, 1)[None]
-        float_values = mx.concatenate([ring_values, new_values], axis=0).swapaxes(0, 1)[None]
-        positions = mx.concatenate([entry_positions(mx.array([start - 1], dtype=mx.int32), entries)[0],
-                                    mx.arange(start, clen, dtype=mx.int32)])
-        out = float_prefill_attention(
-            q[q0:q1].swapaxes(0, 1)[None], keys, values, float_keys, float_values, positions,
-            mx.arange(start, clen, dtype=mx.int32), window_start, float_window, start - ring, scale,
-            key_start=first * bs, sliding_window=window, sinks=sinks,
+        if first:
+            # a sliding window skipped the blocks before `first`: pad the codes back to
+            # position 0 (never read: the window masks them) so positions index them
+            pad = [(0, 0), (0, 0), (first * bs, 0), (0, 0)]
+            keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+        as_batch = lambda x: x.swapaxes(0, 1)[None]  # noqa: E731  [n, KVH, D] -> [1, KVH, n, D]
+        out = prefill_attention_in_tiles(
+            as_batch(q[q0:q1]), keys, values, as_batch(ring_keys), as_batch(ring_values),
+            entry_positions(mx.array([start - 1], dtype=mx.int32), entries)[0], as_batch(new_keys),
+            as_batch(new_values), start, window_start, float_window, start - ring, scale,
+            sliding_window=window, sinks=sinks,
         )
         outs.append(out[0].swapaxes(0, 1))
     if not outs:

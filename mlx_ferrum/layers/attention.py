@@ -164,6 +164,8 @@ class FloatWindowMetadata:
             (:data:`NO_FLOAT_WINDOW` for a sequence without a slot).
         prefill_slots, prefill_starts: the same two per prefill row, as Python ints.
         window: the float window in tokens; entries: ring entries per sequence.
+        masks: the decode rows' masks, built by the pass's first layer of each group and
+            read by the others (:class:`~mlx_ferrum.kernels.float_window.FloatRows` ``memo``).
     """
 
     write_index: tuple
@@ -174,6 +176,7 @@ class FloatWindowMetadata:
     prefill_starts: list
     window: int
     entries: int
+    masks: dict = field(default_factory=dict)
 
 
 #: the window start of a sequence without a float-window slot: no position is read from floats

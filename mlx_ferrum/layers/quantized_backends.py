@@ -42,8 +42,12 @@ import mlx.core as mx
 
 from .. import kernels
 from ..errors import ConfigurationError
-from ..kernels.float_window import FIRST_TOKENS, FloatRows, entry_positions
-from ..kernels.float_window import prefill_attention as float_prefill_attention
+from ..kernels.float_window import (
+    FIRST_TOKENS,
+    FloatRows,
+    entry_positions,
+    prefill_attention_in_tiles,
+)
 from ..kernels.quantized_reference import (
     attention_over_codes,
     check_kv_cache_dtype,
@@ -144,7 +148,7 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         if nd:
             rows = FloatRows(pool.k_window[layer][fw.decode_slots].swapaxes(1, 2),
                              pool.v_window[layer][fw.decode_slots].swapaxes(1, 2),
-                             fw.decode_last, fw.decode_starts, fw.window, fw.entries)
+                             fw.decode_last, fw.decode_starts, fw.window, fw.entries, memo=fw.masks)
             parts.append(quantized_paged_attention_decode(
                 q[:nd], *pool.layer_arrays(layer), tables.block_tables[:nd], meta.context_lens[:nd], scale,
                 keys_rotated=self.rotate_keys, host_context_lens=meta.host_context_lens[:nd] or None,
@@ -260,21 +264,19 @@ class QuantizedContiguousAttentionBackend(ContiguousAttentionBackend):
         values_basis = v.astype(mx.float16)
         outs = []
         for i, cache in enumerate(caches):
-            start, length = starts[i], q.shape[2]
+            start = starts[i]
             keys, values = cache.fetch()
             new_keys, new_values = keys_basis[i : i + 1], values_basis[i : i + 1]
-            if before[i] is None:
-                float_keys, float_values = new_keys, new_values
-                positions = mx.arange(start, start + length, dtype=mx.int32)
+            if before[i] is None:  # the first write: no entries yet
+                ring_keys, ring_values = new_keys[:, :, :0], new_values[:, :, :0]
+                ring_positions = mx.zeros((0,), dtype=mx.int32)
             else:
-                float_keys = mx.concatenate([before[i][0].astype(new_keys.dtype), new_keys], axis=2)
-                float_values = mx.concatenate([before[i][1].astype(new_values.dtype), new_values], axis=2)
-                positions = mx.concatenate([entry_positions(mx.array([start - 1], dtype=mx.int32), cache.entries)[0],
-                                            mx.arange(start, start + length, dtype=mx.int32)])
-            outs.append(float_prefill_attention(
-                queries[i : i + 1], keys, values, float_keys, float_values, positions,
-                mx.arange(start, start + length, dtype=mx.int32), cache.window_start, cache.float_window,
-                start - (cache.entries - FIRST_TOKENS), scale, sliding_window=window, sinks=sinks,
+                ring_keys, ring_values = before[i]
+                ring_positions = entry_positions(mx.array([start - 1], dtype=mx.int32), cache.entries)[0]
+            outs.append(prefill_attention_in_tiles(
+                queries[i : i + 1], keys, values, ring_keys, ring_values, ring_positions, new_keys, new_values,
+                start, cache.window_start, cache.float_window, start - (cache.entries - FIRST_TOKENS), scale,
+                sliding_window=window, sinks=sinks,
             ))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
