@@ -58,19 +58,23 @@ def boolean(raw: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from 1, 0, true, false, yes, no, on, off)")
 
 
+def _whole_number_at_least(raw: str, minimum: int) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number: give an integer >= {minimum}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give an integer >= {minimum}")
+    return value
+
+
 def positive_int(raw: str) -> int:
     """A whole number >= 1.
 
     Raises:
         argparse.ArgumentTypeError: not a whole number, or below 1.
     """
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number: give an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give an integer >= 1")
-    return value
+    return _whole_number_at_least(raw, 1)
 
 
 def non_negative_int(raw: str) -> int:
@@ -79,13 +83,7 @@ def non_negative_int(raw: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not a whole number, or below 0.
     """
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number: give an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not valid: give an integer >= 0")
-    return value
+    return _whole_number_at_least(raw, 0)
 
 
 def _unit_number(raw: str, zero_allowed: bool, example: str) -> float:
