@@ -43,6 +43,17 @@ def import_mlx_lm():
     return mlx_lm
 
 
+def parameter_dtype(model):
+    """The dtype of ``model``'s first floating-point parameter (None when it has none)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return None
+
+
 def load_mlx_lm_model(model_path, dtype=None):
     """mlx-lm's model for a checkpoint folder (``mlx_lm.utils.load_model``; the prompts are
     token ids, so no tokenizer is loaded), cast to ``dtype`` (an ``mx.Dtype`` or its name)

@@ -39,6 +39,10 @@
 //   sinks        [max(8, num_heads)] float32: attention-sink logits times log2(e)
 //                (read only when SINKS == 1 and PARTITION_SIZE == 0; split-K adds
 //                them in paged_attention_reduce)
+//   code_bounds  FLOAT_FIRST > 0: [num_seqs * 2] int32 (padded to >= 8 elements), per
+//                sequence (code_end, float_from): the codes of positions >= code_end,
+//                and of positions < FLOAT_FIRST that are >= float_from, score nothing
+//                (the caller reads them from its float window); FLOAT_FIRST == 0: [8], unread
 // Outputs:
 //   out          PARTITION_SIZE == 0: [num_seqs, num_heads, HEAD_DIM] OutT (= T), final.
 //                PARTITION_SIZE  > 0: [num_seqs, num_heads, num_partitions, HEAD_DIM]
@@ -53,7 +57,15 @@
 //   NUM_SIMD, GQA (query heads per threadgroup: num_heads / num_kv_heads, or a divisor of
 //   it when that is above 8), PARTITION_SIZE (tokens per partition, a
 //   multiple of BLOCK_SIZE; 0 = one pass), SINKS (1: add the sink logit of each query
-//   head to the softmax denominator, gpt-oss; 0: none).
+//   head to the softmax denominator, gpt-oss; 0: none), FLOAT_FIRST (0: every position
+//   is read from the pools; > 0: the float window's first tokens, see code_bounds).
+//
+// Float window (int4 caches, mlx_ferrum.kernels.float_window): each query's most recent
+// positions and its sequence's first FLOAT_FIRST positions are attended by the caller
+// from float copies, in the same softmax. The kernel then skips those positions' codes
+// (the recent ones are the tail of the context, so the block loop simply ends at
+// code_end) and is launched split-K, so that the caller merges the partitions' max and
+// sum with the float entries' own (in mlx_ferrum.kernels.metal).
 //
 // Sliding window (Mistral; gpt-oss's even layers): the query at position ctx - 1
 // attends keys [ctx - window, ctx). The block loop starts at the block holding
@@ -208,11 +220,15 @@ METAL_FUNC void pa_dequant(const device uint8_t* p, bool valid, float s, float b
   }
   const int ctx = context_lens[seq];
   const int window_begin = window > 0 ? max(0, ctx - window) : 0;
-  int tok_begin = window_begin;
-  int tok_end = ctx;
+  // The float window's positions: the context's tail from code_end on, and the first
+  // FLOAT_FIRST positions from float_from on, are the caller's.
+  const int code_end = FLOAT_FIRST > 0 ? max(0, min(ctx, code_bounds[2 * seq])) : ctx;
+  const int float_from = FLOAT_FIRST > 0 ? code_bounds[2 * seq + 1] : ctx;
+  int tok_end = code_end;
+  int tok_begin = min(window_begin, tok_end);
   if (PARTITION_SIZE > 0) {
     const int part_begin = min(ctx, part * PARTITION_SIZE);
-    tok_end = min(ctx, part_begin + PARTITION_SIZE);
+    tok_end = min(code_end, part_begin + PARTITION_SIZE);
     tok_begin = min(tok_end, max(part_begin, window_begin));
   }
   const int first_block = tok_begin / BLOCK_SIZE;
@@ -263,7 +279,8 @@ METAL_FUNC void pa_dequant(const device uint8_t* p, bool valid, float s, float b
     const int rounds = (min(CHUNK * BLOCK_SIZE, tok_end - chunk_tok) + ROUND - 1) / ROUND;
     for (int k = 0; k < rounds; ++k) {
       const int local = k * ROUND + sg * TPS + tok_group;
-      const bool valid = chunk_tok + local < tok_end && chunk_tok + local >= tok_begin;
+      const int pos = chunk_tok + local;
+      const bool valid = pos < tok_end && pos >= tok_begin && (pos >= FLOAT_FIRST || pos < float_from);
       const int64_t row = int64_t(block_ids[local / BLOCK_SIZE]) * block_stride + kv_offset
           + int64_t(local % BLOCK_SIZE) * ROW;
       // Quantized pools: the scales (and biases) of this lane's vectors of K and V.

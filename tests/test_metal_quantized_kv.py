@@ -23,13 +23,11 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_ferrum.errors import KernelError
-from mlx_ferrum.kernels import metal, reference
 from support import metal_harness as mh
 from support.kernel_costs import measure_decode
 from support.paged_cases import max_violation
 from support.quantized_cases import (
+    attend_one_query,
     dequantize,
     group_size,
     hadamard,
@@ -37,8 +35,12 @@ from support.quantized_cases import (
     quantize,
     quantized_decode_case,
     quantized_prefill_case,
+    sequence_kv,
 )
 from test_metal_kernels import _assert_caught, _mutated
+
+from mlx_ferrum.errors import KernelError
+from mlx_ferrum.kernels import metal, reference
 
 F32, F16, BF16 = mx.float32, mx.float16, mx.bfloat16
 
@@ -201,6 +203,133 @@ def test_quantized_decode_window_and_sinks(monkeypatch, kv, window, use_sinks, p
     _check_decode(case, F32, window=window, use_sinks=use_sinks)
 
 
+# ------------------------------------------------------------ decode with a float window
+#
+# int4 caches keep each sequence's last positions and first FLOAT_FIRST positions in float16
+# entries beside the codes (mlx_ferrum.kernels.float_window): each query reads those positions
+# from the entries and every other one from the codes, in one softmax. The oracle below is
+# written from that definition over the stored arrays; the entries hold values unrelated to
+# the codes, so reading a position from the wrong side is caught, and the scales of every
+# position the entries cover are NaN, so reading such a code at all is caught.
+
+FLOAT_FIRST = 4
+
+
+def _float_ring(rng, last: int, entries: int, kvh: int, d: int):
+    """A ring of ``entries`` float16 entries written token by token up to position ``last``:
+    position p < FLOAT_FIRST at entry p, a later one at FLOAT_FIRST + (p - FLOAT_FIRST) % ring.
+    Returns (keys [kvh, entries, d], values, position held per entry (-1: none))."""
+    ring = entries - FLOAT_FIRST
+    keys = np.zeros((kvh, entries, d), np.float16)
+    values = np.zeros((kvh, entries, d), np.float16)
+    held = np.full(entries, -1)
+    for p in range(last + 1):
+        e = p if p < FLOAT_FIRST else FLOAT_FIRST + (p - FLOAT_FIRST) % ring
+        keys[:, e] = rng.standard_normal((kvh, d)).astype(np.float16)
+        values[:, e] = rng.standard_normal((kvh, d)).astype(np.float16)
+        held[e] = p
+    return keys, values, held
+
+
+def _reads_float(p, t, start, window, oldest):
+    # the definition: at or after the window start, one of the first tokens or one of the
+    # query's last `window` positions that the ring still holds
+    return p >= start and (p < FLOAT_FIRST or (p > t - window and p >= oldest))
+
+
+def _float_window_oracle(case, keys, values, held, starts, lasts, window, entries, sliding=None, sinks=None):
+    """float64 attention of each decode row over its codes and its float entries."""
+    qq = np.array(case.q.astype(mx.float32)).astype(np.float64)
+    k_pool, v_pool = case.dequantized_pools()
+    tables = np.array(case.base.block_tables)
+    ctxs = np.array(case.base.context_lens).tolist()
+    h, kvh = qq.shape[1], k_pool.shape[1]
+    out = np.zeros_like(qq)
+    for i, ctx in enumerate(ctxs):
+        t, oldest = ctx - 1, lasts[i] - (entries - FLOAT_FIRST) + 1
+        k, v = sequence_kv(k_pool, v_pool, tables[i], ctx, k_pool.shape[2])
+        seen = lambda p: p <= t and (sliding is None or p > t - sliding)  # noqa: E731
+        codes = [p for p in range(ctx) if seen(p) and not _reads_float(p, t, starts[i], window, oldest)]
+        floats = [e for e in range(entries)
+                  if held[i][e] >= 0 and seen(held[i][e]) and _reads_float(held[i][e], t, starts[i], window, oldest)]
+        assert sorted(codes + [held[i][e] for e in floats]) == [p for p in range(ctx) if seen(p)], \
+            "the test's ring must hold every position a row reads from floats"
+        for j in range(h):
+            g = j // (h // kvh)
+            kk = np.concatenate([k[g, codes], keys[i][g, floats].astype(np.float64)])
+            vv = np.concatenate([v[g, codes], values[i][g, floats].astype(np.float64)])
+            out[i, j] = attend_one_query(qq[i, j], kk, vv, case.base.scale, None if sinks is None else float(sinks[j]))
+    return out
+
+
+def _poison_float_positions(case, starts, lasts, window, entries):
+    """NaN scales at every position a row reads from its float entries."""
+    bs = case.k_codes.shape[2]
+    tables = np.array(case.base.block_tables)
+    names = ["k_scales", "v_scales"] + (["k_biases", "v_biases"] if case.k_biases is not None else [])
+    arrays = {n: np.array(getattr(case, n)) for n in names}
+    for i, ctx in enumerate(np.array(case.base.context_lens).tolist()):
+        oldest = lasts[i] - (entries - FLOAT_FIRST) + 1
+        for p in range(ctx):
+            if _reads_float(p, ctx - 1, starts[i], window, oldest):
+                for a in arrays.values():
+                    a[tables[i, p // bs], :, p % bs] = np.nan
+    for n, a in arrays.items():
+        setattr(case, n, mx.array(a))
+
+
+@pytest.mark.parametrize("kv,window,psize,sliding,use_sinks,lookahead", [
+    ("int4", 16, None, None, False, 0),
+    ("int4", 8, 16, None, True, 2),      # split-K: partitions wholly inside the window
+    ("int4", 12, None, 20, False, 0),    # the model's sliding window cuts both sides
+    ("int8", 5, 16, None, False, 0),
+])
+@pytest.mark.harness
+@needs_clang
+def test_quantized_decode_with_float_window(monkeypatch, kv, window, psize, sliding, use_sinks, lookahead):
+    from mlx_ferrum.kernels import metal_quantized_paged_attention_decode
+    from mlx_ferrum.kernels.float_window import FloatRows
+    from mlx_ferrum.kernels.quantized_reference import quantized_paged_attention_decode
+    from mlx_ferrum.layers.attention import NO_FLOAT_WINDOW
+
+    monkeypatch.setattr(metal, "DECODE_PARTITION_SIZE", psize)
+    ctxs = [70, 45, 3, 30]
+    # window starts: from the first position, after a prefix-cache hit (codes only before
+    # it), after the first tokens, and a sequence without a window slot
+    starts = [0, 20, 2, NO_FLOAT_WINDOW]
+    lasts = [c - 1 + (lookahead if i == 0 else 0) for i, c in enumerate(ctxs)]  # row 0: a draft's earlier row
+    h, kvh, d, bs = 8, 2, 64, 8
+    entries = FLOAT_FIRST + window + lookahead
+    base = quantized_decode_case(window + 1, ctxs, h, kvh, d, bs, F32, kv)
+    q_plain = base.q_unrotated if kv == "int4" else base.q
+    rng = np.random.default_rng(window)
+    rings = [_float_ring(rng, last, entries, kvh, d) for last in lasts]
+    keys, values, held = ([r[n] for r in rings] for n in range(3))
+    sinks = _sinks(9, h, use_sinks)
+    want = _float_window_oracle(base, keys, values, held, starts, lasts, window, entries, sliding,
+                                None if sinks is None else np.array(sinks))
+    rows = FloatRows(mx.array(np.stack(keys)), mx.array(np.stack(values)), mx.array(lasts, dtype=mx.int32),
+                     mx.array(starts, dtype=mx.int32), window, entries)
+    args = (base.k_codes, base.v_codes, base.k_scales, base.v_scales, base.k_biases, base.v_biases,
+            base.base.block_tables, base.base.context_lens, base.base.scale)
+    rotated = kv == "int4"
+    # the pure-MLX reference multiplies whole gathered blocks (its masked slots by 0): the
+    # NaN scales of the slots no sequence owns are zeroed for it
+    clean = tuple(None if a is None else mx.nan_to_num(a, nan=0.0) for a in args[2:6])
+    ref = quantized_paged_attention_decode(q_plain, *args[:2], *clean, *args[6:], keys_rotated=rotated,
+                                           window=sliding, sinks=sinks, float_rows=rows)
+    assert max_violation(ref, want, F32) <= 0, "the MLX reference disagrees with the oracle"
+    _poison_float_positions(base, starts, lasts, window, entries)
+    args = (base.k_codes, base.v_codes, base.k_scales, base.v_scales, base.k_biases, base.v_biases) + args[6:]
+    before = mh.LAUNCHES["paged_attention_decode"]
+    with metal.use_launcher(mh.metal_kernel):
+        got = metal_quantized_paged_attention_decode(q_plain, *args, kv_cache_dtype=kv, keys_rotated=rotated,
+                                                     window=sliding, sinks=sinks, float_rows=rows)
+    assert mh.LAUNCHES["paged_attention_decode"] == before + 1, "the decode kernel did not run"
+    assert got.shape == q_plain.shape and got.dtype == F32
+    assert max_violation(got, want, F32) <= 0, "kernel + float entries disagree with the oracle"
+
+
 # (kv_cache_dtype, num_heads, num_kv_heads, head_dim, block_size, (context, q_len) per sequence, dtype)
 PREFILL_CASES = [
     ("int8", 8, 2, 128, 8, [(33, 5), (9, 9)], F16),
@@ -334,11 +463,15 @@ def test_float_pools_pass_unread_scale_placeholders():
                                      case.base.context_lens, 0.1, **case.kernel_kwargs())
     (f_fp, c_fp), (f_q, c_q) = launches
     names = f_fp["input_names"]
-    assert names[-4:] == ["k_scales", "v_scales", "k_biases", "v_biases"]
+    unread = ["k_scales", "v_scales", "k_biases", "v_biases", "code_bounds"]
+    assert names[-5:] == unread
     assert dict(c_fp["template"])["KV_BITS"] == 0 and dict(c_q["template"])["KV_BITS"] == 8
     assert dict(c_q["template"])["GROUP_SIZE"] == 64
+    assert dict(c_fp["template"])["FLOAT_FIRST"] == 0 and dict(c_q["template"])["FLOAT_FIRST"] == 0
     assert c_q["inputs"][names.index("k_scales")] is case.k_scales
-    assert all(a.size == metal.MIN_DEVICE_ELEMENTS for a in c_fp["inputs"][-4:])
+    # float pools: the scales and biases, and without a float window the code bounds, are
+    # small placeholders the kernel never reads
+    assert all(c_fp["inputs"][names.index(n)].size == metal.MIN_DEVICE_ELEMENTS for n in unread)
 
 
 @pytest.mark.harness

@@ -162,7 +162,7 @@ def test_decode_window_sinks_sweep(monkeypatch, dtype):
 
 @pytest.mark.parametrize("name,old,new,psize", [
     # the window's first key dropped (off-by-one at the window edge)
-    ("paged_attention_decode", "chunk_tok + local >= tok_begin;", "chunk_tok + local > tok_begin;", None),
+    ("paged_attention_decode", "pos < tok_end && pos >= tok_begin &&", "pos < tok_end && pos > tok_begin &&", None),
     # the sink left out of the one-pass denominator
     ("paged_attention_decode", "l_all = l_all * o_scale + fast::exp2(sink - m_sink);",
      "l_all = l_all * o_scale;", None),

@@ -198,31 +198,40 @@ def test_attention_calls_equal_the_oracle_on_the_same_inputs(gemma3, kind, monke
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llama, kind):
+@pytest.mark.parametrize("kind,float_window,compiled", [
+    ("int8", 0, False), ("int4", 0, False), ("int4", 4, False), ("int4", 4, True),
+])
+def test_with_the_metal_path_the_quantized_kernels_run_and_match_the_oracle(llama, kind, float_window, compiled):
     """Where the Metal kernels are enabled (the CPU harness stands in for Metal), decode and
     short prefill rows run the quantized kernels (codes dequantized in registers, int4
     queries rotated before the launch), and the logits equal the oracle over the stored K/V.
-    Codes only (``kv_float_window=0``): int4's float window runs the pure-MLX path."""
+    With int4's float window, decode rows run the kernel over the codes the window does not
+    cover, merged with the window's entries (eager and in the compiled step; the window
+    slides past the first decode steps); prefill rows with a window run the pure-MLX path."""
     from mlx_ferrum.kernels import metal
     from support import metal_harness as mh
 
     if not mh.clang_available():
         pytest.skip("clang++-19 not installed: the Metal harness compiles kernels with it")
     prompts = prompts_for(llama, [6, 6, 11], seed=2)
+    steps = [[1], [5], [2]]
     before = mh.LAUNCHES.copy()
     with metal.use_launcher(mh.metal_kernel), mh.options(schedules=("random",)):
-        runner = LlmExecutor(llama, config("paged", kind, compiled=False, metal_kernels=True,
-                                           kv_float_window=0))  # the low-level API: it owns its block manager
+        runner = LlmExecutor(llama, config("paged", kind, compiled=compiled, metal_kernels=True,
+                                           kv_float_window=float_window))  # the low-level API: it owns its block manager
         out = runner.run([SeqWork(str(i), p) for i, p in enumerate(prompts)])
-        step = runner.run([SeqWork(str(i), [1]) for i in range(3)])
-    assert mh.LAUNCHES["paged_attention_decode"] > before["paged_attention_decode"]
-    assert mh.LAUNCHES["paged_prefill_attention"] > before["paged_prefill_attention"]
-    for p, o, s in zip(prompts, out, step):
-        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind, float_window=0), atol=1e-4,
-                                   rtol=1e-4)
-        np.testing.assert_allclose(np.array(s[-1]), oracle_last_logits(llama, p + [1], kind, float_window=0),
+        decoded = [runner.run([SeqWork(str(i), token) for i in range(3)]) for token in steps]
+    assert mh.LAUNCHES["paged_attention_decode"] >= before["paged_attention_decode"] + len(steps)
+    if not float_window:
+        assert mh.LAUNCHES["paged_prefill_attention"] > before["paged_prefill_attention"]
+    for i, (p, o) in enumerate(zip(prompts, out)):
+        np.testing.assert_allclose(np.array(o[-1]), oracle_last_logits(llama, p, kind, float_window=float_window),
                                    atol=1e-4, rtol=1e-4)
+        seen = list(p)
+        for token, step in zip(steps, decoded):
+            seen += token
+            want = oracle_last_logits(llama, seen, kind, float_window=float_window)
+            np.testing.assert_allclose(np.array(step[i][-1]), want, atol=1e-4, rtol=1e-4)
 
 
 def test_the_store_holds_quantized_storage_and_the_backend_of_its_dtype(llama):

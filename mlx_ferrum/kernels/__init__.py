@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ..config import RuntimeConfig
 from . import metal, quantized_reference, reference
+from .float_window import FloatRows
 from .reference import write_kv_slots
 
 __all__ = ["AttentionKernels", "MetalDecodeIndex", "attention_kernels", "metal_path_enabled",
@@ -348,10 +349,15 @@ def metal_quantized_paged_attention_decode(
     window: Optional[int] = None,
     sinks: Optional[mx.array] = None,
     index: Optional[MetalDecodeIndex] = None,
+    float_rows: Optional[FloatRows] = None,
 ) -> mx.array:
     """Decode attention over a quantized paged pool: the Metal decode kernel reading the
     codes (dequantized in registers) when the shape is supported, else
     :func:`~mlx_ferrum.kernels.quantized_reference.quantized_paged_attention_decode`.
+    With ``float_rows`` (an int4 pool's float window,
+    :class:`~mlx_ferrum.kernels.float_window.FloatRows`) the kernel skips the codes the
+    window covers and :func:`~mlx_ferrum.kernels.metal.paged_attention_decode_with_float`
+    merges its partitions with the window's entries in one softmax.
 
     Shapes: q ``[num_seqs, num_heads, head_dim]`` un-rotated (post-RoPE) queries; codes
     ``[num_blocks, num_kv_heads, block_size, head_dim]`` int8 (``"int8"``) or
@@ -367,6 +373,13 @@ def metal_quantized_paged_attention_decode(
     launch, reference_index = _launch_and_reference(index)
     quantized = _quantized_args(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
     reason = metal.decode_unsupported_reason(q, k_codes, v_codes, block_tables, context_lens, **quantized)
+    if reason is None and float_rows is not None:
+        entries_valid, code_bounds = float_rows.kernel_inputs(context_lens - 1, window)
+        return metal.paged_attention_decode_with_float(
+            _rotated_query(q, keys_rotated), k_codes, v_codes, block_tables, context_lens, scale,
+            float_keys=float_rows.keys, float_values=float_rows.values, float_valid=entries_valid,
+            code_bounds=code_bounds, metadata=launch, window=window, sinks=sinks, **quantized,
+        )
     if reason is None:
         return metal.paged_attention_decode(
             _rotated_query(q, keys_rotated), k_codes, v_codes, block_tables, context_lens, scale,
@@ -376,7 +389,7 @@ def metal_quantized_paged_attention_decode(
     return quantized_reference.quantized_paged_attention_decode(
         q, k_codes, v_codes, k_scales, v_scales, k_biases, v_biases, block_tables, context_lens, scale,
         keys_rotated=keys_rotated, host_context_lens=host_context_lens, window=window, sinks=sinks,
-        index=reference_index,
+        index=reference_index, float_rows=float_rows,
     )
 
 

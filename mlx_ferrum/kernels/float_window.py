@@ -257,11 +257,43 @@ class FloatRows:
             return self.memo[key]
         t = query_pos.astype(mx.int32)[:, None]
         start = self.window_start.astype(mx.int32)[:, None]
-        last = self.last.astype(mx.int32)[:, None]
-        oldest = last - (self.entries - FIRST_TOKENS) + 1
-        from_float = in_float(key_pos, t, start, self.window, oldest)
+        from_float = in_float(key_pos, t, start, self.window, self._oldest()[:, None])
+        return from_float, self.entries_valid(query_pos, sliding_window)
+
+    def _oldest(self) -> mx.array:
+        # [S] the oldest position each row's ring still holds past the first tokens
+        return self.last.astype(mx.int32) - (self.entries - FIRST_TOKENS) + 1
+
+    def entries_valid(self, query_pos: mx.array, sliding_window: Optional[int] = None) -> mx.array:
+        """``[S, F]`` bool: the entries each row's query at ``query_pos`` ``[S]`` attends to
+        (within the model's ``sliding_window`` when the layer has one)."""
+        t = query_pos.astype(mx.int32)[:, None]
         positions = entry_positions(self.last, self.entries)
-        valid = float_entries_valid(positions, t, start, self.window, oldest)
+        valid = float_entries_valid(positions, t, self.window_start.astype(mx.int32)[:, None], self.window,
+                                    self._oldest()[:, None])
         if sliding_window is not None:
             valid = valid & (positions > t - sliding_window)
-        return from_float, valid
+        return valid
+
+    def kernel_inputs(self, query_pos: mx.array, sliding_window: Optional[int] = None) -> tuple[mx.array, mx.array]:
+        """``(entries_valid [S, F], code_bounds [S, 2])`` for a decode kernel that walks the
+        codes itself (:meth:`entries_valid`, :meth:`code_bounds`), built once per pass
+        and sliding window when the rows carry a ``memo``."""
+        if self.memo is None:
+            return self.entries_valid(query_pos, sliding_window), self.code_bounds(query_pos)
+        key = ("kernel", sliding_window)
+        if key not in self.memo:
+            self.memo[key] = (self.entries_valid(query_pos, sliding_window), self.code_bounds(query_pos))
+        return self.memo[key]
+
+    def code_bounds(self, query_pos: mx.array) -> mx.array:
+        """``[S, 2]`` int32 per row ``(code_end, float_from)``: :func:`in_float` for a row's
+        query at ``query_pos`` ``[S]``, as two bounds a kernel can apply while it walks the
+        codes. A key at or after ``code_end`` is read from the entries, and so is a key
+        below :data:`FIRST_TOKENS` at or after ``float_from`` (the window start); every other
+        key is read from the codes. (``code_end`` is ``max(window_start, max(t - window + 1,
+        oldest))``: past the first tokens, :func:`in_float` is exactly ``key >= code_end``.)"""
+        t = query_pos.astype(mx.int32)
+        start = self.window_start.astype(mx.int32)
+        recent_from = mx.maximum(t - self.window + 1, self._oldest())
+        return mx.stack([mx.maximum(start, recent_from), start], axis=1)

@@ -53,6 +53,7 @@ import mlx.core as mx
 
 from ..config import device_info
 from ..errors import KernelError
+from .float_window import FIRST_TOKENS as FLOAT_FIRST_TOKENS
 
 HEADER_MARK = "// --- header ---"
 BODY_MARK = "// --- body ---"
@@ -89,6 +90,8 @@ SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 MIN_DEVICE_ELEMENTS = 8
 #: log2(e): the decode kernel works in base 2 (exp2), so q is scaled by scale * LOG2E.
 LOG2E = 1.4426950408889634
+#: The kernels' empty-state sentinel (Metal's FLT_MAX): no infinity under fast math.
+FLT_MAX = 3.4028234663852886e38
 #: Math mode (``compile_options={"math_mode": ...}`` of ``mx.fast.metal_kernel``) per
 #: kernel, stated rather than left to MLX's default. The kernels use no infinity or
 #: NaN (a finite -FLT_MAX sentinel, loop bounds computed up front), so they build in
@@ -590,10 +593,70 @@ def paged_attention_decode(
         KernelError: the shapes or dtypes are outside what the kernel takes (see
             :func:`decode_unsupported_reason`).
     """
-    quantized = _quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases)
+    launch = _decode_launch(q, k_pool, v_pool, block_tables, context_lens, scale, metadata, window, sinks,
+                            _quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases))
+    if launch.partition_size == 0:
+        return launch.partial_out
+    reduce = _kernel(
+        "paged_attention_reduce",
+        ["tmp_out", "max_logits", "exp_sums", "context_lens", "params", "sinks"],
+        ["out"],
+    )
+    return reduce(
+        inputs=[launch.partial_out, launch.max_logits, launch.exp_sums, launch.metadata.context_lens,
+                _params(launch.num_heads, launch.num_partitions, launch.partition_size, launch.window_tokens),
+                _sinks_input(sinks, launch.num_heads)],
+        template=[("T", q.dtype), ("HEAD_DIM", q.shape[-1]), ("NUM_PARTITIONS", launch.num_partitions),
+                  ("SINKS", int(sinks is not None))],
+        grid=(q.shape[-1], launch.num_heads, q.shape[0]),
+        threadgroup=(q.shape[-1], 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+@dataclass(frozen=True)
+class DecodePartials:
+    """What one launch of the decode kernel returns before its partitions are merged.
+
+    Attributes:
+        partial_out: split-K: ``[num_seqs, num_heads, num_partitions, head_dim]`` float32,
+            each partition's output normalised by its own sum; one pass: the final
+            ``[num_seqs, num_heads, head_dim]`` output in q's dtype.
+        max_logits, exp_sums: split-K: ``[num_seqs, num_heads, num_partitions]`` float32,
+            each partition's largest logit (log2 units, -FLT_MAX when it scored nothing)
+            and its sum of ``exp2(logit - max)``; one pass: 1-element placeholders.
+        metadata, num_heads, num_partitions, partition_size, window_tokens: the launch's plan.
+    """
+
+    partial_out: mx.array
+    max_logits: mx.array
+    exp_sums: mx.array
+    metadata: DecodeMetadata
+    num_heads: int
+    num_partitions: int
+    partition_size: int
+    window_tokens: int
+
+
+def _decode_launch(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array, context_lens: mx.array, scale: float,
+    metadata: Optional[DecodeMetadata], window: Optional[int], sinks: Optional[mx.array],
+    quantized: Optional[QuantizedKv], code_bounds: Optional[mx.array] = None,
+) -> DecodePartials:
+    """One launch of ``paged_attention_decode.metal``; with ``code_bounds`` (``[num_seqs, 2]``
+    int32, the float window's ``(code_end, float_from)`` per row) always split-K (one
+    partition spanning every block when the plan does not split), so the caller can merge
+    the partitions' statistics with its own.
+
+    Raises:
+        KernelError: the shapes or dtypes are outside what the kernel takes.
+    """
     reason = _common_reason(q, k_pool, v_pool, block_tables, quantized)
     if reason is None and (block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],)):
         reason = "block_tables and context_lens must have one row per sequence of q"
+    if reason is None and code_bounds is not None and code_bounds.shape != (q.shape[0], 2):
+        reason = "code_bounds must be [num_seqs, 2] (code_end, float_from)"
     if reason:
         raise KernelError(f"paged_attention_decode kernel: {reason}")
     num_seqs, num_heads, head_dim = q.shape
@@ -602,7 +665,9 @@ def paged_attention_decode(
     if metadata is None:
         metadata = decode_metadata(block_tables, context_lens, num_kv_heads, block_size)
     num_partitions, psize = metadata.num_partitions, metadata.partition_size
-    partitioned = num_partitions > 1
+    if code_bounds is not None and num_partitions == 1:
+        psize = metadata.max_blocks_per_seq * block_size
+    partitioned = psize > 0
     tg = DECODE_NUM_SIMD * 32
     group = num_heads // num_kv_heads
     heads_per_tg = max(d for d in range(1, DECODE_MAX_HEADS_PER_THREADGROUP + 1) if group % d == 0)
@@ -610,16 +675,18 @@ def paged_attention_decode(
     window_tokens = max(0, int(window)) if window is not None else 0
     sinks_arr = _sinks_input(sinks, num_heads)
     params = _params(num_heads, num_kv_heads, metadata.max_blocks_per_seq, num_partitions, window_tokens)
+    bounds = _pad(code_bounds.astype(mx.int32)) if code_bounds is not None else _no_code_bounds()
     kernel = _kernel(
         "paged_attention_decode",
-        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks", *KV_SCALE_INPUTS],
+        ["q", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks", *KV_SCALE_INPUTS,
+         "code_bounds"],
         ["out", "max_logits", "exp_sums"],
     )
     out_dtype = mx.float32 if partitioned else q.dtype
     stats_shape = (num_seqs, num_heads, num_partitions) if partitioned else (1,)
     outs = kernel(
         inputs=[q, k_pool, v_pool, metadata.block_tables, metadata.context_lens, params, scale_arr, sinks_arr,
-                *kv_inputs],
+                *kv_inputs, bounds],
         template=[
             ("T", q.dtype),
             ("OutT", out_dtype),
@@ -630,6 +697,7 @@ def paged_attention_decode(
             ("GQA", heads_per_tg),
             ("PARTITION_SIZE", psize if partitioned else 0),
             ("SINKS", int(sinks is not None)),
+            ("FLOAT_FIRST", FLOAT_FIRST_TOKENS if code_bounds is not None else 0),
         ],
         grid=(num_heads // heads_per_tg * tg, num_seqs, num_partitions),
         threadgroup=(tg, 1, 1),
@@ -640,27 +708,115 @@ def paged_attention_decode(
         ],
         output_dtypes=[out_dtype, mx.float32, mx.float32],
     )
-    if not partitioned:
-        return outs[0]
-    reduce = _kernel(
-        "paged_attention_reduce",
-        ["tmp_out", "max_logits", "exp_sums", "context_lens", "params", "sinks"],
-        ["out"],
-    )
-    return reduce(
-        inputs=[outs[0], outs[1], outs[2], metadata.context_lens,
-                _params(num_heads, num_partitions, psize, window_tokens), sinks_arr],
-        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("NUM_PARTITIONS", num_partitions),
-                  ("SINKS", int(sinks is not None))],
-        grid=(head_dim, num_heads, num_seqs),
-        threadgroup=(head_dim, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )[0]
+    return DecodePartials(outs[0], outs[1], outs[2], metadata, num_heads, num_partitions, psize if partitioned else 0,
+                          window_tokens)
+
+
+def paged_attention_decode_with_float(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    *,
+    float_keys: mx.array,
+    float_values: mx.array,
+    float_valid: mx.array,
+    code_bounds: mx.array,
+    metadata: Optional[DecodeMetadata] = None,
+    window: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+    kv_cache_dtype: str = "auto",
+    k_scales: Optional[mx.array] = None,
+    v_scales: Optional[mx.array] = None,
+    k_biases: Optional[mx.array] = None,
+    v_biases: Optional[mx.array] = None,
+) -> mx.array:
+    """:func:`paged_attention_decode` over the codes together with a float window's
+    entries, in one softmax (:mod:`mlx_ferrum.kernels.float_window`).
+
+    The kernel skips the codes of the positions the entries cover (``code_bounds``) and
+    returns its partitions' outputs with their max and sum (split-K); the entries' scores
+    join them here, the way ``paged_attention_reduce`` merges partitions
+    (FlashAttention's rescaling by ``exp2(max_p - max)``).
+
+    Args:
+        q, k_pool, v_pool, block_tables, context_lens, scale, metadata, window, sinks,
+        kv_cache_dtype, k_scales, v_scales, k_biases, v_biases: as in
+            :func:`paged_attention_decode` (q already in the keys' basis).
+        float_keys, float_values: ``[num_seqs, num_kv_heads, F, head_dim]`` (float16) each
+            row's float entries, keys in the pool's basis.
+        float_valid: ``[num_seqs, F]`` bool, the entries each row attends to.
+        code_bounds: ``[num_seqs, 2]`` int32 per row ``(code_end, float_from)``: the codes
+            of positions ``>= code_end`` and of positions below
+            :data:`~mlx_ferrum.kernels.float_window.FIRST_TOKENS` that are ``>= float_from``
+            are not read (:meth:`~mlx_ferrum.kernels.float_window.FloatRows.code_bounds`).
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in q's dtype (0 for a row that attends to nothing).
+
+    Raises:
+        KernelError: the shapes or dtypes are outside what the kernel takes.
+    """
+    launch = _decode_launch(q, k_pool, v_pool, block_tables, context_lens, scale, metadata, window, sinks,
+                            _quantized(kv_cache_dtype, k_scales, v_scales, k_biases, v_biases), code_bounds)
+    return merge_partials_with_float(q, scale, launch.partial_out, launch.max_logits, launch.exp_sums,
+                                     float_keys, float_values, float_valid, sinks)
+
+
+def merge_partials_with_float(
+    q: mx.array, scale: float, partial_out: mx.array, max_logits: mx.array, exp_sums: mx.array,
+    float_keys: mx.array, float_values: mx.array, float_valid: mx.array, sinks: Optional[mx.array] = None,
+) -> mx.array:
+    """One softmax over a split-K launch's partitions and a float window's entries.
+
+    Args:
+        q: ``[S, H, D]`` the launch's queries; scale: its softmax scale.
+        partial_out, max_logits, exp_sums: the launch's split-K outputs
+            (:class:`DecodePartials`; max in log2 units).
+        float_keys, float_values: ``[S, KVH, F, D]``; float_valid: ``[S, F]`` bool.
+        sinks: ``[H]`` attention-sink logits (natural units), or None.
+
+    Returns:
+        ``[S, H, D]`` in q's dtype: ``(sum_p exp2(m_p - M) l_p o_p + sum_f exp2(s_f - M) v_f)
+        / (sum_p exp2(m_p - M) l_p + sum_f exp2(s_f - M) [+ exp2(sink - M)])``, 0 where the
+        denominator is 0.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, entries = float_keys.shape[1], float_keys.shape[2]
+    group = num_heads // num_kv_heads
+    f32 = mx.float32
+    qg = (q.astype(f32) * (scale * LOG2E)).reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = (qg @ float_keys.astype(f32).swapaxes(-1, -2)).reshape(num_seqs, num_heads, entries)
+    valid = float_valid[:, None, :]
+    lowest = mx.array(-FLT_MAX, f32)
+    scores = mx.where(valid, scores, lowest)
+    top = mx.maximum(max_logits.max(axis=-1), scores.max(axis=-1))  # [S, H]
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = sinks.astype(f32)[None] * LOG2E
+        top = mx.maximum(top, sink_logits)
+    weights = mx.power(2.0, max_logits - top[..., None]) * exp_sums  # [S, H, P]
+    probs = mx.where(valid, mx.power(2.0, scores - top[..., None]), 0.0)  # [S, H, F]
+    denom = weights.sum(axis=-1) + probs.sum(axis=-1)
+    if sink_logits is not None:
+        denom = denom + mx.power(2.0, sink_logits - top)
+    numer = (weights[..., None] * partial_out).sum(axis=-2) + (
+        probs.reshape(num_seqs, num_kv_heads, group, entries) @ float_values.astype(f32)
+    ).reshape(num_seqs, num_heads, head_dim)
+    out = mx.where(denom[..., None] > 0, numer / mx.maximum(denom, mx.array(1e-30, f32))[..., None], 0.0)
+    return out.astype(q.dtype)
 
 
 #: The kernels' scale/bias inputs (placeholders for float pools), after their other inputs.
 KV_SCALE_INPUTS = ("k_scales", "v_scales", "k_biases", "v_biases")
+
+
+@lru_cache(maxsize=1)
+def _no_code_bounds() -> mx.array:
+    # the unread code_bounds placeholder of a launch without a float window
+    return mx.zeros((MIN_DEVICE_ELEMENTS,), mx.int32)
 
 
 @lru_cache(maxsize=1)

@@ -25,8 +25,10 @@ its last ``window`` positions and its sequence's first tokens from float16 copie
 same softmax as the codes of the others; the pass's own tokens are taken as those copies
 hold them, so a prompt read in one pass, in chunks or token by token gives the same, and
 so does a batch. A prefix-cache hit brings codes without copies: its shared positions
-are read from the codes (the sequence's ``window_start``). This attention runs the
-pure-MLX path (the Metal kernels do not take the copies yet).
+are read from the codes (the sequence's ``window_start``). Decode rows run the backend's
+decode kernel (on Metal the kernel skips the codes the window covers and its partitions
+are merged with the window's entries, :func:`~mlx_ferrum.kernels.metal.paged_attention_decode_with_float`);
+prefill rows with a window run the pure-MLX path.
 
 :class:`QuantizedPagedAttentionBackend` runs the Metal decode and prefill kernels over the
 quantized blocks where the Metal path is on (codes dequantized in registers, queries rotated
@@ -53,7 +55,6 @@ from ..kernels.quantized_reference import (
     check_kv_cache_dtype,
     dequantize_kv,
     quantize_kv,
-    quantized_paged_attention_decode,
     quantized_paged_prefill_with_float,
     rotate,
 )
@@ -149,11 +150,10 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
             rows = FloatRows(pool.k_window[layer][fw.decode_slots].swapaxes(1, 2),
                              pool.v_window[layer][fw.decode_slots].swapaxes(1, 2),
                              fw.decode_last, fw.decode_starts, fw.window, fw.entries, memo=fw.masks)
-            parts.append(quantized_paged_attention_decode(
+            parts.append(self.kernels.decode(
                 q[:nd], *pool.layer_arrays(layer), tables.block_tables[:nd], meta.context_lens[:nd], scale,
                 keys_rotated=self.rotate_keys, host_context_lens=meta.host_context_lens[:nd] or None,
-                window=window, sinks=sinks, index=None if self.kernels.metal else tables.decode_index,
-                float_rows=rows,
+                window=window, sinks=sinks, index=tables.decode_index, float_rows=rows,
             ))
         if before is not None:
             starts = meta.host_query_start_loc

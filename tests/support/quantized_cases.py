@@ -164,7 +164,8 @@ def quantized_prefill_case(seed: int, ctx_qlens, num_heads: int, num_kv_heads: i
     return quantize_case(base, kv_cache_dtype, seed)
 
 
-def _attend(q, keys, values, scale, sink):
+def attend_one_query(q, keys, values, scale, sink):
+    """float64 softmax attention of one query `[D]` over `keys`, `values` `[n, D]`, with an optional sink logit."""
     logits = keys @ q * scale
     m = logits.max() if sink is None else max(logits.max(), sink)
     p = np.exp(logits - m)
@@ -172,7 +173,8 @@ def _attend(q, keys, values, scale, sink):
     return (p @ values) / den
 
 
-def _seq_kv(k_pool, v_pool, table, ctx, block_size):
+def sequence_kv(k_pool, v_pool, table, ctx, block_size):
+    """One sequence's first `ctx` K and V rows `[kvh, ctx, D]` gathered from its blocks."""
     blocks = table[: -(-ctx // block_size)]
     k, v = k_pool[blocks], v_pool[blocks]
     kvh, d = k.shape[1], k.shape[3]
@@ -201,10 +203,10 @@ def numpy_quantized_attention(case: QuantizedCase, q: Optional[np.ndarray] = Non
     for i, r, pos in rows:
         if pos < 0:
             continue
-        k, v = _seq_kv(k_pool, v_pool, tables[i], ctxs[i], bs)
+        k, v = sequence_kv(k_pool, v_pool, tables[i], ctxs[i], bs)
         first = max(0, pos - window + 1) if window else 0
         for j in range(h):
             g = j // (h // kvh)
-            out[r, j] = _attend(qq[r, j], k[g, first : pos + 1], v[g, first : pos + 1], scale,
+            out[r, j] = attend_one_query(qq[r, j], k[g, first : pos + 1], v[g, first : pos + 1], scale,
                                 None if sinks is None else float(sinks[j]))
     return out
