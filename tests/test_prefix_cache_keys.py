@@ -102,3 +102,68 @@ def test_set_token_ids_refuses_a_different_known_id_and_ignores_unstored_positio
     assert mgr.seqs["a"].token_ids == [1, 2, 3]
     with pytest.raises(KvCacheError, match="stored as id 2"):
         mgr.set_token_ids("a", 1, [7])
+
+
+def test_slots_given_back_unwritten_leave_the_prefix_cache_written_ones_stay():
+    """A block's key is registered when its slots are appended, before the pass writes its
+    KV. A step that never ran gives its slots back unwritten (``written=False``): every
+    block that held one must lose its key, or a later prompt would share KV nobody wrote.
+    Tokens cut after their pass ran (rejected draft tokens) keep their full blocks cached."""
+    prompt = list(range(1, 14))  # 3 full blocks and one token
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    mgr.create("a")
+    mgr.append_slots("a", 4, prompt[:4])  # block 0: an earlier step, written
+    mgr.append_slots("a", 9, prompt[4:])  # blocks 1-2 and a token: a step that did not run
+    mgr.truncate("a", 4, written=False)
+    mgr.release("a")
+    mgr.create("b")
+    assert mgr.match_prefix("b", prompt) == BS, "a block whose KV was never written is still matched"
+    mgr.check_invariants()
+
+    # cut back to the middle of a block: the block holding the given-back slots loses its key
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    mgr.create("a")
+    mgr.append_slots("a", 6, prompt[:6])
+    mgr.append_slots("a", 7, prompt[6:])
+    mgr.truncate("a", 6, written=False)
+    mgr.release("a")
+    mgr.create("b")
+    assert mgr.match_prefix("b", prompt) == BS
+
+    # after a pass: the cut tokens' full blocks stay cached
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    mgr.create("a")
+    mgr.append_slots("a", 13, prompt)
+    mgr.truncate("a", 4)
+    mgr.release("a")
+    mgr.create("b")
+    assert mgr.match_prefix("b", prompt) == 3 * BS
+    mgr.check_invariants()
+
+
+def test_a_failed_sequence_takes_the_blocks_it_wrote_out_of_the_cache_not_the_ones_it_shared():
+    """``release(keep_cached=False)``: the blocks the sequence wrote leave the prefix cache
+    (a failed evaluation may have left them holding anything), while the blocks it matched
+    from the cache, written by others, stay."""
+    shared, own = [7, 7, 7, 7, 8, 8, 8, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    mgr = PagedKvCacheManager(16, BS, 8, prefix_cache=True)
+    mgr.create("writer")
+    mgr.append_slots("writer", len(shared) + 1, shared + [0])
+    mgr.release("writer")
+    mgr.create("failed")
+    assert mgr.match_prefix("failed", shared + own) == 2 * BS
+    assert mgr.seqs["failed"].num_shared_blocks == 2
+    mgr.append_slots("failed", len(own), own)
+    mgr.release("failed", keep_cached=False)
+    mgr.create("next")
+    assert mgr.match_prefix("next", shared + own) == 2 * BS, "the shared blocks should stay, its own should go"
+    mgr.check_invariants()
+    # a fork shares every block it was given; only the blocks it wrote after leave
+    mgr.append_slots("next", len(own), own)
+    mgr.fork("next", "child")
+    mgr.append_slots("child", 4, [5, 5, 5, 5])
+    mgr.release("child", keep_cached=False)
+    mgr.release("next")
+    mgr.create("probe")
+    assert mgr.match_prefix("probe", shared + own + [0]) == 4 * BS
+    mgr.check_invariants()

@@ -145,7 +145,7 @@ class Engine:
         # request ids of the step now in the runner; an abort of one of them frees its
         # cache only after the runner call, so forward() never re-creates a released cache
         self._in_flight: set[str] = set()
-        self._deferred_release: list[str] = []
+        self._deferred_release: list[tuple[str, bool]] = []  # (request id, keep_cached)
         # every mode runs on the pipelined step: prefix caching hashes a block once its
         # ids are read back (scheduler.set_token_ids), penalties count the token still in
         # flight on the device, and only a row about to speculate waits for its token
@@ -333,18 +333,23 @@ class Engine:
         seq.metrics.finished_time = time.time()
         self.scheduler.remove(seq)
         self.lora_admission.release(seq)
+        # a request that failed may leave blocks whose KV its keys do not describe (a
+        # failed evaluation writes what it computed from unwritten buffers): they leave
+        # the prefix cache with it
+        keep_cached = reason != "error"
         if seq.request_id in self._in_flight:
             # the step being built still reads its cache and its draft state
-            self._deferred_release.append(seq.request_id)
+            self._deferred_release.append((seq.request_id, keep_cached))
         else:
-            self._release_request(seq.request_id)
+            self._release_request(seq.request_id, keep_cached)
         self._seqs.pop(seq.request_id, None)
         self.outputs.record_finished(seq.metrics)
 
-    def _release_request(self, request_id: str) -> None:
-        """Free a finished request's KV blocks (the scheduler's), contiguous buffers (the
-        runner's storage), draft cache and speculation record."""
-        self.scheduler.free(request_id)
+    def _release_request(self, request_id: str, keep_cached: bool = True) -> None:
+        """Free a finished request's KV blocks (the scheduler's; ``keep_cached`` as in
+        :meth:`Scheduler.free <mlx_ferrum.engine.scheduler.Scheduler.free>`), contiguous
+        buffers (the runner's storage), draft cache and speculation record."""
+        self.scheduler.free(request_id, keep_cached)
         self.runner.release_cache(request_id)
         if self._proposer is not None:
             self._proposer.release(request_id)
@@ -354,8 +359,8 @@ class Engine:
         """The step left the runner: free what requests aborted meanwhile held."""
         with self._lock:
             self._in_flight = set()
-            for rid in self._deferred_release:
-                self._release_request(rid)
+            for rid, keep_cached in self._deferred_release:
+                self._release_request(rid, keep_cached)
             self._deferred_release = []
 
     def _fail_step(self, items, exc: BaseException) -> list[RequestOutput]:
@@ -530,8 +535,13 @@ class Engine:
                     if not items[i].seq.finished:
                         self.scheduler.release_lookahead(plan, items[i], used)
                 # an abort since scheduling took the request's in-flight token back
-                # (see _finish): its row no longer has the tokens it was planned with
-                items, proposals = live_items(items, proposals)
+                # (see _finish): its row no longer has the tokens it was planned with,
+                # and leaves the pass; the slots it was given are never written, so they
+                # go back before its (deferred) release could leave their blocks cached
+                live, proposals = live_items(items, proposals)
+                if len(live) < len(items):
+                    self.scheduler.rollback(plan, [it.seq.request_id for it in items if it.seq.finished])
+                items = live
                 work = self._build_work(items, proposals)
             if work:
                 launching = True

@@ -179,11 +179,14 @@ class Scheduler:
             self.waiting.remove(seq)
 
     # ------------------------------------------------------------ block ownership
-    def free(self, request_id: Hashable) -> None:
-        """Free every block of ``request_id``'s cache (unknown ids are ignored)."""
+    def free(self, request_id: Hashable, keep_cached: bool = True) -> None:
+        """Free every block of ``request_id``'s cache (unknown ids are ignored).
+        ``keep_cached=False`` (a request that ended with an error): the blocks it wrote
+        leave the prefix cache (see :meth:`PagedKvCacheManager.release
+        <mlx_ferrum.kv_cache.PagedKvCacheManager.release>`)."""
         mgr = self.block_manager
         if mgr is not None and mgr.has(request_id):
-            mgr.release(request_id)
+            mgr.release(request_id, keep_cached)
 
     def release_lookahead(self, out: SchedulerOutput, item: ScheduledItem, used: int) -> None:
         """Give back the lookahead slots of ``item`` past the first ``used`` (the draft
@@ -231,11 +234,13 @@ class Scheduler:
         if mgr is not None and mgr.prefix_cache and mgr.has(seq.request_id):
             mgr.set_token_ids(seq.request_id, start, salt_token_ids(token_ids, seq.prefix_salt))
 
-    def rollback(self, out: SchedulerOutput) -> None:
-        """The step of ``out`` did not run: give back every slot it appended (each row's
-        cache is cut back to its ``start``; caches released meanwhile are skipped)."""
+    def rollback(self, out: SchedulerOutput, request_ids: Optional[Seq[Hashable]] = None) -> None:
+        """The step of ``out`` did not run (or ran without the rows of ``request_ids``):
+        give back every slot it appended to those rows (each row's cache is cut back to
+        its ``start``, and the blocks of the given-back slots leave the prefix cache;
+        caches released meanwhile are skipped)."""
         if self.block_manager is not None and out.kv is not None:
-            undo_rows(self.block_manager, out.kv)
+            undo_rows(self.block_manager, out.kv, request_ids)
 
     # ------------------------------------------------------------ planning
     def _fits(self, seq: Sequence, n: int) -> bool:

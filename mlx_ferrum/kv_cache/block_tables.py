@@ -206,8 +206,9 @@ class LayerGroupKvManager:
         for g in self.groups:
             g.trim_to_window(cache_id)
 
-    def truncate(self, cache_id: Hashable, new_len: int) -> None:
-        """Keep the first ``new_len`` tokens in every group (checked in all groups first).
+    def truncate(self, cache_id: Hashable, new_len: int, written: bool = True) -> None:
+        """Keep the first ``new_len`` tokens in every group (checked in all groups first);
+        ``written`` as in :meth:`PagedKvCacheManager.truncate`.
 
         Raises:
             KvCacheError: see :meth:`PagedKvCacheManager.check_truncate`; nothing changed.
@@ -216,15 +217,16 @@ class LayerGroupKvManager:
             g.check_truncate(cache_id, new_len)
         old_len = self.num_tokens(cache_id)
         for g in self.groups:
-            g.truncate(cache_id, new_len)
+            g.truncate(cache_id, new_len, written)
         w = self.windows.get(cache_id)
         if w is not None:
             w[1] = window_start_after_cut(w[1], old_len, new_len, self.float_window, self.window_lookahead)
 
-    def release(self, cache_id: Hashable) -> None:
-        """Free every block of ``cache_id`` in every group (UnknownCacheError: unknown id)."""
+    def release(self, cache_id: Hashable, keep_cached: bool = True) -> None:
+        """Free every block of ``cache_id`` in every group (UnknownCacheError: unknown id);
+        ``keep_cached`` as in :meth:`PagedKvCacheManager.release`."""
         for g in self.groups:
-            g.release(cache_id)
+            g.release(cache_id, keep_cached)
         w = self.windows.pop(cache_id, None)
         if w is not None and w[0] >= 0:
             self._free_window_slots.append(w[0])
@@ -457,14 +459,18 @@ def shrink_row(manager: LayerGroupKvManager, batch: BatchBlocks, cache_id: Hasha
     row = batch.rows.get(cache_id)
     if row is None or num_tokens == row.num_tokens:
         return
-    manager.truncate(cache_id, row.start + num_tokens)
+    manager.truncate(cache_id, row.start + num_tokens, written=False)
     for slots in row.slots:
         del slots[num_tokens:]
 
 
-def undo_rows(manager: LayerGroupKvManager, batch: BatchBlocks) -> None:
-    """Give back every slot ``batch`` appended (a step that did not run): each row's cache
-    is cut back to its ``start`` tokens. Rows whose cache was released meanwhile are skipped."""
+def undo_rows(manager: LayerGroupKvManager, batch: BatchBlocks, cache_ids: Optional[Sequence[Hashable]] = None) -> None:
+    """Give back every slot ``batch`` appended (a step that did not run), or only the rows
+    of ``cache_ids``: each row's cache is cut back to its ``start`` tokens, and the blocks
+    that held the given-back slots leave the prefix cache (their keys were registered at
+    append; their KV was never written). Rows whose cache was released meanwhile are skipped."""
     for cache_id, row in batch.rows.items():
+        if cache_ids is not None and cache_id not in cache_ids:
+            continue
         if manager.has(cache_id) and manager.num_tokens(cache_id) >= row.start:
-            manager.truncate(cache_id, row.start)
+            manager.truncate(cache_id, row.start, written=False)

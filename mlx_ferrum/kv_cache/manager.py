@@ -209,12 +209,15 @@ class SequenceBlocks:
         num_tokens: tokens stored (the sequence's ``context_len``).
         token_ids: the stored tokens' ids, kept only with prefix caching.
         block_hashes: SHA-256 chain digests of the leading full blocks registered so far.
+        num_shared_blocks: leading blocks it took from the prefix cache or a fork rather
+            than wrote itself (what ``release(cache_id, keep_cached=False)`` leaves cached).
     """
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    num_shared_blocks: int = 0
 
 
 @dataclass
@@ -416,33 +419,44 @@ class PagedKvCacheManager:
         return freed * self.block_size
 
     # ---------------------------------------------------------------- release
-    def truncate(self, cache_id: Hashable, new_len: int) -> None:
+    def truncate(self, cache_id: Hashable, new_len: int, written: bool = True) -> None:
         """Keep the first ``new_len`` tokens and free the blocks past them.
 
         A kept block that becomes partial loses its prefix-cache key (its tail will be
         overwritten); if it is shared, the next append copies it first.
+
+        Args:
+            written: whether the KV of the tokens cut off was written. True after a pass
+                (rejected draft tokens: their blocks hold the KV of the ids they are keyed
+                by, so freed full blocks stay cached). False for slots whose pass never
+                ran (a failed or interrupted step): every block holding such a position
+                loses its key, since its key was registered when the slots were appended
+                and a later prompt matching it would read KV that was never written.
 
         Raises:
             KvCacheError: ``new_len`` is negative or above ``num_tokens``.
         """
         seq = self._seq(cache_id)
         self.check_truncate(cache_id, new_len)
+        if self.prefix_cache and not written:
+            for b in seq.block_ids[new_len // self.block_size:]:
+                self._uncache(b)
         keep = -(-new_len // self.block_size)
         for b in seq.block_ids[keep:]:
             if b != FREED_BLOCK:
                 self.allocator.free(b)
         del seq.block_ids[keep:]
         seq.num_tokens = new_len
+        seq.num_shared_blocks = min(seq.num_shared_blocks, keep)
         full = new_len // self.block_size
         if self.prefix_cache:
             del seq.token_ids[new_len:]
             del seq.block_hashes[full:]
             if full < keep:
                 partial = seq.block_ids[full]
-                if self.allocator.ref_counts[partial] == 1 and partial in self._block_to_hash:
+                if self.allocator.ref_counts[partial] == 1:
                     # its tail will be overwritten, so its key no longer describes it
-                    self._on_evict(partial)
-                    self.allocator.mark_cached(partial, False)
+                    self._uncache(partial)
 
     def check_truncate(self, cache_id: Hashable, new_len: int) -> None:
         """Raise what :meth:`truncate` would raise, changing nothing.
@@ -462,8 +476,14 @@ class PagedKvCacheManager:
                 "freed; release the sequence and recompute it instead"
             )
 
-    def release(self, cache_id: Hashable) -> None:
+    def release(self, cache_id: Hashable, keep_cached: bool = True) -> None:
         """Free every block of ``cache_id`` and forget it.
+
+        Args:
+            keep_cached: False when the KV this sequence wrote may not be what its blocks'
+                keys say (it ended with an error: a failed evaluation leaves unwritten
+                values behind it): the blocks it wrote leave the prefix cache; the
+                blocks it took from the cache (``num_shared_blocks``) stay.
 
         Raises:
             UnknownCacheError: unknown ``cache_id``.
@@ -471,6 +491,9 @@ class PagedKvCacheManager:
         seq = self.seqs.pop(cache_id, None)
         if seq is None:
             raise UnknownCacheError(f"unknown KV cache {cache_id!r}: it was never created or was released")
+        if self.prefix_cache and not keep_cached:
+            for b in seq.block_ids[seq.num_shared_blocks:]:
+                self._uncache(b)
         for b in seq.block_ids:
             if b != FREED_BLOCK:
                 self.allocator.free(b)
@@ -492,6 +515,7 @@ class PagedKvCacheManager:
         dst.num_tokens = src.num_tokens
         dst.token_ids = list(src.token_ids)
         dst.block_hashes = list(src.block_hashes)
+        dst.num_shared_blocks = len(src.block_ids)
 
     # ---------------------------------------------------------- prefix cache
     def _on_evict(self, block: int) -> None:
@@ -499,6 +523,13 @@ class PagedKvCacheManager:
         h = self._block_to_hash.pop(block, None)
         if h is not None and self._hash_to_block.get(h) == block:
             del self._hash_to_block[h]
+
+    def _uncache(self, block: int) -> None:
+        """Take ``block``'s key out of the prefix cache (no later prompt matches it); its
+        holders keep it. A no-op for a freed slot or a block without a key."""
+        if block != FREED_BLOCK and block in self._block_to_hash:
+            self._on_evict(block)
+            self.allocator.mark_cached(block, False)
 
     def set_token_ids(self, cache_id: Hashable, start: int, token_ids: Sequence[int]) -> None:
         """Fill in the ids of stored tokens appended as :data:`UNKNOWN_TOKEN`, and hash the
@@ -627,6 +658,7 @@ class PagedKvCacheManager:
             seq.block_hashes.append(h)
             seq.token_ids.extend(chunk)
             seq.num_tokens += bs
+        seq.num_shared_blocks = len(hits)
         self.prefix_hit_tokens += seq.num_tokens
         return seq.num_tokens
 
