@@ -279,7 +279,7 @@ class QuantizedPagedKvPool:
         return slot_indices(slot_mapping, self.shape[1], self.shape[2])
 
     def write(self, layer: int, slot_mapping: mx.array, k: mx.array, v: mx.array, indices=None,
-              window_index: Optional[tuple] = None) -> None:
+              window_index: Optional[tuple] = None, keys_rotated: bool = False) -> None:
         """Quantize and store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (post-RoPE,
         any float dtype) at ``slot_mapping`` ``[num_tokens]`` int32 of layer ``layer``.
 
@@ -291,10 +291,12 @@ class QuantizedPagedKvPool:
             window_index: ``(window slots [num_tokens], entries [num_tokens])`` int32, where
                 each token's float copy goes (the scratch slot for tokens no window
                 keeps); None writes no float copy.
+            keys_rotated: ``k`` is rotated already (a caller that also reads the rotated
+                keys rotates them once).
         """
         if indices is None:
             indices = self.slot_indices(slot_mapping)
-        if self.rotate_keys:
+        if self.rotate_keys and not keys_rotated:
             k = rotate(k, self.head_dim)
         if window_index is not None and self.float_window:
             self.k_window[layer][window_index] = k.astype(mx.float16)

@@ -162,7 +162,9 @@ class FloatWindowMetadata:
             row: its sequence's window slot, the last position the pass writes for that
             sequence, and the sequence's first position with a float entry
             (:data:`NO_FLOAT_WINDOW` for a sequence without a slot).
-        prefill_slots, prefill_starts: the same two per prefill row, as Python ints.
+        prefill_slots: ``[num_prefill_rows]`` int32, each prefill row's window slot (read
+            by every layer of the pass, so built once).
+        prefill_starts: each prefill row's first position with a float entry (Python ints).
         window: the float window in tokens; entries: ring entries per sequence.
         masks: the decode rows' masks, built by the pass's first layer of each group and
             read by the others (:class:`~mlx_ferrum.kernels.float_window.FloatRows` ``memo``).
@@ -172,7 +174,7 @@ class FloatWindowMetadata:
     decode_slots: mx.array
     decode_last: mx.array
     decode_starts: mx.array
-    prefill_slots: list
+    prefill_slots: mx.array
     prefill_starts: list
     window: int
     entries: int

@@ -115,13 +115,14 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         self.rotate_keys = bool(rotate_keys)
         self.kernels = kernels.attention_kernels(metal_kernels, kv_cache_dtype)
 
-    def write(self, layer: int, k: mx.array, v: mx.array, meta) -> None:
+    def write(self, layer: int, k: mx.array, v: mx.array, meta, keys_rotated: bool = False) -> None:
         """Quantize and store packed ``k``, ``v`` ``[T, KVH, D]`` at the slots of the layer's
-        group (``pool.write`` quantizes and rotates keys), and their float copies where the
-        pass's float window keeps them."""
+        group (``pool.write`` quantizes and rotates keys, unless ``keys_rotated``), and
+        their float copies where the pass's float window keeps them."""
         tables = meta.groups[meta.layer_groups[layer]]
         window_index = meta.float_window.write_index if meta.float_window is not None else None
-        meta.pool.write(layer, tables.slot_mapping, k, v, indices=tables.slot_index, window_index=window_index)
+        meta.pool.write(layer, tables.slot_mapping, k, v, indices=tables.slot_index, window_index=window_index,
+                        keys_rotated=keys_rotated)
 
     def packed_attention(self, q, k, v, meta, layer, scale, window=None, sinks=None) -> mx.array:
         """Write, then attend; with a float window (:mod:`~mlx_ferrum.kernels.float_window`)
@@ -141,9 +142,10 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
         num_rows = len(meta.host_context_lens) if meta.host_context_lens else meta.context_lens.shape[0]
         before = None
         if nd < num_rows:
-            slots = mx.array(fw.prefill_slots, dtype=mx.int32)
-            before = (pool.k_window[layer][slots], pool.v_window[layer][slots])
-        self.write(layer, k, v, meta)
+            before = (pool.k_window[layer][fw.prefill_slots], pool.v_window[layer][fw.prefill_slots])
+        # rotated once: the pool stores these keys and the prefill rows read them back
+        keys = rotate(k, k.shape[-1]) if self.rotate_keys else k
+        self.write(layer, keys, v, meta, keys_rotated=True)
         tables = meta.groups[meta.layer_groups[layer]]
         parts = []
         if nd:
@@ -160,7 +162,7 @@ class QuantizedPagedAttentionBackend(PagedAttentionBackend):
             r0 = starts[nd]
             # the pass's own tokens as their entries hold them (float16), so that a prompt
             # gives the same whether it is read in one pass, in chunks or token by token
-            keys = (rotate(k, k.shape[-1]) if self.rotate_keys else k).astype(mx.float16)
+            keys = keys.astype(mx.float16)
             values = v.astype(mx.float16)
             float_rows = [
                 (before[0][i], before[1][i], keys[starts[nd + i] : starts[nd + i + 1]],

@@ -68,8 +68,8 @@ class PagedPassInputs:
             (the backend's ``shared_prefix``); an empty list when no group has one.
         float_window: a pool with a float window: ``write_slots``, ``write_entries``
             (``[T]``), ``decode_slots``, ``decode_last``, ``decode_starts``
-            (``[num_decode_seqs]``) int32 numpy, and ``prefill_slots``,
-            ``prefill_starts`` (lists); see
+            (``[num_decode_seqs]``) and ``prefill_slots`` (``[num_prefill_rows]``) int32
+            numpy, and ``prefill_starts`` (a list); see
             :class:`~mlx_ferrum.layers.attention.FloatWindowMetadata`. None otherwise.
     """
 
@@ -293,7 +293,7 @@ def float_window_inputs(pool, rows: list, positions: np.ndarray, lens: np.ndarra
         "decode_slots": slot[decode_items].astype(np.int32),
         "decode_last": last[decode_items].astype(np.int32),
         "decode_starts": start[decode_items].astype(np.int32),
-        "prefill_slots": slot[prefill_items].tolist(),
+        "prefill_slots": slot[prefill_items].astype(np.int32),
         "prefill_starts": start[prefill_items].tolist(),
     }
 
@@ -306,7 +306,9 @@ def float_window_metadata(arrays: dict, pool) -> FloatWindowMetadata:
         write_index=(device(arrays["write_slots"]), device(arrays["write_entries"])),
         decode_slots=device(arrays["decode_slots"]), decode_last=device(arrays["decode_last"]),
         decode_starts=device(arrays["decode_starts"]),
-        prefill_slots=list(arrays.get("prefill_slots", [])), prefill_starts=list(arrays.get("prefill_starts", [])),
+        # a compiled decode step has no prefill rows
+        prefill_slots=device(arrays.get("prefill_slots", np.zeros(0, np.int32))),
+        prefill_starts=list(arrays.get("prefill_starts", [])),
         window=pool.float_window, entries=pool.entries,
     )
 
