@@ -15,8 +15,8 @@ Checked per layout (paged and contiguous):
 - int8 and int4 (with its float window): greedy replies to the recorded chats
   (``greedy_chat.json``, transformers in float32) identical in at least 6 of 8 (that
   share of the chats the file holds);
-- the paged pool's bytes per token, measured from the allocated arrays, against a
-  float16 pool's.
+- the paged pool's bytes per token, measured from the allocator in a fresh process,
+  against a float16 pool's.
 
 Slow (the model reads thousands of tokens once per format): run with ``-m slow``.
 """
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +35,6 @@ import pytest
 import mlx.core as mx
 
 from mlx_ferrum.config import RuntimeConfig
-from mlx_ferrum.kv_cache.store import PagedKvPool
-from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool
 from support.smollm_support import dequantized_float32, smollm_path
 
 HERE = Path(__file__).resolve().parent
@@ -144,39 +144,63 @@ def test_greedy_replies_match_the_recordings(smollm_float32, layout, kind):
     assert same >= need, f"{kind} KV ({layout}): only {same} of {len(cases)} greedy replies match the recordings"
 
 
-def _allocated_bytes(make) -> int:
-    """MLX's active memory (its allocator's count for this process) taken by what ``make`` builds."""
+#: builds the pools in a fresh interpreter and prints, per pool, the growth of MLX's
+#: active memory (its allocator's count for that process) while it was built: the test
+#: process runs other tests' threads (servers, engines), whose allocations would count
+MEASURE_POOLS = r"""
+import json, sys
+import mlx.core as mx
+from mlx_ferrum.kv_cache.store import PagedKvPool
+from mlx_ferrum.kv_cache.quantized import QuantizedPagedKvPool
+
+def grown(spec):
     mx.synchronize()
     before = mx.get_active_memory()
-    pool = make()
+    if spec["kind"] == "float16":
+        pool = PagedKvPool(*spec["shape"], mx.float16)
+    else:
+        pool = QuantizedPagedKvPool(*spec["shape"], spec["kind"], **spec.get("window", {}))
     mx.eval(pool.arrays())
-    grown = mx.get_active_memory() - before
-    del pool
-    return grown
+    mx.synchronize()
+    return mx.get_active_memory() - before
+
+print(json.dumps([grown(spec) for spec in json.loads(sys.argv[1])]))
+"""
+
+
+def _allocated_bytes(specs: list[dict]) -> list[int]:
+    """Bytes MLX's allocator hands out for each pool in ``specs`` (``kind``, ``shape`` =
+    ``(layers, blocks, kv_heads, block_size, head_dim)``, optional ``window`` keywords),
+    measured in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", MEASURE_POOLS, json.dumps(specs)], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_paged_pool_bytes_per_token_measured_against_float16(kind):
     # SmolLM2's KV shape (30 layers, 3 KV heads, head_dim 64), 64 blocks of 16 tokens; the
-    # bytes are what the allocator hands out for the pools, not a formula
+    # bytes are what the allocator hands out for the pools, not a formula. int4's float
+    # window costs a fixed amount per running sequence (its slot; the pool holds
+    # max_num_seqs + 1 slots and one scratch slot): measured the same way, from a pool of
+    # one block with the runtime's default window and serve's 32 sequences
     layers, blocks, heads, block_size, head_dim = 30, 64, 3, 16, 64
     slots = blocks * block_size
-    fp16 = _allocated_bytes(lambda: PagedKvPool(layers, blocks, heads, block_size, head_dim, mx.float16)) / slots
-    quant = _allocated_bytes(lambda: QuantizedPagedKvPool(layers, blocks, heads, block_size, head_dim, kind)) / slots
+    config = RuntimeConfig()
+    specs = [{"kind": "float16", "shape": [layers, blocks, heads, block_size, head_dim]},
+             {"kind": kind, "shape": [layers, blocks, heads, block_size, head_dim]},
+             {"kind": kind, "shape": [layers, 1, heads, block_size, head_dim],
+              "window": {"float_window": config.kv_float_window, "window_slots": config.max_num_seqs + 1}},
+             {"kind": kind, "shape": [layers, 1, heads, block_size, head_dim]}]
+    fp16_pool, quant_pool, windowed, bare = _allocated_bytes(specs)
+    fp16, quant = fp16_pool / slots, quant_pool / slots
     ratio = quant / fp16
     print(f"{kind}: {quant:.1f} bytes per token vs float16 {fp16:.1f}: {ratio:.3f}x")
     assert fp16 >= 2 * layers * heads * head_dim * 2  # the float16 pool really was allocated
     assert ratio <= BYTES_TARGET[kind], f"{kind}: {ratio:.3f}x of float16 > {BYTES_TARGET[kind]}"
     if kind != "int4":
         return
-    # int4's float window costs a fixed amount per running sequence (its slot; the pool
-    # holds max_num_seqs + 1 slots and one scratch slot): measured the same way, from a
-    # pool of one block with the runtime's default window and serve's 32 sequences
-    config = RuntimeConfig()
-    windowed = _allocated_bytes(lambda: QuantizedPagedKvPool(layers, 1, heads, block_size, head_dim, kind,
-                                                             float_window=config.kv_float_window,
-                                                             window_slots=config.max_num_seqs + 1))
-    bare = _allocated_bytes(lambda: QuantizedPagedKvPool(layers, 1, heads, block_size, head_dim, kind))
     per_sequence = (windowed - bare) / config.max_num_seqs
     for tokens in (1024, 4096, 8192):
         total = (quant * tokens + per_sequence) / (fp16 * tokens)
